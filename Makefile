@@ -1,0 +1,40 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both set everything up first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh package.json package-lock.json
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+# Idempotent: every step below is a no-op when already satisfied; the stamp only saves the
+# few seconds of asking pip and npm again when nothing they read has changed.
+$(STAMP): $(SETUP_INPUTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	@# torch first, pinned: any looser spec pulls a multi-GB CUDA build (see README).
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	bash scripts/install_horovod.sh $(PY)
+	npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+demo: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/demo.sh
+
+test: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.train_throughput
+
+clean:
+	rm -rf $(VENV) node_modules .demo .pytest_cache .ruff_cache .mypy_cache

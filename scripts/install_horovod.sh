@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Build Horovod 0.28.1 (the newest release) from its sdist against the torch already in the venv.
+#
+# Why a script: the sdist compiles its torch extension as C++14, and torch >= 2.1 headers need
+# C++17, so a plain `pip install horovod` fails. We raise the standard to 17 and build with
+# --no-build-isolation so the build sees the pinned torch.
+# A second patch: horovodrun's argument parser accepts abbreviated options and so rejects
+# options of the launched program that are prefixes of its own (the trainer's --timeline is
+# "ambiguous" with --timeline-filename); allow_abbrev=False leaves the command line alone.
+# The built wheel is kept in a cache keyed by the torch and Python versions, so a second setup
+# on the same machine takes seconds.
+set -euo pipefail
+
+PY=${1:-.venv/bin/python}
+HVD_VERSION=0.28.1
+PATCH_LEVEL=p2  # bump when the patches below change, so cached wheels are rebuilt
+CACHE_DIR=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/retrain-horovod-wheels}
+
+if "$PY" - <<'PYEOF' 2>/dev/null; then
+import inspect
+import horovod.torch
+import horovod.runner.launch as launch
+from horovod.common.util import gloo_built
+raise SystemExit(0 if gloo_built() and "allow_abbrev=False" in inspect.getsource(launch) else 1)
+PYEOF
+  echo "horovod: already installed with PyTorch + Gloo"
+  exit 0
+fi
+
+key=$("$PY" -c 'import sys, torch; v = torch.__version__.split("+")[0]; print("torch%s-py%d%d" % (v, *sys.version_info[:2]))')
+wheel_dir="$CACHE_DIR/$HVD_VERSION-$PATCH_LEVEL-$key"
+if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+  echo "horovod: building $HVD_VERSION for $key (a few minutes, once per machine)"
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  "$PY" -m pip download --quiet --no-deps --no-binary :all: "horovod==$HVD_VERSION" -d "$work"
+  tar -xzf "$work/horovod-$HVD_VERSION.tar.gz" -C "$work"
+  src="$work/horovod-$HVD_VERSION"
+  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+    "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+  sed -i "s/argparse.ArgumentParser(description='Horovod Runner')/argparse.ArgumentParser(description='Horovod Runner', allow_abbrev=False)/" \
+    "$src/horovod/runner/launch.py"
+  grep -q "allow_abbrev=False" "$src/horovod/runner/launch.py"
+  "$PY" -m pip install --quiet cloudpickle psutil pyyaml packaging setuptools wheel cmake
+  mkdir -p "$work/out"
+  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+  HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+  MAKEFLAGS="-j$(nproc)" \
+    "$PY" -m pip wheel --no-deps --no-build-isolation -w "$work/out" "$src"
+  mkdir -p "$wheel_dir"
+  # Copy under a temporary name, then rename, so an interrupted copy never looks like a wheel.
+  whl=$(ls "$work/out"/horovod-*.whl)
+  cp "$whl" "$wheel_dir/.partial"
+  mv "$wheel_dir/.partial" "$wheel_dir/$(basename "$whl")"
+fi
+"$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+"$PY" -m pip install --quiet cloudpickle psutil pyyaml packaging
+"$PY" -c 'import horovod, horovod.torch; from horovod.common.util import gloo_built; assert gloo_built(); print("horovod:", horovod.__version__, "with Gloo")'

@@ -1,0 +1,79 @@
+"""Shared fixtures: real datasets on disk and a runner for the real trainer command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from training.make_images import write_digits, write_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+    output_dir: Path
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return json.loads((self.output_dir / "metrics.json").read_text())
+
+
+def trainer_command(np: int, data_dir: str | Path, output_dir: Path, *extra: str) -> list[str]:
+    """The trainer's documented command line, under horovodrun when np > 1."""
+    train = [sys.executable, "-m", "training.train", "--data-dir", str(data_dir),
+             "--output-dir", str(output_dir), *extra]
+    if np == 1:
+        return train
+    return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *train]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def run_trainer(np: int, data_dir: str | Path, output_dir: Path, *extra: str,
+                timeout: float = 600) -> Result:
+    proc = subprocess.run(
+        trainer_command(np, data_dir, output_dir, *extra), cwd=ROOT, env=child_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+    )
+    return Result(proc.returncode, proc.stdout, output_dir)
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """scikit-learn's real handwritten digits as an image-folder dataset (grayscale 8x8 PNGs)."""
+    root = tmp_path_factory.mktemp("digits")
+    write_digits(root, test_fraction=0.25, seed=0, per_class=None)
+    return root
+
+
+@pytest.fixture
+def small_folders(tmp_path: Path) -> Path:
+    """A tiny learnable image-folder dataset the test may damage as it likes."""
+    root = tmp_path / "data"
+    write_synthetic(root, classes=3, per_class=16, size=32, test_fraction=0.3, seed=1)
+    return root
+
+
+@pytest.fixture(scope="session")
+def horovodrun() -> Path:
+    path = BIN / "horovodrun"
+    if not path.exists() and shutil.which("horovodrun") is None:
+        pytest.fail("horovodrun is missing: run `make setup` (scripts/install_horovod.sh)")
+    return path

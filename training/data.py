@@ -1,0 +1,379 @@
+"""Datasets the trainer and the scorer read, detected from ``--data-dir``.
+
+Three layouts are understood:
+
+* image folders: ``D/train/<class>/*.png|jpg|jpeg``, ``D/test/<class>/...``, optional ``D/val``;
+* a CIFAR-10 batches directory, python pickles or binary ``.bin`` records;
+* ``synthetic:N``: generated images whose classes are learnable, for smoke runs and benchmarks.
+
+Every layout yields uint8 CHW tensors at the model's input size, so the model (which owns its
+normalisation) sees the same thing whatever the source. Bad input raises :class:`DatasetError`
+naming the file, class or split; damaged images are skipped and reported, never silently used.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+SPLITS = ("train", "val", "test")
+REQUIRED_SPLITS = ("train", "test")
+CIFAR10_CLASSES = (
+    "airplane", "automobile", "bird", "cat", "deer",
+    "dog", "frog", "horse", "ship", "truck",
+)
+CIFAR_RECORD = 1 + 3 * 32 * 32
+
+
+# Collects one picklable value from every rank (Horovod's allgather_object in the trainer), so
+# work such as verifying images can be split across ranks.
+Gather = Callable[[dict[str, str]], list[dict[str, str]]]
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used as given; the message names the offending path or class."""
+
+
+@dataclass
+class SplitData:
+    """One split as a torch dataset plus what was dropped while indexing it."""
+
+    dataset: Dataset[tuple[torch.Tensor, int]]
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DatasetInfo:
+    """What was found at ``--data-dir``: the format, class names and the splits present."""
+
+    kind: str
+    class_names: list[str]
+    splits: dict[str, SplitData]
+
+
+# ---------------------------------------------------------------------------- preprocessing
+
+
+def to_model_input(image: Image.Image, size: int) -> torch.Tensor:
+    """Resize the shorter side to ``size``, centre-crop, force RGB; return uint8 CHW.
+
+    Grayscale, palette and RGBA images all become 3 channels so one model fits all inputs.
+    """
+    image = image.convert("RGB")
+    w, h = image.size
+    scale = size / min(w, h)
+    if (w, h) != (size, size):
+        nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+        image = image.resize((nw, nh), Image.Resampling.BILINEAR)
+        left, top = (nw - size) // 2, (nh - size) // 2
+        image = image.crop((left, top, left + size, top + size))
+    array = np.asarray(image, dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def _array_to_input(chw: np.ndarray, size: int) -> torch.Tensor:
+    """CIFAR arrays are 32x32 CHW; resize only when the model wants another size."""
+    if chw.shape[1] == size and chw.shape[2] == size:
+        return torch.from_numpy(np.ascontiguousarray(chw))
+    return to_model_input(Image.fromarray(np.transpose(chw, (1, 2, 0))), size)
+
+
+# ---------------------------------------------------------------------------- image folders
+
+
+class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
+    """Decodes lazily, so memory stays flat however large the split is."""
+
+    def __init__(self, samples: Sequence[tuple[Path, int]], size: int) -> None:
+        self.samples = list(samples)
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as image:
+                return to_model_input(image, self.size), label
+        except (OSError, UnidentifiedImageError, ValueError) as exc:
+            raise DatasetError(f"cannot decode image {path}: {exc}") from exc
+
+
+def _check_image(path: Path) -> str | None:
+    """Return why ``path`` is unusable, or None. Decodes fully: a valid header is not enough."""
+    try:
+        if path.stat().st_size == 0:
+            return "zero-byte file"
+        with Image.open(path) as image:
+            image.load()
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
+        return f"unreadable image ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
+    split_dir = root / split
+    if not split_dir.is_dir():
+        raise DatasetError(f"missing split: {split_dir} does not exist (expected {split}/<class>/)")
+    classes: dict[str, list[Path]] = {}
+    for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+        files = sorted(
+            p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+        )
+        if not files:
+            raise DatasetError(
+                f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images"
+            )
+        classes[class_dir.name] = files
+    if not classes:
+        raise DatasetError(f"split {split_dir} has no class folders")
+    return classes
+
+
+def _load_image_folders(
+    root: Path, size: int, verify: bool, rank: int, world: int, gather: Gather
+) -> DatasetInfo:
+    listed = {s: _list_split(root, s) for s in SPLITS if s in REQUIRED_SPLITS or (root / s).is_dir()}
+    class_names = sorted(listed["train"])
+    for split, classes in listed.items():
+        if sorted(classes) != class_names:
+            only_here = sorted(set(classes) - set(class_names))
+            missing = sorted(set(class_names) - set(classes))
+            raise DatasetError(
+                f"class sets differ between train and {split}: "
+                f"only in {split}: {only_here or 'none'}; missing from {split}: {missing or 'none'}"
+            )
+    bad: dict[str, str] = {}
+    if verify:
+        # Each rank decodes its own share of the files; the verdicts are then shared, so every
+        # rank drops exactly the same files and the samplers stay aligned.
+        everything = [p for classes in listed.values() for fs in classes.values() for p in fs]
+        mine = {str(p): why for p in everything[rank::world] if (why := _check_image(p))}
+        for part in gather(mine):
+            bad.update(part)
+    labels = {name: i for i, name in enumerate(class_names)}
+    splits: dict[str, SplitData] = {}
+    for split, classes in listed.items():
+        samples, skipped = [], []
+        for name, files in classes.items():
+            for path in files:
+                if str(path) in bad:
+                    skipped.append(f"{path}: {bad[str(path)]}")
+                else:
+                    samples.append((path, labels[name]))
+            if all(str(p) in bad for p in files):
+                raise DatasetError(
+                    f"class {name!r} in split {split} has no readable images "
+                    f"({len(files)} files, all damaged, e.g. {files[0]})"
+                )
+        splits[split] = SplitData(ImageFolderSplit(samples, size), skipped)
+    return DatasetInfo("image-folders", class_names, splits)
+
+
+# ---------------------------------------------------------------------------- CIFAR-10
+
+
+class ArraySplit(Dataset[tuple[torch.Tensor, int]]):
+    """In-memory uint8 images (N, 3, H, W); CIFAR-10 is 180 MB, small enough to hold."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, size: int) -> None:
+        if len(images) != len(labels):
+            raise DatasetError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels, self.size = images, labels.astype(np.int64), size
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return _array_to_input(self.images[index], self.size), int(self.labels[index])
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Refuses every global but the few numpy ones a CIFAR batch holds.
+
+    A pickle can run arbitrary code; data staged from a storage account is not trusted code.
+    """
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
+
+
+def _read_cifar_pickle(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with open(path, "rb") as fh:
+            batch = _CifarUnpickler(fh, encoding="bytes").load()
+        data = batch.get(b"data", batch.get("data"))
+        labels = batch.get(b"labels", batch.get("labels"))
+        if data is None or labels is None:
+            raise DatasetError(f"CIFAR batch {path} has no 'data'/'labels' entries")
+        data = np.asarray(data, dtype=np.uint8)
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+            raise DatasetError(f"CIFAR batch {path}: data has shape {data.shape}, want (N, 3072)")
+        return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
+        raise DatasetError(f"CIFAR batch {path} is not a valid pickle batch: {exc}") from exc
+
+
+def _read_cifar_bin(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size == 0 or raw.size % CIFAR_RECORD:
+        raise DatasetError(
+            f"CIFAR binary batch {path} is {raw.size} bytes, not a multiple of {CIFAR_RECORD}"
+        )
+    records = raw.reshape(-1, CIFAR_RECORD)
+    return records[:, 1:].reshape(-1, 3, 32, 32), records[:, 0].astype(np.int64)
+
+
+def _cifar_dir(root: Path) -> tuple[Path, str] | None:
+    for candidate in (root, root / "cifar-10-batches-py", root / "cifar-10-batches-bin"):
+        if (candidate / "data_batch_1").is_file() and (candidate / "test_batch").is_file():
+            return candidate, "pickle"
+        if (candidate / "data_batch_1.bin").is_file() and (candidate / "test_batch.bin").is_file():
+            return candidate, "bin"
+    return None
+
+
+def _cifar_class_names(directory: Path, fmt: str) -> list[str]:
+    if fmt == "bin" and (directory / "batches.meta.txt").is_file():
+        names = [n.strip() for n in (directory / "batches.meta.txt").read_text().splitlines()]
+        return [n for n in names if n]
+    if fmt == "pickle" and (directory / "batches.meta").is_file():
+        with open(directory / "batches.meta", "rb") as fh:
+            meta = _CifarUnpickler(fh, encoding="bytes").load()
+        names = meta.get(b"label_names", meta.get("label_names"))
+        if names:
+            return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    return list(CIFAR10_CLASSES)
+
+
+def _load_cifar(directory: Path, fmt: str, size: int) -> DatasetInfo:
+    suffix, reader = (".bin", _read_cifar_bin) if fmt == "bin" else ("", _read_cifar_pickle)
+    train_files = sorted(directory.glob(f"data_batch_[0-9]{suffix}"))
+    parts = [reader(p) for p in train_files]
+    train_x = np.concatenate([x for x, _ in parts])
+    train_y = np.concatenate([y for _, y in parts])
+    test_x, test_y = reader(directory / f"test_batch{suffix}")
+    names = _cifar_class_names(directory, fmt)
+    for split, labels in (("train", train_y), ("test", test_y)):
+        if labels.size and (labels.min() < 0 or labels.max() >= len(names)):
+            raise DatasetError(
+                f"CIFAR {split} labels in {directory} range over {labels.min()}..{labels.max()}, "
+                f"but there are {len(names)} class names"
+            )
+    splits = {
+        "train": SplitData(ArraySplit(train_x, train_y, size)),
+        "test": SplitData(ArraySplit(test_x, test_y, size)),
+    }
+    return DatasetInfo(f"cifar10-{fmt}", names, splits)
+
+
+# ---------------------------------------------------------------------------- synthetic
+
+
+class SyntheticSplit(Dataset[tuple[torch.Tensor, int]]):
+    """Images drawn on demand from class templates plus noise, reproducible per index.
+
+    Each class has a fixed low-frequency colour pattern; a sample is its template, randomly
+    shifted and noised, so a small CNN learns the classes in an epoch or two but cannot
+    memorise pixel values.
+    """
+
+    def __init__(self, count: int, offset: int, templates: torch.Tensor, seed: int) -> None:
+        self.count, self.offset, self.templates, self.seed = count, offset, templates, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + index)
+        label = int(torch.randint(len(self.templates), (1,), generator=gen))
+        size = self.templates.shape[-1]
+        shift = torch.randint(-size // 8, size // 8 + 1, (2,), generator=gen)
+        image = torch.roll(self.templates[label], shifts=(int(shift[0]), int(shift[1])), dims=(1, 2))
+        image = image + 40.0 * torch.randn(image.shape, generator=gen)
+        return image.clamp(0, 255).to(torch.uint8), label
+
+
+def synthetic_templates(classes: int, size: int, seed: int) -> torch.Tensor:
+    """One smooth random pattern per class: coarse noise upsampled to the image size."""
+    gen = torch.Generator().manual_seed(seed)
+    coarse = torch.rand((classes, 3, 4, 4), generator=gen) * 255.0
+    return torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear")
+
+
+def _load_synthetic(spec: str, size: int, seed: int, classes: int = 10) -> DatasetInfo:
+    try:
+        total = int(spec.split(":", 1)[1])
+    except ValueError as exc:
+        raise DatasetError(f"--data-dir {spec!r}: expected synthetic:<number of images>") from exc
+    if total < 2 * classes:
+        raise DatasetError(f"--data-dir {spec!r}: need at least {2 * classes} images")
+    templates = synthetic_templates(classes, size, seed)
+    n_test = max(classes, total // 5)
+    splits = {
+        "train": SplitData(SyntheticSplit(total - n_test, 0, templates, seed)),
+        "test": SplitData(SyntheticSplit(n_test, total, templates, seed)),
+    }
+    return DatasetInfo("synthetic", [f"class_{i}" for i in range(classes)], splits)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def _single_process_gather(value: dict[str, str]) -> list[dict[str, str]]:
+    return [value]
+
+
+def open_dataset(
+    data_dir: str,
+    image_size: int,
+    *,
+    seed: int = 0,
+    verify_images: bool = True,
+    rank: int = 0,
+    world: int = 1,
+    gather: Gather = _single_process_gather,
+) -> DatasetInfo:
+    """Detect the layout at ``data_dir`` and index it; raise DatasetError on anything unusable."""
+    if data_dir.startswith("synthetic:"):
+        return _load_synthetic(data_dir, image_size, seed)
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise DatasetError(f"--data-dir {root} does not exist or is not a directory")
+    found = _cifar_dir(root)
+    if found is not None:
+        return _load_cifar(found[0], found[1], image_size)
+    if not any((root / s).is_dir() for s in SPLITS):
+        raise DatasetError(
+            f"--data-dir {root}: no train/ or test/ folders and no CIFAR-10 batches "
+            "(data_batch_1 + test_batch, or their .bin versions)"
+        )
+    return _load_image_folders(root, image_size, verify_images, rank, world, gather)
+
+
+def encode_png(image: torch.Tensor) -> bytes:
+    """PNG bytes of a uint8 CHW tensor (1 channel: grayscale); for writing generated datasets."""
+    buffer = io.BytesIO()
+    array = image.permute(1, 2, 0).numpy()
+    Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array).save(buffer, format="PNG")
+    return buffer.getvalue()

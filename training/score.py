@@ -1,0 +1,105 @@
+"""Score a trained model: ``python -m training.score --model O/model.pt --data-dir D``.
+
+Runs in one process on held-out data and writes accuracy, per-class precision/recall/F1 and the
+confusion matrix (scikit-learn computes them, the same way everyone reading the numbers would).
+The model file carries its class names and input size, so the scorer needs no training args;
+a dataset whose classes differ from the model's is refused rather than scored wrongly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from training.checkpoint import atomic_write_json
+from training.data import DatasetError, open_dataset
+from training.models import build_model
+
+
+class ModelFileError(ValueError):
+    """The model file is missing, damaged or not one the trainer wrote."""
+
+
+def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise ModelFileError(f"model file {path} does not exist") from exc
+    except Exception as exc:
+        raise ModelFileError(f"model file {path} cannot be read ({type(exc).__name__}: {exc})") from exc
+    missing = {"state_dict", "class_names", "model_name", "input_size"} - set(saved)
+    if missing:
+        raise ModelFileError(f"model file {path} lacks {sorted(missing)}: not written by training.train")
+    model = build_model(saved["model_name"], len(saved["class_names"]))
+    model.load_state_dict(saved["state_dict"])
+    return model.eval(), saved
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, dataset: Any, batch_size: int = 256) -> tuple[list[int], list[int]]:
+    truth: list[int] = []
+    predicted: list[int] = []
+    for images, labels in DataLoader(dataset, batch_size=batch_size):
+        predicted += model(images.float()).argmax(1).tolist()
+        truth += labels.tolist()
+    return truth, predicted
+
+
+def score(model_path: Path, data_dir: str, split: str = "test", seed: int = 0) -> dict[str, Any]:
+    from sklearn.metrics import accuracy_score, confusion_matrix, precision_recall_fscore_support
+
+    model, saved = load_model(model_path)
+    info = open_dataset(data_dir, saved["input_size"], seed=seed)
+    if split not in info.splits:
+        raise DatasetError(f"split {split!r} not found in {data_dir} (have {sorted(info.splits)})")
+    if info.class_names != saved["class_names"]:
+        raise DatasetError(
+            f"classes in {data_dir} {info.class_names} differ from the model's {saved['class_names']}"
+        )
+    truth, predicted = predict(model, info.splits[split].dataset)
+    labels = list(range(len(info.class_names)))
+    precision, recall, f1, support = precision_recall_fscore_support(
+        truth, predicted, labels=labels, zero_division=0
+    )
+    return {
+        "accuracy": float(accuracy_score(truth, predicted)),
+        "num_images": len(truth),
+        "split": split,
+        "model_name": saved["model_name"],
+        "class_names": info.class_names,
+        "per_class": {
+            name: {"precision": float(precision[i]), "recall": float(recall[i]),
+                   "f1": float(f1[i]), "support": int(support[i])}
+            for i, name in enumerate(info.class_names)
+        },
+        "confusion_matrix": confusion_matrix(truth, predicted, labels=labels).tolist(),
+        "skipped_images": info.splits[split].skipped,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.score", description=__doc__)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--split", default="test", choices=["train", "val", "test"])
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0, help="must match training for synthetic:N")
+    args = p.parse_args(argv)
+    try:
+        result = score(args.model, args.data_dir, args.split, args.seed)
+    except (DatasetError, ModelFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    atomic_write_json(result, args.output)
+    print(f"{args.split} accuracy {result['accuracy']:.4f} on {result['num_images']} images "
+          f"-> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
