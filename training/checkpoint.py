@@ -34,6 +34,7 @@ def atomic_write(path: Path, write: Any) -> None:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide outputs from a scorer run as another user
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

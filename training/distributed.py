@@ -32,8 +32,14 @@ class World:
         return self.rank == 0
 
 
-def init() -> World:
-    """Start Horovod, pin one GPU per local rank, and share the CPU fairly between ranks."""
+def init(timeline: bool = False) -> World:
+    """Start Horovod, pin one GPU per local rank, and share the CPU fairly between ranks.
+
+    ``timeline`` lets the run start and stop a Horovod timeline itself (only the epochs, not
+    start-up), which Horovod allows only when asked for before init.
+    """
+    if timeline:
+        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
     hvd.init()
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
@@ -125,9 +131,15 @@ def lr_scale(world: World, backward_passes_per_step: int, adasum: bool) -> float
 
 
 def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Make every rank start from rank 0's weights and optimizer state (fresh or resumed)."""
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """Make every rank start from rank 0's weights and optimizer state (fresh or resumed).
+
+    Optimizer state goes first: on a rank whose optimizer has no state yet, Horovod creates it
+    by taking one step with zero gradients, and weight decay makes that step move the weights.
+    When resuming, only rank 0 has state, so broadcasting weights first would let the other
+    ranks drift; the weights' broadcast must come last.
+    """
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
 
 def start_timeline(path: str) -> None:

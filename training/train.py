@@ -446,7 +446,7 @@ def _tensorboard(args: argparse.Namespace, world: World) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    world = dist.init()
+    world = dist.init(timeline=args.timeline)
     if world.is_root:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
