@@ -32,8 +32,16 @@ class Result:
 
 def trainer_command(np: int, data_dir: str | Path, output_dir: Path, *extra: str) -> list[str]:
     """The trainer's documented command line, under horovodrun when np > 1."""
-    train = [sys.executable, "-m", "training.train", "--data-dir", str(data_dir),
-             "--output-dir", str(output_dir), *extra]
+    train = [
+        sys.executable,
+        "-m",
+        "training.train",
+        "--data-dir",
+        str(data_dir),
+        "--output-dir",
+        str(output_dir),
+        *extra,
+    ]
     if np == 1:
         return train
     return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *train]
@@ -46,11 +54,17 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_trainer(np: int, data_dir: str | Path, output_dir: Path, *extra: str,
-                timeout: float = 600) -> Result:
+def run_trainer(
+    np: int, data_dir: str | Path, output_dir: Path, *extra: str, timeout: float = 600
+) -> Result:
     proc = subprocess.run(
-        trainer_command(np, data_dir, output_dir, *extra), cwd=ROOT, env=child_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+        trainer_command(np, data_dir, output_dir, *extra),
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
     )
     return Result(proc.returncode, proc.stdout, output_dir)
 

@@ -22,7 +22,9 @@ def test_missing_split_named(small_folders: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "model.pt").exists()
 
 
-def test_missing_split_under_horovodrun(small_folders: Path, tmp_path: Path, horovodrun: Path) -> None:
+def test_missing_split_under_horovodrun(
+    small_folders: Path, tmp_path: Path, horovodrun: Path
+) -> None:
     shutil.rmtree(small_folders / "train")
     result = run_trainer(2, small_folders, tmp_path / "out", "--epochs", "1")
     assert result.returncode != 0
@@ -79,27 +81,45 @@ def test_not_a_dataset_named(tmp_path: Path) -> None:
 
 
 def test_nan_loss_stops_with_clear_error(tmp_path: Path) -> None:
-    result = run_trainer(1, "synthetic:400", tmp_path / "out", "--epochs", "3", "--lr", "1e12",
-                         "--log-every", "2")
+    result = run_trainer(
+        1, "synthetic:400", tmp_path / "out", "--epochs", "3", "--lr", "1e12", "--log-every", "2"
+    )
     assert result.returncode == 2, result.output
     assert "training loss became nan" in result.output.lower()
     assert "lower --lr" in result.output
     assert not (tmp_path / "out" / "model.pt").exists()
 
 
-@pytest.mark.parametrize("bad", [["--epochs", "0"], ["--lr", "-1"], ["--lr", "nan"],
-                                 ["--model", "vgg"]])
+@pytest.mark.parametrize(
+    "bad", [["--epochs", "0"], ["--lr", "-1"], ["--lr", "nan"], ["--model", "vgg"]]
+)
 def test_bad_arguments_refused(bad: list[str], tmp_path: Path) -> None:
     result = run_trainer(1, "synthetic:100", tmp_path / "out", *bad)
     assert result.returncode == 2
     assert bad[0] in result.output
 
 
-def test_scorer_refuses_bad_model_and_mismatched_classes(small_folders: Path, tmp_path: Path) -> None:
+def test_scorer_refuses_bad_model_and_mismatched_classes(
+    small_folders: Path, tmp_path: Path
+) -> None:
     def score(model: Path, data: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "training.score", "--model", str(model),
-                               "--data-dir", str(data), "--output", str(tmp_path / "s.json")],
-                              cwd=ROOT, env=child_env(), capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "training.score",
+                "--model",
+                str(model),
+                "--data-dir",
+                str(data),
+                "--output",
+                str(tmp_path / "s.json"),
+            ],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+        )
 
     broken = tmp_path / "model.pt"
     broken.write_bytes(b"PK\x03\x04 truncated")
@@ -126,3 +146,13 @@ def test_grayscale_only_dataset_trains(tmp_path: Path) -> None:
     result = run_trainer(1, root, tmp_path / "out", "--epochs", "2", "--batch-size", "4")
     assert result.returncode == 0, result.output
     assert result.metrics["class_names"] == ["dark", "light"]
+
+
+def test_adasum_without_mpi_or_nccl_is_refused(tmp_path: Path, horovodrun: Path) -> None:
+    import horovod.torch as hvd
+
+    if hvd.mpi_built():
+        pytest.skip("this Horovod has MPI, so Adasum is available and there is nothing to refuse")
+    result = run_trainer(2, "synthetic:200", tmp_path / "out", "--adasum", "--epochs", "1")
+    assert result.returncode != 0
+    assert "--adasum needs Horovod with MPI (CPU) or NCCL (GPU)" in result.output

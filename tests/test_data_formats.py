@@ -30,7 +30,11 @@ def _cifar_like(n: int, seed: int) -> tuple[np.ndarray, list[int]]:
 
 def write_cifar_pickle(root: Path) -> None:
     root.mkdir(parents=True)
-    for name, n, seed in (("data_batch_1", 300, 1), ("data_batch_2", 300, 2), ("test_batch", 200, 3)):
+    for name, n, seed in (
+        ("data_batch_1", 300, 1),
+        ("data_batch_2", 300, 2),
+        ("test_batch", 200, 3),
+    ):
         data, labels = _cifar_like(n, seed)
         with open(root / name, "wb") as fh:
             pickle.dump({b"data": data, b"labels": labels, b"batch_label": name.encode()}, fh)
@@ -52,7 +56,7 @@ def test_cifar_pickle_batches(tmp_path: Path) -> None:
     info = open_dataset(str(tmp_path), 32)  # the parent of the extracted folder also works
     assert info.kind == "cifar10-pickle"
     assert info.class_names == list(CIFAR10_CLASSES)
-    assert len(info.splits["train"].dataset) == 600  # type: ignore[arg-type]
+    assert len(info.splits["train"]) == 600
     image, label = info.splits["test"].dataset[0]
     assert image.shape == (3, 32, 32) and image.dtype == torch.uint8 and 0 <= label < 10
 
@@ -95,7 +99,7 @@ def test_cifar_truncated_binary_named(tmp_path: Path) -> None:
 def test_synthetic_is_learnable() -> None:
     info = open_dataset("synthetic:500", 32, seed=0)
     assert info.kind == "synthetic" and len(info.class_names) == 10
-    assert len(info.splits["train"].dataset) + len(info.splits["test"].dataset) == 500  # type: ignore[arg-type]
+    assert len(info.splits["train"]) + len(info.splits["test"]) == 500
     a, _ = info.splits["train"].dataset[7]
     b, _ = info.splits["train"].dataset[7]
     assert torch.equal(a, b)  # reproducible per index, so every rank sees the same sample
@@ -134,8 +138,11 @@ def test_labels_follow_sorted_class_names(small_folders: Path) -> None:
     (small_folders / "test" / "class_1").rename(small_folders / "test" / "aaa")
     info = open_dataset(str(small_folders), 32)
     assert info.class_names == ["aaa", "class_0", "class_2"]
-    by_label = {label for path, label in info.splits["train"].dataset.samples  # type: ignore[attr-defined]
-                if path.parent.name == "aaa"}
+    by_label = {
+        label
+        for path, label in info.splits["train"].dataset.samples  # type: ignore[attr-defined]
+        if path.parent.name == "aaa"
+    }
     assert by_label == {0}
 
 

@@ -66,13 +66,27 @@ def test_scorer_agrees_with_metrics(two_rank_run: Result, digits_dir: Path, tmp_
     import sys
 
     out = tmp_path / "score.json"
-    subprocess.run([sys.executable, "-m", "training.score", "--model",
-                    str(two_rank_run.output_dir / "model.pt"), "--data-dir", str(digits_dir),
-                    "--output", str(out)], cwd=ROOT, env=child_env(), check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.score",
+            "--model",
+            str(two_rank_run.output_dir / "model.pt"),
+            "--data-dir",
+            str(digits_dir),
+            "--output",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        check=True,
+    )
     score = json.loads(out.read_text())
     assert score["num_images"] == two_rank_run.metrics["dataset"]["num_test"]
-    assert score["accuracy"] == pytest.approx(two_rank_run.metrics["test_accuracy"],
-                                              abs=1.5 / score["num_images"])
+    assert score["accuracy"] == pytest.approx(
+        two_rank_run.metrics["test_accuracy"], abs=1.5 / score["num_images"]
+    )
     assert len(score["confusion_matrix"]) == 10
     assert sum(map(sum, score["confusion_matrix"])) == score["num_images"]
     assert set(score["per_class"]["digit_3"]) == {"precision", "recall", "f1", "support"}
@@ -81,8 +95,14 @@ def test_scorer_agrees_with_metrics(two_rank_run: Result, digits_dir: Path, tmp_
 def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = trainer_command(2, digits_dir, out, "--epochs", "4", "--seed", "5")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     try:
         while not (out / "checkpoints" / "checkpoint-2.pt").exists():
@@ -99,8 +119,11 @@ def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> N
     result = run_trainer(2, digits_dir, out, "--epochs", "4", "--seed", "5")
     assert result.returncode == 0, result.output
     assert f"resuming from checkpoint-{k}.pt: starting at epoch {k + 1}" in result.output
-    progress = [json.loads(line.split("PROGRESS ", 1)[1])
-                for line in result.output.splitlines() if "PROGRESS " in line]
+    progress = [
+        json.loads(line.split("PROGRESS ", 1)[1])
+        for line in result.output.splitlines()
+        if "PROGRESS " in line
+    ]
     assert [p["epoch"] for p in progress] == list(range(k + 1, 5))
     m = result.metrics
     assert m["resumed_from_epoch"] == k
@@ -110,9 +133,18 @@ def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> N
 
 def test_gradient_options_keep_ranks_in_step(tmp_path: Path) -> None:
     """fp16 compression and gradient accumulation still leave both ranks identical."""
-    result = run_trainer(2, "synthetic:400", tmp_path / "out", "--epochs", "2",
-                         "--fp16-allreduce", "--backward-passes-per-step", "2",
-                         "--batch-size", "16")
+    result = run_trainer(
+        2,
+        "synthetic:400",
+        tmp_path / "out",
+        "--epochs",
+        "2",
+        "--fp16-allreduce",
+        "--backward-passes-per-step",
+        "2",
+        "--batch-size",
+        "16",
+    )
     assert result.returncode == 0, result.output
     m = result.metrics
     assert m["weights_digest_per_rank"][0] == m["weights_digest_per_rank"][1]

@@ -68,10 +68,12 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a damaged zip/pickle
         raise ValueError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(state, dict) or not REQUIRED_KEYS <= state.keys():
+    if not isinstance(state, dict) or not state.keys() >= REQUIRED_KEYS:
         raise ValueError(f"{path} is not a training checkpoint (missing keys)")
     if state["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {state['format_version']}, want {FORMAT_VERSION}")
+        raise ValueError(
+            f"{path} has format version {state['format_version']}, want {FORMAT_VERSION}"
+        )
     return state
 
 

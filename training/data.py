@@ -18,6 +18,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,8 +29,16 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 SPLITS = ("train", "val", "test")
 REQUIRED_SPLITS = ("train", "test")
 CIFAR10_CLASSES = (
-    "airplane", "automobile", "bird", "cat", "deer",
-    "dog", "frog", "horse", "ship", "truck",
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
 )
 CIFAR_RECORD = 1 + 3 * 32 * 32
 
@@ -49,6 +58,9 @@ class SplitData:
 
     dataset: Dataset[tuple[torch.Tensor, int]]
     skipped: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  # every dataset here is sized
 
 
 @dataclass
@@ -131,9 +143,7 @@ def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
             p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
         )
         if not files:
-            raise DatasetError(
-                f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images"
-            )
+            raise DatasetError(f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images")
         classes[class_dir.name] = files
     if not classes:
         raise DatasetError(f"split {split_dir} has no class folders")
@@ -143,7 +153,9 @@ def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
 def _load_image_folders(
     root: Path, size: int, verify: bool, rank: int, world: int, gather: Gather
 ) -> DatasetInfo:
-    listed = {s: _list_split(root, s) for s in SPLITS if s in REQUIRED_SPLITS or (root / s).is_dir()}
+    listed = {
+        s: _list_split(root, s) for s in SPLITS if s in REQUIRED_SPLITS or (root / s).is_dir()
+    }
     class_names = sorted(listed["train"])
     for split, classes in listed.items():
         if sorted(classes) != class_names:
@@ -204,7 +216,7 @@ class _CifarUnpickler(pickle.Unpickler):
     A pickle can run arbitrary code; data staged from a storage account is not trusted code.
     """
 
-    ALLOWED = {
+    ALLOWED: ClassVar[set[tuple[str, str]]] = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
@@ -309,7 +321,9 @@ class SyntheticSplit(Dataset[tuple[torch.Tensor, int]]):
         label = int(torch.randint(len(self.templates), (1,), generator=gen))
         size = self.templates.shape[-1]
         shift = torch.randint(-size // 8, size // 8 + 1, (2,), generator=gen)
-        image = torch.roll(self.templates[label], shifts=(int(shift[0]), int(shift[1])), dims=(1, 2))
+        image = torch.roll(
+            self.templates[label], shifts=(int(shift[0]), int(shift[1])), dims=(1, 2)
+        )
         image = image + 40.0 * torch.randn(image.shape, generator=gen)
         return image.clamp(0, 255).to(torch.uint8), label
 

@@ -118,6 +118,11 @@ def distributed_optimizer(
     )
 
 
+def adasum_available(world: World) -> bool:
+    """Horovod implements Adasum over MPI (CPU) or NCCL (GPU), not over Gloo alone."""
+    return bool(hvd.mpi_enabled() or (world.device.type == "cuda" and hvd.nccl_built()))
+
+
 def lr_scale(world: World, backward_passes_per_step: int, adasum: bool) -> float:
     """How much the single-worker learning rate grows with the effective batch.
 

@@ -37,8 +37,9 @@ def write_digits(output: Path, test_fraction: float, seed: int, per_class: int |
     return written
 
 
-def write_synthetic(output: Path, classes: int, per_class: int, size: int, test_fraction: float,
-                    seed: int) -> int:
+def write_synthetic(
+    output: Path, classes: int, per_class: int, size: int, test_fraction: float, seed: int
+) -> int:
     templates = synthetic_templates(classes, size, seed)
     source = SyntheticSplit(classes * per_class * 4, 0, templates, seed)
     counts = dict.fromkeys(range(classes), 0)
@@ -75,8 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.source == "digits":
         n = write_digits(args.output, args.test_fraction, args.seed, args.per_class)
     else:
-        n = write_synthetic(args.output, args.classes, args.per_class or 50, args.size,
-                            args.test_fraction, args.seed)
+        n = write_synthetic(
+            args.output,
+            args.classes,
+            args.per_class or 50,
+            args.size,
+            args.test_fraction,
+            args.seed,
+        )
     print(f"wrote {n} images to {args.output}")
     return 0
 

@@ -16,6 +16,9 @@ STD = (0.229, 0.224, 0.225)
 
 
 class Normalize(nn.Module):
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("mean", torch.tensor(MEAN).view(1, 3, 1, 1) * 255.0)
@@ -71,12 +74,16 @@ class Bottleneck(nn.Module):
         super().__init__()
         cout = width * self.expansion
         self.body = nn.Sequential(
-            *_conv_bn(cin, width, kernel=1), nn.ReLU(inplace=True),
-            *_conv_bn(width, width, stride), nn.ReLU(inplace=True),
+            *_conv_bn(cin, width, kernel=1),
+            nn.ReLU(inplace=True),
+            *_conv_bn(width, width, stride),
+            nn.ReLU(inplace=True),
             *_conv_bn(width, cout, kernel=1),
         )
         # Zero-init the last BN so each block starts as identity: stabler large-batch training.
-        nn.init.zeros_(self.body[-1].weight)
+        last_bn = self.body[-1]
+        assert isinstance(last_bn, nn.BatchNorm2d)
+        nn.init.zeros_(last_bn.weight)
         self.shortcut = _shortcut(cin, cout, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +104,8 @@ class ResNet(nn.Module):
     ) -> None:
         super().__init__()
         self.stem = nn.Sequential(
-            *_conv_bn(3, 64, stride=2, kernel=7), nn.ReLU(inplace=True),
+            *_conv_bn(3, 64, stride=2, kernel=7),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, stride=2, padding=1),
         )
         stages: list[nn.Module] = []
@@ -107,7 +115,9 @@ class ResNet(nn.Module):
                 stages.append(block(cin, width, stride=2 if i > 0 and j == 0 else 1))
                 cin = width * block.expansion
         self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
+        )
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

@@ -31,17 +31,23 @@ def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     except FileNotFoundError as exc:
         raise ModelFileError(f"model file {path} does not exist") from exc
     except Exception as exc:
-        raise ModelFileError(f"model file {path} cannot be read ({type(exc).__name__}: {exc})") from exc
+        raise ModelFileError(
+            f"model file {path} cannot be read ({type(exc).__name__}: {exc})"
+        ) from exc
     missing = {"state_dict", "class_names", "model_name", "input_size"} - set(saved)
     if missing:
-        raise ModelFileError(f"model file {path} lacks {sorted(missing)}: not written by training.train")
+        raise ModelFileError(
+            f"model file {path} lacks {sorted(missing)}: not written by training.train"
+        )
     model = build_model(saved["model_name"], len(saved["class_names"]))
     model.load_state_dict(saved["state_dict"])
     return model.eval(), saved
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, dataset: Any, batch_size: int = 256) -> tuple[list[int], list[int]]:
+def predict(
+    model: torch.nn.Module, dataset: Any, batch_size: int = 256
+) -> tuple[list[int], list[int]]:
     truth: list[int] = []
     predicted: list[int] = []
     for images, labels in DataLoader(dataset, batch_size=batch_size):
@@ -59,7 +65,8 @@ def score(model_path: Path, data_dir: str, split: str = "test", seed: int = 0) -
         raise DatasetError(f"split {split!r} not found in {data_dir} (have {sorted(info.splits)})")
     if info.class_names != saved["class_names"]:
         raise DatasetError(
-            f"classes in {data_dir} {info.class_names} differ from the model's {saved['class_names']}"
+            f"classes in {data_dir} {info.class_names} differ from "
+            f"the model's {saved['class_names']}"
         )
     truth, predicted = predict(model, info.splits[split].dataset)
     labels = list(range(len(info.class_names)))
@@ -73,8 +80,12 @@ def score(model_path: Path, data_dir: str, split: str = "test", seed: int = 0) -
         "model_name": saved["model_name"],
         "class_names": info.class_names,
         "per_class": {
-            name: {"precision": float(precision[i]), "recall": float(recall[i]),
-                   "f1": float(f1[i]), "support": int(support[i])}
+            name: {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(support[i]),
+            }
             for i, name in enumerate(info.class_names)
         },
         "confusion_matrix": confusion_matrix(truth, predicted, labels=labels).tolist(),
@@ -96,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     atomic_write_json(result, args.output)
-    print(f"{args.split} accuracy {result['accuracy']:.4f} on {result['num_images']} images "
-          f"-> {args.output}")
+    print(
+        f"{args.split} accuracy {result['accuracy']:.4f} on {result['num_images']} images "
+        f"-> {args.output}"
+    )
     return 0
 
 

@@ -15,18 +15,19 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from training import checkpoint as ckpt
 from training import distributed as dist
-from training.data import DatasetError, DatasetInfo, open_dataset
+from training.data import DatasetError, DatasetInfo, SplitData, open_dataset
 from training.distributed import World
 from training.models import build_model, default_input_size
 
@@ -37,13 +38,21 @@ class NonFiniteLossError(RuntimeError):
     """Training diverged; continuing would only write a useless model."""
 
 
+class UsageError(ValueError):
+    """An option this Horovod build or machine cannot honour."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__)
-    p.add_argument("--data-dir", required=True, help="image folders, CIFAR-10 batches, or synthetic:N")
+    p.add_argument(
+        "--data-dir", required=True, help="image folders, CIFAR-10 batches, or synthetic:N"
+    )
     p.add_argument("--output-dir", required=True, type=Path)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05, help="single-worker rate; scaled by world size")
+    p.add_argument(
+        "--lr", type=float, default=0.05, help="single-worker rate; scaled by world size"
+    )
     p.add_argument("--model", default="cnn", choices=["cnn", "resnet18", "resnet50"])
     p.add_argument("--checkpoint-dir", type=Path, help="default: <output-dir>/checkpoints")
     p.add_argument("--seed", type=int, default=0)
@@ -57,12 +66,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adasum", action="store_true", help="Adasum instead of averaging")
     p.add_argument("--no-amp", action="store_true", help="disable mixed precision on GPU")
     p.add_argument("--workers", type=int, default=-1, help="data loader processes; -1: auto")
-    p.add_argument("--no-verify-images", action="store_true",
-                   help="skip decoding every image at start (when a data gate already did)")
+    p.add_argument(
+        "--no-verify-images",
+        action="store_true",
+        help="skip decoding every image at start (when a data gate already did)",
+    )
     p.add_argument("--keep-checkpoints", type=int, default=3)
     p.add_argument("--log-every", type=int, default=50, help="steps between loss checks")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "backward_passes_per_step", "keep_checkpoints", "log_every"):
+    for name in (
+        "epochs",
+        "batch_size",
+        "backward_passes_per_step",
+        "keep_checkpoints",
+        "log_every",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if not args.lr > 0 or not math.isfinite(args.lr):
@@ -79,7 +97,7 @@ class ShardSampler(Sampler[int]):
     def __init__(self, length: int, world: World) -> None:
         self.indices = list(range(world.rank, length, world.size))
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
 
     def __len__(self) -> int:
@@ -96,11 +114,11 @@ def _loader_workers(requested: int, world: World, dataset_len: int) -> int:
 
 
 def _loader(
-    dataset: Dataset[Any], sampler: Sampler[int], args: argparse.Namespace, world: World
+    split: SplitData, sampler: Sampler[int], args: argparse.Namespace, world: World
 ) -> DataLoader[Any]:
-    workers = _loader_workers(args.workers, world, len(dataset))  # type: ignore[arg-type]
+    workers = _loader_workers(args.workers, world, len(split))
     return DataLoader(
-        dataset,
+        split.dataset,
         batch_size=args.batch_size,
         sampler=sampler,
         num_workers=workers,
@@ -110,11 +128,11 @@ def _loader(
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    name, keys, *rest = cast(tuple[Any, ...], np.random.get_state())
     state: dict[str, Any] = {
         "python": random.getstate(),
         # numpy's state holds an ndarray, which weights_only loading refuses: store a list.
-        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        "numpy": (name, keys.tolist(), *rest),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -170,7 +188,9 @@ class Trainer:
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
 
-    def _prepare(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.world.device, non_blocking=True).float()
         if self.world.device.type == "cuda":
             images = images.contiguous(memory_format=torch.channels_last)
@@ -180,7 +200,9 @@ class Trainer:
         with torch.autocast(self.world.device.type, enabled=self.scaler is not None):
             return self.model(images)
 
-    def train_epoch(self, epoch: int, loader: DataLoader[Any], step: int) -> tuple[dict[str, float], int]:
+    def train_epoch(
+        self, epoch: int, loader: DataLoader[Any], step: int
+    ) -> tuple[dict[str, float], int]:
         """One pass over this rank's shard; returns the epoch's summed stats and the next step."""
         self.model.train()
         k = self.args.backward_passes_per_step
@@ -255,9 +277,9 @@ class Trainer:
         log.info("epoch %d batch %d: mean loss so far %.4f", epoch, batch, total / max(1.0, count))
 
     @torch.no_grad()
-    def evaluate(self, dataset: Dataset[Any], name: str) -> dict[str, float]:
+    def evaluate(self, split: SplitData, name: str) -> dict[str, float]:
         self.model.eval()
-        loader = _loader(dataset, ShardSampler(len(dataset), self.world), self.args, self.world)  # type: ignore[arg-type]
+        loader = _loader(split, ShardSampler(len(split), self.world), self.args, self.world)
         loss_sum = correct = seen = 0.0
         for images, labels in loader:
             images, labels = self._prepare(images, labels)
@@ -268,15 +290,22 @@ class Trainer:
         total_loss, total_correct, total_seen = dist.allreduce_sum(
             [loss_sum, correct, seen], name=f"eval.{name}"
         )
-        return {"loss": total_loss / max(1.0, total_seen), "accuracy": total_correct / max(1.0, total_seen)}
+        return {
+            "loss": total_loss / max(1.0, total_seen),
+            "accuracy": total_correct / max(1.0, total_seen),
+        }
 
 
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def _resume(args: argparse.Namespace, world: World, model: nn.Module,
-            optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
-            ) -> tuple[int, list[dict[str, Any]], int | None]:
+def _resume(
+    args: argparse.Namespace,
+    world: World,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+) -> tuple[int, list[dict[str, Any]], int | None]:
     """Rank 0 loads the newest valid checkpoint; its epoch and history go to every rank.
 
     Weights and optimizer state reach the other ranks through the broadcast that follows,
@@ -291,15 +320,21 @@ def _resume(args: argparse.Namespace, world: World, model: nn.Module,
             scaler.load_state_dict(found["scaler"])
         rngs = found.get("rng")
     meta = (found["epoch"], found["history"], rngs) if found is not None else (0, [], None)
-    done, history, rngs = dist.broadcast_object(meta)  # type: ignore[misc]
+    done, history, rngs = cast(tuple[int, list[dict[str, Any]], Any], dist.broadcast_object(meta))
     if rngs is not None and len(rngs) == world.size:
         _set_rng_state(rngs[world.rank])
     return done + 1, history, (done or None)
 
 
-def _save_checkpoint(args: argparse.Namespace, world: World, epoch: int, model: nn.Module,
-                     optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                     history: list[dict[str, Any]]) -> None:
+def _save_checkpoint(
+    args: argparse.Namespace,
+    world: World,
+    epoch: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    history: list[dict[str, Any]],
+) -> None:
     rngs = dist.gather_objects(_rng_state())  # every rank's, so each resumes its own stream
     if not world.is_root:
         return
@@ -326,13 +361,23 @@ def _progress(record: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
     wall_start = time.perf_counter()
+    if args.adasum and not dist.adasum_available(world):
+        raise UsageError(
+            "--adasum needs Horovod with MPI (CPU) or NCCL (GPU); this build has "
+            "Gloo only: drop --adasum or use the training image's Horovod"
+        )
     args.checkpoint_dir = args.checkpoint_dir or args.output_dir / "checkpoints"
     image_size = args.image_size or default_input_size(args.model)
     _seed_everything(args.seed + world.rank)
 
     info: DatasetInfo = open_dataset(
-        args.data_dir, image_size, seed=args.seed, verify_images=not args.no_verify_images,
-        rank=world.rank, world=world.size, gather=dist.gather_objects,  # type: ignore[arg-type]
+        args.data_dir,
+        image_size,
+        seed=args.seed,
+        verify_images=not args.no_verify_images,
+        rank=world.rank,
+        world=world.size,
+        gather=dist.gather_objects,  # type: ignore[arg-type]
     )
     train_split = info.splits["train"]
     skipped = sorted({s for split in info.splits.values() for s in split.skipped})
@@ -340,15 +385,24 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         log.warning("skipped %s", line)
     if len(skipped) > 20:
         log.warning("... and %d more damaged images", len(skipped) - 20)
-    log.info("data: %s, %d classes, %s; %d damaged images skipped", info.kind, len(info.class_names),
-             ", ".join(f"{k}={len(v.dataset)}" for k, v in info.splits.items()), len(skipped))  # type: ignore[arg-type]
+    log.info(
+        "data: %s, %d classes, %s; %d damaged images skipped",
+        info.kind,
+        len(info.class_names),
+        ", ".join(f"{k}={len(v)}" for k, v in info.splits.items()),
+        len(skipped),
+    )
 
+    # channels_last goes on the inputs only: convolutions then run in NHWC, while weights and
+    # so gradients stay contiguous, which Horovod's in-place collectives require.
     model = build_model(args.model, len(info.class_names)).to(world.device)
-    if world.device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
     scale = dist.lr_scale(world, args.backward_passes_per_step, args.adasum)
-    base = torch.optim.SGD(model.parameters(), lr=args.lr * scale, momentum=args.momentum,
-                           weight_decay=args.weight_decay)
+    base = torch.optim.SGD(
+        model.parameters(),
+        lr=args.lr * scale,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+    )
     use_amp = world.device.type == "cuda" and not args.no_amp
     scaler = torch.amp.GradScaler("cuda") if use_amp else None
 
@@ -357,21 +411,33 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
     dist.broadcast_state(model, base)
     optimizer = dist.distributed_optimizer(
-        base, model, fp16_allreduce=args.fp16_allreduce,
-        backward_passes_per_step=args.backward_passes_per_step, adasum=args.adasum,
+        base,
+        model,
+        fp16_allreduce=args.fp16_allreduce,
+        backward_passes_per_step=args.backward_passes_per_step,
+        adasum=args.adasum,
     )
 
-    sampler = DistributedSampler(train_split.dataset, num_replicas=world.size, rank=world.rank,  # type: ignore[arg-type]
-                                 shuffle=True, seed=args.seed)
-    train_loader = _loader(train_split.dataset, sampler, args, world)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        train_split.dataset,
+        num_replicas=world.size,
+        rank=world.rank,
+        shuffle=True,
+        seed=args.seed,
+    )
+    train_loader = _loader(train_split, sampler, args, world)
     steps_per_epoch = len(train_loader) // args.backward_passes_per_step
     if steps_per_epoch == 0:
         raise DatasetError(
-            f"train split has {len(train_split.dataset)} images: too few for batch size "  # type: ignore[arg-type]
+            f"train split has {len(train_split)} images: too few for batch size "
             f"{args.batch_size} x {world.size} workers x {args.backward_passes_per_step} passes"
         )
-    schedule = Schedule(args.lr, args.lr * scale, int(args.warmup_epochs * steps_per_epoch),
-                        args.epochs * steps_per_epoch)
+    schedule = Schedule(
+        args.lr,
+        args.lr * scale,
+        int(args.warmup_epochs * steps_per_epoch),
+        args.epochs * steps_per_epoch,
+    )
     trainer = Trainer(args, world, model, optimizer, schedule, scaler, nn.CrossEntropyLoss())
 
     writer = _tensorboard(args, world)
@@ -382,11 +448,16 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         sampler.set_epoch(epoch)
         stats, step = trainer.train_epoch(epoch, train_loader, step)
         dist.sync_buffers(model)
-        record: dict[str, Any] = {"epoch": epoch, "epochs": args.epochs, **stats,
-                                  "lr": schedule.lr(step - 1),
-                                  "images_per_sec": stats["images"] / max(stats["seconds"], 1e-9)}
+        record: dict[str, Any] = {
+            "epoch": epoch,
+            "epochs": args.epochs,
+            **stats,
+            "lr": schedule.lr(step - 1),
+            "images_per_sec": stats["images"] / max(stats["seconds"], 1e-9),
+        }
         if "val" in info.splits:
-            record["val_accuracy"] = trainer.evaluate(info.splits["val"].dataset, f"val.{epoch}")["accuracy"]
+            val = trainer.evaluate(info.splits["val"], f"val.{epoch}")
+            record["val_accuracy"] = val["accuracy"]
         history.append(record)
         _save_checkpoint(args, world, epoch, model, base, scaler, history)
         if world.is_root:
@@ -399,7 +470,7 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
     if args.timeline:
         dist.stop_timeline()
 
-    test = trainer.evaluate(info.splits["test"].dataset, "test")
+    test = trainer.evaluate(info.splits["test"], "test")
     digests = dist.gather_objects(dist.state_digest(model.state_dict()))
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks ended with different weights: {digests}")
@@ -416,7 +487,7 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         "model": args.model,
         "input_size": image_size,
         "class_names": info.class_names,
-        "dataset": {"kind": info.kind, **{f"num_{k}": len(v.dataset) for k, v in info.splits.items()}},  # type: ignore[arg-type]
+        "dataset": {"kind": info.kind, **{f"num_{k}": len(v) for k, v in info.splits.items()}},
         "skipped_images": {"count": len(skipped), "files": skipped},
         "resumed_from_epoch": resumed_from,
         "weights_digest_per_rank": digests,
@@ -424,15 +495,26 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }
     if world.is_root:
-        ckpt.atomic_save({"state_dict": model.state_dict(), "class_names": info.class_names,
-                          "model_name": args.model, "input_size": image_size},
-                         args.output_dir / "model.pt")
+        ckpt.atomic_save(
+            {
+                "state_dict": model.state_dict(),
+                "class_names": info.class_names,
+                "model_name": args.model,
+                "input_size": image_size,
+            },
+            args.output_dir / "model.pt",
+        )
         ckpt.atomic_write_json(metrics, args.output_dir / "metrics.json")
         if writer is not None:
             writer.add_scalar("test/accuracy", test["accuracy"], args.epochs)
             writer.close()
-        log.info("test accuracy %.4f; %.1f images/sec over %d workers; outputs in %s",
-                 test["accuracy"], metrics["images_per_sec"] or 0.0, world.size, args.output_dir)
+        log.info(
+            "test accuracy %.4f; %.1f images/sec over %d workers; outputs in %s",
+            test["accuracy"],
+            metrics["images_per_sec"] or 0.0,
+            world.size,
+            args.output_dir,
+        )
     return metrics
 
 
@@ -451,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         run(args, world)
-    except (DatasetError, NonFiniteLossError) as exc:
+    except (DatasetError, NonFiniteLossError, UsageError) as exc:
         print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
