@@ -12,25 +12,36 @@
 set -euo pipefail
 
 PY=${1:-.venv/bin/python}
+# cpu: PyTorch + Gloo (this machine, the tests, the local target).
+# gpu: PyTorch + NCCL + MPI + Gloo (the training image; needs CUDA, NCCL and OpenMPI present).
+FLAVOR=${HOROVOD_FLAVOR:-cpu}
+case "$FLAVOR" in
+  cpu) build_env=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1) ;;
+  gpu) build_env=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
+                  HOROVOD_GPU_OPERATIONS=NCCL) ;;
+  *) echo "HOROVOD_FLAVOR must be cpu or gpu, not '$FLAVOR'" >&2; exit 2 ;;
+esac
 HVD_VERSION=0.28.1
 PATCH_LEVEL=p2  # bump when the patches below change, so cached wheels are rebuilt
 CACHE_DIR=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/retrain-horovod-wheels}
 
-if "$PY" - <<'PYEOF' 2>/dev/null; then
-import inspect
-import horovod.torch
+if FLAVOR=$FLAVOR "$PY" - <<'PYEOF' 2>/dev/null; then
+import inspect, os
+import horovod.torch as hvd
 import horovod.runner.launch as launch
-from horovod.common.util import gloo_built
-raise SystemExit(0 if gloo_built() and "allow_abbrev=False" in inspect.getsource(launch) else 1)
+ok = hvd.gloo_built() and "allow_abbrev=False" in inspect.getsource(launch)
+if os.environ["FLAVOR"] == "gpu":
+    ok = ok and hvd.nccl_built() and hvd.mpi_built()
+raise SystemExit(0 if ok else 1)
 PYEOF
-  echo "horovod: already installed with PyTorch + Gloo"
+  echo "horovod: already installed ($FLAVOR)"
   exit 0
 fi
 
 key=$("$PY" -c 'import sys, torch; v = torch.__version__.split("+")[0]; print("torch%s-py%d%d" % (v, *sys.version_info[:2]))')
-wheel_dir="$CACHE_DIR/$HVD_VERSION-$PATCH_LEVEL-$key"
+wheel_dir="$CACHE_DIR/$HVD_VERSION-$PATCH_LEVEL-$FLAVOR-$key"
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-  echo "horovod: building $HVD_VERSION for $key (a few minutes, once per machine)"
+  echo "horovod: building $HVD_VERSION ($FLAVOR) for $key (a few minutes, once per machine)"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   "$PY" -m pip download --quiet --no-deps --no-binary :all: "horovod==$HVD_VERSION" -d "$work"
@@ -43,9 +54,8 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   grep -q "allow_abbrev=False" "$src/horovod/runner/launch.py"
   "$PY" -m pip install --quiet cloudpickle psutil pyyaml packaging setuptools wheel cmake
   mkdir -p "$work/out"
-  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-  HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-  MAKEFLAGS="-j$(nproc)" \
+  env "${build_env[@]}" HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    MAKEFLAGS="-j$(nproc)" \
     "$PY" -m pip wheel --no-deps --no-build-isolation -w "$work/out" "$src"
   mkdir -p "$wheel_dir"
   # Copy under a temporary name, then rename, so an interrupted copy never looks like a wheel.
