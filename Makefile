@@ -23,7 +23,7 @@ $(STAMP): $(SETUP_INPUTS)
 	@touch $@
 
 demo: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/demo.sh
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py
 
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+
+# Before anything imports Prefect: a private home (cached state must not leak between
+# sessions) and no analytics.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_TO_API_BATCH_INTERVAL"] = "0.3"
+os.environ["GX_ANALYTICS_ENABLED"] = "false"
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,3 +100,21 @@ def horovodrun() -> Path:
     if not path.exists() and shutil.which("horovodrun") is None:
         pytest.fail("horovodrun is missing: run `make setup` (scripts/install_horovod.sh)")
     return path
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Azurite Blob service for the whole session; yields its connection string."""
+    from backends.azurite import running_azurite
+
+    with running_azurite(tmp_path_factory.mktemp("azurite")) as conn:
+        yield conn
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """A real Prefect server (SQLite) for the session: flows, task runs and artifacts go there."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

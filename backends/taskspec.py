@@ -1,0 +1,106 @@
+"""The task specs the pipeline submits: one description, run by Azure Batch or the local cluster.
+
+A spec holds exactly what Batch needs (command lines, environment, output-file patterns, limits),
+so the local cluster executes the very command lines that would go to Azure. Commands refer to
+storage only through Batch's own variables (``$AZ_BATCH_NODE_MOUNTS_DIR``,
+``$AZ_BATCH_TASK_WORKING_DIR``), which each cluster sets for its nodes. No secret is ever placed
+in a command line or in the plain environment.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from flows.config import PipelineConfig
+
+NFS_MOUNT = "nfs"  # relative mount paths under $AZ_BATCH_NODE_MOUNTS_DIR
+SHARE_MOUNT = "scripts"
+OUTPUT_DIR = "outputs"  # relative to the task's working directory
+
+
+@dataclass
+class OutputSpec:
+    """Batch's OutputFile semantics: with a wildcard, ``destination`` is a blob folder and each
+    file keeps its path below the part of the pattern before the first wildcard; without one,
+    ``destination`` is the blob name itself."""
+
+    pattern: str  # relative to the task working dir
+    destination: str
+    condition: str = "taskSuccess"  # or taskCompletion: logs are wanted from failures too
+
+
+@dataclass
+class ResourceSpec:
+    blob: str  # blob path in the output container
+    file_path: str  # relative to the task working dir
+
+
+@dataclass
+class TaskSpec:
+    id: str
+    command_line: str
+    instances: int = 1
+    coordination_command: str | None = None
+    environment: dict[str, str] = field(default_factory=dict)
+    outputs: list[OutputSpec] = field(default_factory=list)
+    resources: list[ResourceSpec] = field(default_factory=list)
+    max_wall_clock_seconds: int = 6 * 3600
+
+
+# Batch does not expand variables in environment settings, so the scripts' import path is set
+# inside the command, where the node's shell expands it.
+PYTHONPATH = 'export PYTHONPATH="$AZ_BATCH_NODE_MOUNTS_DIR/scripts"'
+
+
+def _bash(script: str) -> str:
+    """Batch runs command lines without a shell; variables need one."""
+    return f"/bin/bash -c {shlex.quote(script)}"
+
+
+def mounts(name: str) -> str:
+    return f"$AZ_BATCH_NODE_MOUNTS_DIR/{name}"
+
+
+def training_task(config: PipelineConfig, task_id: str, training_key: str,
+                  output_prefix: str) -> TaskSpec:
+    """Horovod across nodes x processes, on data and checkpoints in NFS (retries resume)."""
+    t = config.training
+    args = [
+        "--data-dir", f"{mounts(NFS_MOUNT)}/data",
+        "--output-dir", f"$AZ_BATCH_TASK_WORKING_DIR/{OUTPUT_DIR}",
+        "--checkpoint-dir", f"{mounts(NFS_MOUNT)}/checkpoints/{training_key}",
+        "--epochs", str(t.epochs), "--batch-size", str(t.batch_size), "--lr", str(t.lr),
+        "--model", t.model, "--seed", str(t.seed),
+        *(["--timeline"] if t.timeline else []), *t.extra_args,
+    ]
+    # Quote everything except the variable references, which the node's shell must expand.
+    quoted = " ".join(a if a.startswith("$") else shlex.quote(a) for a in args)
+    script = f'{PYTHONPATH}; bash "{mounts(SHARE_MOUNT)}/training/launch.sh" {quoted}'
+    return TaskSpec(
+        id=task_id,
+        command_line=_bash(script),
+        instances=config.pool.nodes,
+        coordination_command=_bash(f'bash "{mounts(SHARE_MOUNT)}/training/prepare_node.sh"'),
+        environment={
+            "RETRAIN_PROCESSES_PER_NODE": str(config.pool.processes_per_node),
+            "PYTHONUNBUFFERED": "1",
+        },
+        outputs=[OutputSpec(f"{OUTPUT_DIR}/**/*", output_prefix),
+                 OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskCompletion")],
+    )
+
+
+def scoring_task(task_id: str, model_blob: str, output_prefix: str) -> TaskSpec:
+    """The scorer on the held-out split, on a node that sees the same NFS data."""
+    script = (
+        f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m training.score --model model.pt "
+        f'--data-dir "{mounts(NFS_MOUNT)}/data" --split test --output {OUTPUT_DIR}/score.json'
+    )
+    return TaskSpec(
+        id=task_id, command_line=_bash(script),
+        environment={"PYTHONUNBUFFERED": "1"},
+        resources=[ResourceSpec(model_blob, "model.pt")],
+        outputs=[OutputSpec(f"{OUTPUT_DIR}/score.json", f"{output_prefix}/score.json")],
+        max_wall_clock_seconds=3600,
+    )

@@ -1,0 +1,111 @@
+"""The retrain flow: gate the data, provision concurrently, train with Horovod, score, promote.
+
+``python -m flows.retrain --config configs/local.yaml [--set training.epochs=3 ...]`` runs one
+flow run in this process. Deployments run the same flow with the config as a typed parameter.
+Heavy libraries (Great Expectations, torch, the Azure SDKs) are imported inside the tasks that
+use them, so loading this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from flows.config import ConfigError, PipelineConfig, load_config
+
+
+def resolve_config(config: PipelineConfig | dict[str, Any] | None, config_path: str | None,
+                   overrides: list[str] | None) -> PipelineConfig:
+    """The flow's parameters to one validated config: a model, or a YAML path, plus overrides."""
+    if isinstance(config, PipelineConfig) and not config_path and not overrides:
+        return config
+    base = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
+    if base is None and config_path is None:
+        raise ConfigError("retrain needs a config or a config_path")
+    return load_config(config_path, overrides, base=base)
+
+
+def _release_after_abort(flow: Any, run: Any, state: Any) -> None:
+    """Crash and cancellation hook: the pool is released even when the flow body cannot."""
+    from backends import factory
+
+    params = run.parameters
+    config = resolve_config(params.get("config"), params.get("config_path"), params.get("overrides"))
+    factory.cluster(config).release()
+
+
+@flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
+def retrain(config: PipelineConfig | None = None, config_path: str | None = None,
+            overrides: list[str] | None = None) -> dict[str, Any]:
+    from backends import factory
+    from tasks.promote import promote
+    from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
+    from tasks.report import report
+    from tasks.training import collect_and_score, run_training, training_key
+    from tasks.validate import validate_data
+
+    logger = get_run_logger()
+    cfg = resolve_config(config, config_path, overrides)
+    run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{str(flow_run.get_id() or 'local')[:8]}"
+    output_prefix = f"{cfg.output.prefix}/runs/{run_id}".lstrip("/")
+    run_dir = cfg.work_dir / "runs" / run_id
+    cluster = factory.cluster(cfg)
+    steps: list[dict[str, Any]] = []
+    try:
+        steps.append(validate_data(cfg, run_dir, output_prefix))
+        futures = [upload_scripts.submit(cfg), stage_data.submit(cfg), build_image.submit(cfg),
+                   ensure_pool.submit(cfg, cluster)]
+        uploaded, staged, image, pool = (f.result() for f in futures)
+        steps += [uploaded, staged, image, pool]
+        key = training_key(cfg, staged["details"]["data_version"], uploaded["details"]["code_version"])
+        trainer = run_training.with_options(retries=cfg.retries.training_attempts - 1,
+                                            retry_delay_seconds=cfg.retries.backoff_seconds)
+        steps.append(trainer(cfg, cluster, run_id, key, output_prefix))
+        collected = collect_and_score(cfg, cluster, run_id, output_prefix)
+        steps.append({k: v for k, v in collected.items() if k in ("step", "status", "seconds", "details")})
+        promotion = promote(cfg, run_id, output_prefix, collected["score"])
+        steps.append({k: v for k, v in promotion.items() if k != "decision"})
+    finally:
+        steps.append(release_pool(cluster))
+    outputs_url = f"{cluster.outputs.url}/{output_prefix}"
+    report(run_id, steps, collected["metrics"], collected["score"], promotion["decision"],
+           staged["details"], outputs_url)
+    logger.info("run %s: accuracy %.4f, %s", run_id, collected["score"]["accuracy"],
+                promotion["decision"]["reason"])
+    return {"run_id": run_id, "accuracy": collected["score"]["accuracy"],
+            "promoted": promotion["decision"]["promoted"], "reason": promotion["decision"]["reason"],
+            "outputs": outputs_url, "steps": steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__)
+    p.add_argument("--config", required=True, type=Path, help="a YAML file, e.g. configs/local.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one config value (repeatable)")
+    args = p.parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    state = retrain(config=config, return_state=True)
+    if not state.is_completed():
+        print(f"retrain failed: {state.message}", file=sys.stderr)
+        return 1
+    result = state.result()
+    print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
+    print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
+    print(f"outputs: {result['outputs']}")
+    for s in result["steps"]:
+        print(f"  {s['step']:18s} {s['status']:8s} {s['seconds']:7.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

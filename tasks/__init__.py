@@ -1,0 +1,1 @@
+"""Prefect tasks, one module per pipeline step. Thin: each calls a backend and reports."""

@@ -1,0 +1,154 @@
+"""The retrain flow on the local target: Azurite for Blob, real Prefect server, real horovodrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.blob import container_client
+from flows.retrain import retrain
+from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
+from training.make_images import write_digits
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
+
+
+@pytest.fixture(autouse=True)
+def _storage(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+
+
+@pytest.fixture(scope="module")
+def digits_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("digits-src")
+    write_digits(root, test_fraction=0.25, seed=0, per_class=60)
+    return root
+
+
+def run(config: Any) -> tuple[Any, dict[str, Any], list[Any]]:
+    state = retrain(config=config, return_state=True)
+    task_runs, artifacts = task_runs_and_artifacts(state.state_details.flow_run_id)
+    return state, task_runs, artifacts
+
+
+def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
+    config = make_config(tmp_path)
+    seed(config, digits_source)
+    state, task_runs, artifacts = run(config)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["accuracy"] > 0.5 and result["promoted"] is True
+
+    outputs = container_client(config.output)
+    prefix = f"runs/{result['run_id']}"
+    names = {b.name[len(prefix) + 1:] for b in outputs.list_blobs(name_starts_with=prefix + "/")}
+    for expected in ("model.pt", "metrics.json", "score.json", "timeline.json", "promotion.json",
+                     "logs/stdout.txt", "data_docs/index.html"):
+        assert expected in names, f"{expected} missing from {sorted(names)}"
+    assert any(n.startswith("tensorboard/events.out.tfevents") for n in names)
+    score = json.loads(outputs.download_blob(f"{prefix}/score.json").readall())
+    metrics = json.loads(outputs.download_blob(f"{prefix}/metrics.json").readall())
+    assert score["accuracy"] == pytest.approx(metrics["test_accuracy"], abs=1.5 / score["num_images"])
+    assert metrics["world_size"] == 2
+    champion = json.loads(outputs.download_blob("models/champion.json").readall())
+    assert champion["run_id"] == result["run_id"]
+
+    keys = {a.key for a in artifacts if a.key}
+    assert {"data-gate", "retrain-summary", "per-class-metrics", "training-progress"} <= keys
+    progress = [a for a in artifacts if a.key == "training-progress"]
+    assert progress[0].data == 100.0
+    summary = next(a for a in artifacts if a.key == "retrain-summary").data
+    assert "| stage-data | ran |" in summary and "promoted" in summary
+    links = [a.data for a in artifacts if isinstance(a.data, str) and a.data.startswith("[")]
+    for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt"):
+        assert any(f"{prefix}/{name})" in link for link in links), f"no link to {name}"
+
+    # Steps 2 to 5 ran concurrently: every one started before any of them ended.
+    parallel = [task_runs[s] for s in ("upload-scripts", "stage-data", "build-image", "ensure-pool")]
+    assert max(r.start_time for r in parallel) < min(r.end_time for r in parallel)
+    assert task_runs["validate-data"].end_time <= min(r.start_time for r in parallel)
+    assert task_runs["release-pool"].state.is_completed()
+    pool = json.loads((config.work_dir / "pools" / config.pool.id / "pool.json").read_text())
+    assert pool["state"] == "released"
+
+    # A second run with nothing changed skips the scripts, data and image; a challenger
+    # trained for one epoch only is worse and is not promoted.
+    state2, _, _ = run(config.model_copy(update={
+        "training": config.training.model_copy(update={"epochs": 1})}))
+    assert state2.is_completed(), state2.message
+    steps = {s["step"]: s for s in state2.result()["steps"]}
+    assert steps["upload-scripts"]["status"] == "skipped"
+    assert steps["stage-data"]["status"] == "skipped"
+    assert steps["stage-data"]["details"]["downloaded"] == 0
+    assert steps["build-image"]["status"] == "skipped"
+    assert state2.result()["promoted"] is False
+    assert "does not beat" in state2.result()["reason"]
+    champion = json.loads(outputs.download_blob("models/champion.json").readall())
+    assert champion["run_id"] == result["run_id"]
+
+
+def _gate_case(case: str, source: Path) -> str:
+    if case == "missing-class":
+        shutil.rmtree(source / "test" / "digit_3")
+        return "expect_column_values_to_be_between"
+    if case == "corrupt-images":
+        for i, target in enumerate(sorted((source / "train" / "digit_1").iterdir())[:3]):
+            target.write_bytes(b"not an image" if i else b"")
+        return "readable"
+    first = sorted((source / "train" / "digit_2").iterdir())[0]
+    shutil.copy(first, source / "test" / "digit_2" / "leaked.png")
+    return "leak"
+
+
+@pytest.mark.parametrize("case", ["missing-class", "corrupt-images", "leakage"])
+def test_gate_stops_before_provisioning(case: str, tmp_path: Path, digits_source: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(digits_source, source)
+    expected = _gate_case(case, source)
+    config = make_config(tmp_path)
+    seed(config, source)
+    state, task_runs, artifacts = run(config)
+    assert state.is_failed()
+    assert "data gate failed" in state.message or "data gate failed" in str(
+        task_runs["validate-data"].state.message)
+    gate = next(a for a in artifacts if a.key == "data-gate").data
+    assert "FAILED" in gate and expected in gate
+    for step in ("upload-scripts", "stage-data", "build-image", "ensure-pool", "run-training"):
+        assert step not in task_runs, f"{step} ran after a failed gate"
+    assert not (config.nfs.local_dir / "data").exists()
+    assert not (config.work_dir / "pools" / config.pool.id / "tasks").exists()
+
+
+def test_killed_training_attempt_is_retried_and_resumes(tmp_path: Path, digits_source: Path) -> None:
+    config = make_config(tmp_path, "training.epochs=4", "retries.backoff_seconds=0")
+    seed(config, digits_source)
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(state=retrain(config=config, return_state=True)))
+    worker.start()
+    running = config.work_dir / "pools" / config.pool.id / "running"
+    deadline = time.monotonic() + 600
+    killed = False
+    while worker.is_alive() and not killed and time.monotonic() < deadline:
+        ckpts = list((config.nfs.local_dir / "checkpoints").glob("*/checkpoint-1.pt"))
+        pidfiles = list(running.glob("train-*.pid")) if running.exists() else []
+        if ckpts and pidfiles:
+            os.killpg(int(pidfiles[0].read_text()), signal.SIGKILL)  # the whole job, mid-run
+            killed = True
+        time.sleep(0.05)
+    worker.join(timeout=600)
+    assert killed, "the training task finished before it could be killed"
+    state = box["state"]
+    assert state.is_completed(), state.message
+    steps = {s["step"]: s for s in state.result()["steps"]}
+    assert steps["run-training"]["details"]["resumed_from_epoch"] >= 1
+    assert 1 not in steps["run-training"]["details"]["epochs_run"]
+    task_runs, _ = task_runs_and_artifacts(state.state_details.flow_run_id)
+    assert task_runs["run-training"].run_count == 2
