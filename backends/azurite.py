@@ -20,8 +20,10 @@ DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFP
 
 
 def connection_string(port: int) -> str:
-    return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={DEV_KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{port}/{ACCOUNT};")
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={DEV_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/{ACCOUNT};"
+    )
 
 
 def free_port() -> int:
@@ -40,21 +42,36 @@ def running_azurite(location: Path, port: int | None = None) -> Iterator[str]:
     location.mkdir(parents=True, exist_ok=True)
     log = open(location / "azurite.log", "ab")  # noqa: SIM115  # closed below
     proc = subprocess.Popen(
-        [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
-         str(location), "--skipApiVersionCheck", "--loose", "--silent"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            str(binary),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--location",
+            str(location),
+            "--skipApiVersionCheck",
+            "--loose",
+            "--silent",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 30
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"Azurite exited with {proc.returncode}; see {location}/azurite.log")
+                raise RuntimeError(
+                    f"Azurite exited with {proc.returncode}; see {location}/azurite.log"
+                )
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"Azurite did not listen on port {port} within 30 s") from None
+                    raise TimeoutError(
+                        f"Azurite did not listen on port {port} within 30 s"
+                    ) from None
                 time.sleep(0.1)
         yield connection_string(port)
     finally:

@@ -7,10 +7,11 @@ explicit key the user chose), a prefect-azure credentials block, then DefaultAzu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from flows.config import BlobLocation
 
@@ -36,12 +37,19 @@ def _client_kwargs(retries: int) -> dict[str, Any]:
     from urllib3.util.retry import Retry
 
     session = requests.Session()
-    adapter = HTTPAdapter(pool_maxsize=POOL_SIZE, max_retries=Retry(total=False, redirect=False,
-                                                                    raise_on_status=False))
+    adapter = HTTPAdapter(
+        pool_maxsize=POOL_SIZE,
+        max_retries=Retry(total=False, redirect=False, raise_on_status=False),
+    )
     session.mount("http://", adapter)
     session.mount("https://", adapter)
-    return {"api_version": API_VERSION, "retry_total": retries, "retry_backoff_factor": 0.5,
-            "retry_backoff_max": 8, "transport": RequestsTransport(session=session)}
+    return {
+        "api_version": API_VERSION,
+        "retry_total": retries,
+        "retry_backoff_factor": 0.5,
+        "retry_backoff_max": 8,
+        "transport": RequestsTransport(session=session),
+    }
 
 
 def service_client(location: BlobLocation, retries: int = 3) -> BlobServiceClient:
@@ -55,7 +63,7 @@ def service_client(location: BlobLocation, retries: int = 3) -> BlobServiceClien
     if location.credentials_block:
         from prefect_azure import AzureBlobStorageCredentials
 
-        block = AzureBlobStorageCredentials.load(location.credentials_block)
+        block = cast(Any, AzureBlobStorageCredentials.load(location.credentials_block))
         if block.connection_string is not None:
             return BlobServiceClient.from_connection_string(
                 block.connection_string.get_secret_value(), **kwargs
@@ -75,15 +83,15 @@ def service_client(location: BlobLocation, retries: int = 3) -> BlobServiceClien
     )
 
 
-def container_client(location: BlobLocation, retries: int = 3, create: bool = False) -> ContainerClient:
+def container_client(
+    location: BlobLocation, retries: int = 3, create: bool = False
+) -> ContainerClient:
     client = service_client(location, retries).get_container_client(location.container)
     if create and not client.exists():
         from azure.core.exceptions import ResourceExistsError
 
-        try:
+        with contextlib.suppress(ResourceExistsError):  # created concurrently: fine
             client.create_container()
-        except ResourceExistsError:
-            pass  # created concurrently: fine
     return client
 
 
@@ -99,16 +107,20 @@ def upload_directory(container: ContainerClient, source: Path, prefix: str) -> i
     """
     from azure.storage.blob import ContentSettings
 
-    existing = {b.name: b.content_settings.content_md5
-                for b in container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)}
+    existing = {
+        b.name: b.content_settings.content_md5
+        for b in container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
+    }
     uploaded = 0
     for path in sorted(p for p in source.rglob("*") if p.is_file()):
         name = join(prefix, path.relative_to(source).as_posix())
         data = path.read_bytes()
         md5 = hashlib.md5(data, usedforsecurity=False).digest()
-        if existing.get(name) and bytes(existing[name]) == md5:
+        stored = existing.get(name)
+        if stored is not None and bytes(stored) == md5:
             continue
-        container.upload_blob(name, data, overwrite=True,
-                              content_settings=ContentSettings(content_md5=bytearray(md5)))
+        container.upload_blob(
+            name, data, overwrite=True, content_settings=ContentSettings(content_md5=bytearray(md5))
+        )
         uploaded += 1
     return uploaded

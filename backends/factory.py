@@ -33,5 +33,12 @@ def share(config: PipelineConfig) -> LocalShare:
 def cluster(config: PipelineConfig) -> LocalCluster:
     _require_local(config, "Batch")
     outputs = container_client(config.output, config.retries.storage_retries, create=True)
-    return LocalCluster(config.work_dir, config.pool.id, config.pool.nodes,
-                        config.nfs.local_dir, config.share.local_dir, outputs, sys.executable)
+    return LocalCluster(
+        config.work_dir,
+        config.pool.id,
+        config.pool.nodes,
+        config.nfs.local_dir,
+        config.share.local_dir,
+        outputs,
+        sys.executable,
+    )

@@ -35,5 +35,8 @@ class ImageResult:
 
 def build_local(root: Path, repository: str) -> ImageResult:
     """The local target runs the trainer as processes: nothing to build, the tag is recorded."""
-    return ImageResult(f"{repository}:{content_tag(root)}", False,
-                       "not needed: the local target runs the trainer as local processes")
+    return ImageResult(
+        f"{repository}:{content_tag(root)}",
+        False,
+        "not needed: the local target runs the trainer as local processes",
+    )

@@ -8,6 +8,7 @@ command lines that would go to Azure are the ones executed and tested here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -50,8 +51,16 @@ def _split_pattern(pattern: str) -> tuple[str, str | None]:
 
 
 class LocalCluster:
-    def __init__(self, work_dir: Path, pool_id: str, nodes: int, nfs_dir: Path, share_dir: Path,
-                 outputs: ContainerClient, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        pool_id: str,
+        nodes: int,
+        nfs_dir: Path,
+        share_dir: Path,
+        outputs: ContainerClient,
+        python: str = sys.executable,
+    ) -> None:
         self.root = work_dir / "pools" / pool_id
         self.pool_id, self.nodes = pool_id, nodes
         self.nfs_dir, self.share_dir = nfs_dir, share_dir
@@ -70,14 +79,18 @@ class LocalCluster:
             return "absent"
 
     def _set_state(self, state: str, **extra: object) -> None:
-        atomic_write_json({"id": self.pool_id, "state": state, "nodes": self.nodes,
-                           "time": time.time(), **extra}, self.state_file)
+        atomic_write_json(
+            {"id": self.pool_id, "state": state, "nodes": self.nodes, "time": time.time(), **extra},
+            self.state_file,
+        )
 
     def ensure_pool(self) -> dict[str, object]:
         """Idempotent: create the node (its mounts), or find it steady."""
         if self.nodes != 1:
-            raise ClusterError(f"the local target has one node; pool asks for {self.nodes} "
-                               "(set pool.dedicated_nodes=1, pool.low_priority_nodes=0)")
+            raise ClusterError(
+                f"the local target has one node; pool asks for {self.nodes} "
+                "(set pool.dedicated_nodes=1, pool.low_priority_nodes=0)"
+            )
         horovodrun = Path(self.python).parent / "horovodrun"
         if not horovodrun.exists():
             raise ClusterError(f"{horovodrun} not found: run `make setup`")
@@ -98,32 +111,48 @@ class LocalCluster:
         bindir = str(Path(self.python).parent)
         env = dict(os.environ)
         env.update(spec.environment)
-        env.update({
-            "PATH": f"{bindir}{os.pathsep}{env.get('PATH', '')}",
-            "RETRAIN_PYTHON": self.python,
-            "AZ_BATCH_POOL_ID": self.pool_id,
-            "AZ_BATCH_JOB_ID": "local",
-            "AZ_BATCH_TASK_ID": spec.id,
-            "AZ_BATCH_NODE_ID": "local-node-0",
-            "AZ_BATCH_HOST_LIST": "localhost",
-            "AZ_BATCH_NODE_LIST": "localhost",
-            "AZ_BATCH_MASTER_NODE": "localhost:6000",
-            "AZ_BATCH_IS_CURRENT_NODE_MASTER": "true",
-            "AZ_BATCH_NODE_MOUNTS_DIR": str((self.root / "node" / "mounts").resolve()),
-            "AZ_BATCH_TASK_DIR": str(task_dir),
-            "AZ_BATCH_TASK_WORKING_DIR": str(task_dir / "wd"),
-            "AZ_BATCH_TASK_SHARED_DIR": str(task_dir / "shared"),
-        })
+        env.update(
+            {
+                "PATH": f"{bindir}{os.pathsep}{env.get('PATH', '')}",
+                "RETRAIN_PYTHON": self.python,
+                "AZ_BATCH_POOL_ID": self.pool_id,
+                "AZ_BATCH_JOB_ID": "local",
+                "AZ_BATCH_TASK_ID": spec.id,
+                "AZ_BATCH_NODE_ID": "local-node-0",
+                "AZ_BATCH_HOST_LIST": "localhost",
+                "AZ_BATCH_NODE_LIST": "localhost",
+                "AZ_BATCH_MASTER_NODE": "localhost:6000",
+                "AZ_BATCH_IS_CURRENT_NODE_MASTER": "true",
+                "AZ_BATCH_NODE_MOUNTS_DIR": str((self.root / "node" / "mounts").resolve()),
+                "AZ_BATCH_TASK_DIR": str(task_dir),
+                "AZ_BATCH_TASK_WORKING_DIR": str(task_dir / "wd"),
+                "AZ_BATCH_TASK_SHARED_DIR": str(task_dir / "shared"),
+            }
+        )
         return env
 
-    def _run(self, key: str, command: str, env: dict[str, str], cwd: Path, log: Path,
-             on_line: Callable[[str], None], timeout: float) -> int:
+    def _run(
+        self,
+        key: str,
+        command: str,
+        env: dict[str, str],
+        cwd: Path,
+        log: Path,
+        on_line: Callable[[str], None],
+        timeout: float,
+    ) -> int:
         # Batch command lines are executed without a shell: split like Batch does.
         import shlex
 
-        proc = subprocess.Popen(shlex.split(command), cwd=cwd, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            shlex.split(command),
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         with self._lock:
             self._running[key] = proc
         pidfile = self.root / "running" / f"{key}.pid"
@@ -149,16 +178,18 @@ class LocalCluster:
         with self._lock:
             proc = self._running.get(key)
         if proc is not None and proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
-    def run_task(self, spec: TaskSpec, on_line: Callable[[str], None] = lambda _: None) -> TaskResult:
+    def run_task(
+        self, spec: TaskSpec, on_line: Callable[[str], None] = lambda _: None
+    ) -> TaskResult:
         if self.state() != "steady":
             raise ClusterError(f"pool {self.pool_id} is {self.state()}: ensure it first")
         if spec.instances != 1:
-            raise ClusterError(f"task {spec.id} asks for {spec.instances} nodes; the local pool has 1")
+            raise ClusterError(
+                f"task {spec.id} asks for {spec.instances} nodes; the local pool has 1"
+            )
         started = time.perf_counter()
         task_dir = (self.root / "tasks" / f"{spec.id}-{int(time.time() * 1000)}").resolve()
         for sub in ("wd", "shared"):
@@ -173,11 +204,25 @@ class LocalCluster:
         (task_dir / "stderr.txt").touch()  # merged into stdout.txt here; Batch keeps both
         code = 0
         if spec.coordination_command:
-            code = self._run(spec.id, spec.coordination_command, env, task_dir / "wd", log,
-                             on_line, spec.max_wall_clock_seconds)
+            code = self._run(
+                spec.id,
+                spec.coordination_command,
+                env,
+                task_dir / "wd",
+                log,
+                on_line,
+                spec.max_wall_clock_seconds,
+            )
         if code == 0:
-            code = self._run(spec.id, spec.command_line, env, task_dir / "wd", log, on_line,
-                             spec.max_wall_clock_seconds)
+            code = self._run(
+                spec.id,
+                spec.command_line,
+                env,
+                task_dir / "wd",
+                log,
+                on_line,
+                spec.max_wall_clock_seconds,
+            )
         uploaded = self._upload_outputs(spec.outputs, task_dir / "wd", success=code == 0)
         return TaskResult(code, task_dir, uploaded, time.perf_counter() - started)
 
@@ -193,8 +238,11 @@ class LocalCluster:
                 files = [(wd / base, spec.destination)] if (wd / base).is_file() else []
             else:
                 root = (wd / base).resolve()
-                files = [(p, f"{spec.destination}/{p.relative_to(root).as_posix()}")
-                         for p in sorted(root.glob(pattern)) if p.is_file()]
+                files = [
+                    (p, f"{spec.destination}/{p.relative_to(root).as_posix()}")
+                    for p in sorted(root.glob(pattern))
+                    if p.is_file()
+                ]
             for path, blob in files:
                 with open(path, "rb") as fh:
                     self.outputs.upload_blob(blob, fh, overwrite=True)
@@ -220,10 +268,8 @@ class LocalCluster:
         """
         running = self.running_tasks()
         for pid in running.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         keys = list(running)
         was = self.state()
         if was != "absent":

@@ -70,9 +70,13 @@ class LocalShare:
                 report.unchanged += 1
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".upload-", delete=False) as tmp:
-                with open(source, "rb") as fh:
-                    shutil.copyfileobj(fh, tmp)
+            with (
+                tempfile.NamedTemporaryFile(
+                    dir=target.parent, prefix=".upload-", delete=False
+                ) as tmp,
+                open(source, "rb") as fh,
+            ):
+                shutil.copyfileobj(fh, tmp)
             Path(tmp.name).chmod(source.stat().st_mode & 0o777)
             Path(tmp.name).replace(target)
             report.uploaded.append(rel)

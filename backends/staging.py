@@ -89,8 +89,9 @@ def _load_manifest(dest: Path) -> dict[str, dict[str, Any]]:
         return {}  # no usable manifest: everything is checked again, nothing is lost
 
 
-def _download(container: ContainerClient, name: str, target: Path, size: int,
-              md5: str | None) -> str:
+def _download(
+    container: ContainerClient, name: str, target: Path, size: int, md5: str | None
+) -> str:
     """Download to a temp file beside ``target``, verify, rename. Returns the MD5 (base64)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".staging-", suffix=".part", dir=target.parent)
@@ -113,8 +114,9 @@ def _download(container: ContainerClient, name: str, target: Path, size: int,
         raise
 
 
-def sync_to_directory(container: ContainerClient, prefix: str, dest: Path,
-                      workers: int = 16) -> SyncReport:
+def sync_to_directory(
+    container: ContainerClient, prefix: str, dest: Path, workers: int = 16
+) -> SyncReport:
     """Mirror the blobs under ``prefix`` into ``dest``; see the module docstring."""
     prefix = prefix.strip("/")
     listing = list(container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None))
@@ -131,8 +133,11 @@ def sync_to_directory(container: ContainerClient, prefix: str, dest: Path,
         target = dest / rel
         if not target.resolve().is_relative_to(root):  # e.g. through a symlinked folder
             raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
-        md5 = (base64.b64encode(bytes(blob.content_settings.content_md5)).decode()
-               if blob.content_settings and blob.content_settings.content_md5 else None)
+        md5 = (
+            base64.b64encode(bytes(blob.content_settings.content_md5)).decode()
+            if blob.content_settings and blob.content_settings.content_md5
+            else None
+        )
         entry = {"path": str(rel), "etag": blob.etag, "size": blob.size, "md5": md5}
         old = previous.get(name)
         same_size = target.is_file() and target.stat().st_size == blob.size
@@ -146,8 +151,10 @@ def sync_to_directory(container: ContainerClient, prefix: str, dest: Path,
             todo.append((name, target, blob.size, md5, entry))
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            futures = {pool.submit(_download, container, name, target, size, md5): (name, entry)
-                       for name, target, size, md5, entry in todo}
+            futures = {
+                pool.submit(_download, container, name, target, size, md5): (name, entry)
+                for name, target, size, md5, entry in todo
+            }
             for future in as_completed(futures):
                 name, entry = futures[future]
                 files[name] = {**entry, "md5": future.result()}
@@ -165,8 +172,9 @@ def sync_to_directory(container: ContainerClient, prefix: str, dest: Path,
     return report
 
 
-def _write_manifest(dest: Path, prefix: str, files: dict[str, dict[str, Any]],
-                    report: SyncReport) -> None:
+def _write_manifest(
+    dest: Path, prefix: str, files: dict[str, dict[str, Any]], report: SyncReport
+) -> None:
     # The data version names the content, not the time: same bytes, same version.
     version = hashlib.sha256(
         json.dumps(sorted((n, f["md5"], f["size"]) for n, f in files.items())).encode()

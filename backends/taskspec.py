@@ -62,17 +62,30 @@ def mounts(name: str) -> str:
     return f"$AZ_BATCH_NODE_MOUNTS_DIR/{name}"
 
 
-def training_task(config: PipelineConfig, task_id: str, training_key: str,
-                  output_prefix: str) -> TaskSpec:
+def training_task(
+    config: PipelineConfig, task_id: str, training_key: str, output_prefix: str
+) -> TaskSpec:
     """Horovod across nodes x processes, on data and checkpoints in NFS (retries resume)."""
     t = config.training
     args = [
-        "--data-dir", f"{mounts(NFS_MOUNT)}/data",
-        "--output-dir", f"$AZ_BATCH_TASK_WORKING_DIR/{OUTPUT_DIR}",
-        "--checkpoint-dir", f"{mounts(NFS_MOUNT)}/checkpoints/{training_key}",
-        "--epochs", str(t.epochs), "--batch-size", str(t.batch_size), "--lr", str(t.lr),
-        "--model", t.model, "--seed", str(t.seed),
-        *(["--timeline"] if t.timeline else []), *t.extra_args,
+        "--data-dir",
+        f"{mounts(NFS_MOUNT)}/data",
+        "--output-dir",
+        f"$AZ_BATCH_TASK_WORKING_DIR/{OUTPUT_DIR}",
+        "--checkpoint-dir",
+        f"{mounts(NFS_MOUNT)}/checkpoints/{training_key}",
+        "--epochs",
+        str(t.epochs),
+        "--batch-size",
+        str(t.batch_size),
+        "--lr",
+        str(t.lr),
+        "--model",
+        t.model,
+        "--seed",
+        str(t.seed),
+        *(["--timeline"] if t.timeline else []),
+        *t.extra_args,
     ]
     # Quote everything except the variable references, which the node's shell must expand.
     quoted = " ".join(a if a.startswith("$") else shlex.quote(a) for a in args)
@@ -86,8 +99,10 @@ def training_task(config: PipelineConfig, task_id: str, training_key: str,
             "RETRAIN_PROCESSES_PER_NODE": str(config.pool.processes_per_node),
             "PYTHONUNBUFFERED": "1",
         },
-        outputs=[OutputSpec(f"{OUTPUT_DIR}/**/*", output_prefix),
-                 OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskCompletion")],
+        outputs=[
+            OutputSpec(f"{OUTPUT_DIR}/**/*", output_prefix),
+            OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskCompletion"),
+        ],
     )
 
 
@@ -98,7 +113,8 @@ def scoring_task(task_id: str, model_blob: str, output_prefix: str) -> TaskSpec:
         f'--data-dir "{mounts(NFS_MOUNT)}/data" --split test --output {OUTPUT_DIR}/score.json'
     )
     return TaskSpec(
-        id=task_id, command_line=_bash(script),
+        id=task_id,
+        command_line=_bash(script),
         environment={"PYTHONUNBUFFERED": "1"},
         resources=[ResourceSpec(model_blob, "model.pt")],
         outputs=[OutputSpec(f"{OUTPUT_DIR}/score.json", f"{output_prefix}/score.json")],

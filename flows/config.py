@@ -34,14 +34,18 @@ class BlobLocation(_Section):
     """A place in Blob storage (Azurite on the local target), and how to authenticate to it."""
 
     account_url: str | None = Field(
-        None, description="https://<account>.blob.core.windows.net; with no connection string, "
-        "DefaultAzureCredential (managed identity, az login) is used")
+        None,
+        description="https://<account>.blob.core.windows.net; with no connection string, "
+        "DefaultAzureCredential (managed identity, az login) is used",
+    )
     connection_string_env: str | None = Field(
         "AZURE_STORAGE_CONNECTION_STRING",
         description="name of the environment variable holding a connection string (never the "
-        "string itself)")
+        "string itself)",
+    )
     credentials_block: str | None = Field(
-        None, description="name of a prefect-azure AzureBlobStorageCredentials block")
+        None, description="name of a prefect-azure AzureBlobStorageCredentials block"
+    )
     container: str
     prefix: str = ""
 
@@ -133,14 +137,14 @@ class PipelineConfig(_Section):
 
     target: Literal["local", "azure"] = "local"
     data: BlobLocation
-    share: ShareConfig = ShareConfig()
-    nfs: NfsConfig = NfsConfig()
-    image: ImageConfig = ImageConfig()
-    pool: PoolConfig = PoolConfig()
-    training: TrainingConfig = TrainingConfig()
-    retries: RetryConfig = RetryConfig()
-    promotion: PromotionConfig = PromotionConfig()
-    validation: ValidationConfig = ValidationConfig()
+    share: ShareConfig = Field(default_factory=ShareConfig)
+    nfs: NfsConfig = Field(default_factory=NfsConfig)
+    image: ImageConfig = Field(default_factory=ImageConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    retries: RetryConfig = Field(default_factory=RetryConfig)
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     output: BlobLocation
     work_dir: Path = Field(Path(".work"), description="local state: run folders, logs")
 
@@ -171,8 +175,11 @@ def _describe(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict[str, Any] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> PipelineConfig:
     """Read YAML, apply ``section.field=value`` overrides, validate; ConfigError names the field."""
     tree: dict[str, Any] = dict(base or {})
     source = "(parameters)"

@@ -14,14 +14,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, State, flow, get_run_logger
+from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
 
 
-def resolve_config(config: PipelineConfig | dict[str, Any] | None, config_path: str | None,
-                   overrides: list[str] | None) -> PipelineConfig:
+def resolve_config(
+    config: PipelineConfig | dict[str, Any] | None,
+    config_path: str | None,
+    overrides: list[str] | None,
+) -> PipelineConfig:
     """The flow's parameters to one validated config: a model, or a YAML path, plus overrides."""
     if isinstance(config, PipelineConfig) and not config_path and not overrides:
         return config
@@ -31,18 +35,23 @@ def resolve_config(config: PipelineConfig | dict[str, Any] | None, config_path: 
     return load_config(config_path, overrides, base=base)
 
 
-def _release_after_abort(flow: Any, run: Any, state: Any) -> None:
+def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
     """Crash and cancellation hook: the pool is released even when the flow body cannot."""
     from backends import factory
 
-    params = run.parameters
-    config = resolve_config(params.get("config"), params.get("config_path"), params.get("overrides"))
+    params = flow_run.parameters
+    config = resolve_config(
+        params.get("config"), params.get("config_path"), params.get("overrides")
+    )
     factory.cluster(config).release()
 
 
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
-def retrain(config: PipelineConfig | None = None, config_path: str | None = None,
-            overrides: list[str] | None = None) -> dict[str, Any]:
+def retrain(
+    config: PipelineConfig | None = None,
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
     from backends import factory
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
@@ -59,35 +68,68 @@ def retrain(config: PipelineConfig | None = None, config_path: str | None = None
     steps: list[dict[str, Any]] = []
     try:
         steps.append(validate_data(cfg, run_dir, output_prefix))
-        futures = [upload_scripts.submit(cfg), stage_data.submit(cfg), build_image.submit(cfg),
-                   ensure_pool.submit(cfg, cluster)]
+        futures = [
+            upload_scripts.submit(cfg),
+            stage_data.submit(cfg),
+            build_image.submit(cfg),
+            ensure_pool.submit(cfg, cluster),
+        ]
         uploaded, staged, image, pool = (f.result() for f in futures)
         steps += [uploaded, staged, image, pool]
-        key = training_key(cfg, staged["details"]["data_version"], uploaded["details"]["code_version"])
-        trainer = run_training.with_options(retries=cfg.retries.training_attempts - 1,
-                                            retry_delay_seconds=cfg.retries.backoff_seconds)
+        key = training_key(
+            cfg, staged["details"]["data_version"], uploaded["details"]["code_version"]
+        )
+        trainer = run_training.with_options(
+            retries=cfg.retries.training_attempts - 1,
+            retry_delay_seconds=cfg.retries.backoff_seconds,
+        )
         steps.append(trainer(cfg, cluster, run_id, key, output_prefix))
         collected = collect_and_score(cfg, cluster, run_id, output_prefix)
-        steps.append({k: v for k, v in collected.items() if k in ("step", "status", "seconds", "details")})
+        steps.append(
+            {k: v for k, v in collected.items() if k in ("step", "status", "seconds", "details")}
+        )
         promotion = promote(cfg, run_id, output_prefix, collected["score"])
         steps.append({k: v for k, v in promotion.items() if k != "decision"})
     finally:
         steps.append(release_pool(cluster))
     outputs_url = f"{cluster.outputs.url}/{output_prefix}"
-    report(run_id, steps, collected["metrics"], collected["score"], promotion["decision"],
-           staged["details"], outputs_url)
-    logger.info("run %s: accuracy %.4f, %s", run_id, collected["score"]["accuracy"],
-                promotion["decision"]["reason"])
-    return {"run_id": run_id, "accuracy": collected["score"]["accuracy"],
-            "promoted": promotion["decision"]["promoted"], "reason": promotion["decision"]["reason"],
-            "outputs": outputs_url, "steps": steps}
+    report(
+        run_id,
+        steps,
+        collected["metrics"],
+        collected["score"],
+        promotion["decision"],
+        staged["details"],
+        outputs_url,
+    )
+    logger.info(
+        "run %s: accuracy %.4f, %s",
+        run_id,
+        collected["score"]["accuracy"],
+        promotion["decision"]["reason"],
+    )
+    return {
+        "run_id": run_id,
+        "accuracy": collected["score"]["accuracy"],
+        "promoted": promotion["decision"]["promoted"],
+        "reason": promotion["decision"]["reason"],
+        "outputs": outputs_url,
+        "steps": steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__)
-    p.add_argument("--config", required=True, type=Path, help="a YAML file, e.g. configs/local.yaml")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override one config value (repeatable)")
+    p.add_argument(
+        "--config", required=True, type=Path, help="a YAML file, e.g. configs/local.yaml"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config value (repeatable)",
+    )
     args = p.parse_args(argv)
     try:
         config = load_config(args.config, args.set)

@@ -35,15 +35,20 @@ def decide(challenger: float, champion: float | None, margin: float) -> tuple[bo
     if champion is None:
         return True, f"no champion yet: accuracy {challenger:.4f} becomes the first"
     if challenger > champion + margin:
-        return True, (f"accuracy {challenger:.4f} beats the champion's {champion:.4f} "
-                      f"by more than {margin:.4f}")
-    return False, (f"accuracy {challenger:.4f} does not beat the champion's {champion:.4f} "
-                   f"by more than {margin:.4f}")
+        return True, (
+            f"accuracy {challenger:.4f} beats the champion's {champion:.4f} "
+            f"by more than {margin:.4f}"
+        )
+    return False, (
+        f"accuracy {challenger:.4f} does not beat the champion's {champion:.4f} "
+        f"by more than {margin:.4f}"
+    )
 
 
 @task(name="promote", cache_policy=NONE)
-def promote(config: PipelineConfig, run_id: str, output_prefix: str,
-            score: dict[str, Any]) -> dict[str, Any]:
+def promote(
+    config: PipelineConfig, run_id: str, output_prefix: str, score: dict[str, Any]
+) -> dict[str, Any]:
     from azure.core import MatchConditions
     from azure.core.exceptions import ResourceExistsError, ResourceModifiedError
 
@@ -51,21 +56,39 @@ def promote(config: PipelineConfig, run_id: str, output_prefix: str,
     container = container_client(config.output, config.retries.storage_retries)
     champion, etag = read_champion(container)
     accuracy = float(score[config.promotion.metric])
-    promoted, reason = decide(accuracy, champion[config.promotion.metric] if champion else None,
-                              config.promotion.min_improvement)
+    promoted, reason = decide(
+        accuracy,
+        champion[config.promotion.metric] if champion else None,
+        config.promotion.min_improvement,
+    )
     if promoted:
-        record = {"run_id": run_id, config.promotion.metric: accuracy,
-                  "model": f"{output_prefix}/model.pt",
-                  "promoted_at": datetime.now(UTC).isoformat(), "previous": champion}
-        condition = ({"etag": etag, "match_condition": MatchConditions.IfNotModified} if etag
-                     else {"match_condition": MatchConditions.IfMissing})
+        record = {
+            "run_id": run_id,
+            config.promotion.metric: accuracy,
+            "model": f"{output_prefix}/model.pt",
+            "promoted_at": datetime.now(UTC).isoformat(),
+            "previous": champion,
+        }
+        condition = (
+            {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+            if etag
+            else {"match_condition": MatchConditions.IfMissing}
+        )
         try:
-            container.upload_blob(CHAMPION, json.dumps(record, indent=2), overwrite=True, **condition)
+            container.upload_blob(
+                CHAMPION, json.dumps(record, indent=2), overwrite=True, **condition
+            )
         except (ResourceModifiedError, ResourceExistsError):
             promoted, reason = False, "another run replaced the champion meanwhile: not promoted"
-    decision = {"run_id": run_id, "promoted": promoted, "reason": reason, "accuracy": accuracy,
-                "champion_before": champion}
-    container.upload_blob(f"{output_prefix}/promotion.json", json.dumps(decision, indent=2),
-                          overwrite=True)
+    decision = {
+        "run_id": run_id,
+        "promoted": promoted,
+        "reason": reason,
+        "accuracy": accuracy,
+        "champion_before": champion,
+    }
+    container.upload_blob(
+        f"{output_prefix}/promotion.json", json.dumps(decision, indent=2), overwrite=True
+    )
     get_run_logger().info("promotion: %s (%s)", "promoted" if promoted else "kept champion", reason)
     return {**step_record("promote", started, True, promoted=promoted), "decision": decision}

@@ -22,30 +22,57 @@ from tasks.steps import step_record
 SCRIPT_PACKAGES = ["training"]
 
 
-@task(name="upload-scripts", cache_policy=NONE, retries=3,
-      retry_delay_seconds=exponential_backoff(backoff_factor=2))
+@task(
+    name="upload-scripts",
+    cache_policy=NONE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+)
 def upload_scripts(config: PipelineConfig) -> dict[str, Any]:
     started = time.perf_counter()
     report = factory.share(config).upload(collect_files(factory.PROJECT_ROOT, SCRIPT_PACKAGES))
-    get_run_logger().info("scripts: %d uploaded, %d unchanged", len(report.uploaded), report.unchanged)
-    return step_record("upload-scripts", started, bool(report.uploaded),
-                       uploaded=len(report.uploaded), unchanged=report.unchanged,
-                       code_version=report.digest)
+    get_run_logger().info(
+        "scripts: %d uploaded, %d unchanged", len(report.uploaded), report.unchanged
+    )
+    return step_record(
+        "upload-scripts",
+        started,
+        bool(report.uploaded),
+        uploaded=len(report.uploaded),
+        unchanged=report.unchanged,
+        code_version=report.digest,
+    )
 
 
-@task(name="stage-data", cache_policy=NONE, retries=3,
-      retry_delay_seconds=exponential_backoff(backoff_factor=2))
+@task(
+    name="stage-data",
+    cache_policy=NONE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+)
 def stage_data(config: PipelineConfig) -> dict[str, Any]:
     started = time.perf_counter()
     container = container_client(config.data, config.retries.storage_retries)
     report = sync_to_directory(container, config.data.prefix, config.nfs.local_dir / "data")
-    get_run_logger().info("data: %d downloaded (%d bytes), %d unchanged, %d deleted; version %s",
-                          len(report.downloaded), report.bytes_downloaded, report.skipped,
-                          len(report.deleted), report.data_version)
-    return step_record("stage-data", started, bool(report.downloaded or report.deleted),
-                       downloaded=len(report.downloaded), unchanged=report.skipped,
-                       deleted=len(report.deleted), bytes=report.bytes_downloaded,
-                       files=report.total_files, data_version=report.data_version)
+    get_run_logger().info(
+        "data: %d downloaded (%d bytes), %d unchanged, %d deleted; version %s",
+        len(report.downloaded),
+        report.bytes_downloaded,
+        report.skipped,
+        len(report.deleted),
+        report.data_version,
+    )
+    return step_record(
+        "stage-data",
+        started,
+        bool(report.downloaded or report.deleted),
+        downloaded=len(report.downloaded),
+        unchanged=report.skipped,
+        deleted=len(report.deleted),
+        bytes=report.bytes_downloaded,
+        files=report.total_files,
+        data_version=report.data_version,
+    )
 
 
 @task(name="build-image", cache_policy=NONE)
@@ -53,17 +80,23 @@ def build_image(config: PipelineConfig) -> dict[str, Any]:
     started = time.perf_counter()
     result = build_local(factory.PROJECT_ROOT, config.image.repository)
     get_run_logger().info("image %s: %s", result.reference, result.reason)
-    return step_record("build-image", started, result.built, image=result.reference,
-                       reason=result.reason)
+    return step_record(
+        "build-image", started, result.built, image=result.reference, reason=result.reason
+    )
 
 
-@task(name="ensure-pool", cache_policy=NONE, retries=2,
-      retry_delay_seconds=exponential_backoff(backoff_factor=5))
+@task(
+    name="ensure-pool",
+    cache_policy=NONE,
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5),
+)
 def ensure_pool(config: PipelineConfig, cluster: LocalCluster) -> dict[str, Any]:
     started = time.perf_counter()
     info = cluster.ensure_pool()
-    get_run_logger().info("pool %s steady (%s)", config.pool.id,
-                          "created" if info["created"] else "already there")
+    get_run_logger().info(
+        "pool %s steady (%s)", config.pool.id, "created" if info["created"] else "already there"
+    )
     return step_record("ensure-pool", started, bool(info["created"]), **info)
 
 

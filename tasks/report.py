@@ -9,41 +9,84 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NONE
 
 
-def summary_markdown(run_id: str, steps: list[dict[str, Any]], metrics: dict[str, Any],
-                     score: dict[str, Any], decision: dict[str, Any], data: dict[str, Any]) -> str:
-    lines = [f"# Retrain {run_id}", "",
-             f"**Test accuracy {score['accuracy']:.4f}** on {score['num_images']} images; "
-             f"{'**promoted**' if decision['promoted'] else 'not promoted'}: {decision['reason']}.",
-             "", "## Data", "",
-             f"{data.get('files')} files, version `{data.get('data_version')}`: "
-             f"{data.get('downloaded')} downloaded, {data.get('unchanged')} unchanged.",
-             "", "## Steps", "", "| step | status | seconds | details |", "|---|---|---|---|"]
+def summary_markdown(
+    run_id: str,
+    steps: list[dict[str, Any]],
+    metrics: dict[str, Any],
+    score: dict[str, Any],
+    decision: dict[str, Any],
+    data: dict[str, Any],
+) -> str:
+    lines = [
+        f"# Retrain {run_id}",
+        "",
+        f"**Test accuracy {score['accuracy']:.4f}** on {score['num_images']} images; "
+        f"{'**promoted**' if decision['promoted'] else 'not promoted'}: {decision['reason']}.",
+        "",
+        "## Data",
+        "",
+        f"{data.get('files')} files, version `{data.get('data_version')}`: "
+        f"{data.get('downloaded')} downloaded, {data.get('unchanged')} unchanged.",
+        "",
+        "## Steps",
+        "",
+        "| step | status | seconds | details |",
+        "|---|---|---|---|",
+    ]
     for s in steps:
-        details = ", ".join(f"{k}={v}" for k, v in s["details"].items()
-                            if not isinstance(v, (dict, list)))
+        details = ", ".join(
+            f"{k}={v}" for k, v in s["details"].items() if not isinstance(v, (dict, list))
+        )
         lines.append(f"| {s['step']} | {s['status']} | {s['seconds']:.2f} | {details} |")
-    lines += ["", "## Epochs", "", "| epoch | train loss | train accuracy | val accuracy | images/s |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Epochs",
+        "",
+        "| epoch | train loss | train accuracy | val accuracy | images/s |",
+        "|---|---|---|---|---|",
+    ]
     for e in metrics["epochs"]:
         val = f"{e['val_accuracy']:.4f}" if "val_accuracy" in e else "-"
-        lines.append(f"| {e['epoch']} | {e['train_loss']:.4f} | {e['train_accuracy']:.4f} | {val} "
-                     f"| {e['images_per_sec']:.0f} |")
-    lines += ["", f"{metrics['world_size']} Horovod workers, {metrics['images_per_sec']:.0f} "
-              f"images/s in total, {metrics['images_per_sec_per_worker']:.0f} per worker."]
+        lines.append(
+            f"| {e['epoch']} | {e['train_loss']:.4f} | {e['train_accuracy']:.4f} | {val} "
+            f"| {e['images_per_sec']:.0f} |"
+        )
+    lines += [
+        "",
+        f"{metrics['world_size']} Horovod workers, {metrics['images_per_sec']:.0f} "
+        f"images/s in total, {metrics['images_per_sec_per_worker']:.0f} per worker.",
+    ]
     return "\n".join(lines)
 
 
 @task(name="report", cache_policy=NONE)
-def report(run_id: str, steps: list[dict[str, Any]], metrics: dict[str, Any],
-           score: dict[str, Any], decision: dict[str, Any], data: dict[str, Any],
-           outputs_url: str) -> str:
-    create_markdown_artifact(summary_markdown(run_id, steps, metrics, score, decision, data),
-                             key="retrain-summary", description=f"retrain {run_id}")
+def report(
+    run_id: str,
+    steps: list[dict[str, Any]],
+    metrics: dict[str, Any],
+    score: dict[str, Any],
+    decision: dict[str, Any],
+    data: dict[str, Any],
+    outputs_url: str,
+) -> str:
+    create_markdown_artifact(
+        summary_markdown(run_id, steps, metrics, score, decision, data),
+        key="retrain-summary",
+        description=f"retrain {run_id}",
+    )
     create_table_artifact(
-        [{"class": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in m.items()}}
-         for name, m in score["per_class"].items()],
-        key="per-class-metrics", description="precision, recall and F1 on the test split")
+        [
+            {"class": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in m.items()}}
+            for name, m in score["per_class"].items()
+        ],
+        key="per-class-metrics",
+        description="precision, recall and F1 on the test split",
+    )
     for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt"):
-        create_link_artifact(f"{outputs_url}/{name}", link_text=name, key=None,
-                             description=f"retrain {run_id}: {name}")
+        create_link_artifact(
+            f"{outputs_url}/{name}",
+            link_text=name,
+            key=None,
+            description=f"retrain {run_id}: {name}",
+        )
     return outputs_url

@@ -10,5 +10,9 @@ from typing import Any
 
 
 def step_record(name: str, started: float, ran: bool, **details: Any) -> dict[str, Any]:
-    return {"step": name, "status": "ran" if ran else "skipped",
-            "seconds": round(time.perf_counter() - started, 3), "details": details}
+    return {
+        "step": name,
+        "status": "ran" if ran else "skipped",
+        "seconds": round(time.perf_counter() - started, 3),
+        "details": details,
+    }

@@ -12,7 +12,8 @@ import json
 import re
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -33,20 +34,31 @@ class TrainingFailedError(RuntimeError):
 
 def training_key(config: PipelineConfig, data_version: str, code_version: str) -> str:
     """Names the checkpoint folder: same data, code and settings, same folder (resume)."""
-    settings = json.dumps({"training": config.training.model_dump(mode="json"),
-                           "processes": config.pool.nodes * config.pool.processes_per_node,
-                           "data": data_version, "code": code_version}, sort_keys=True)
+    settings = json.dumps(
+        {
+            "training": config.training.model_dump(mode="json"),
+            "processes": config.pool.nodes * config.pool.processes_per_node,
+            "data": data_version,
+            "code": code_version,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(settings.encode()).hexdigest()[:16]
 
 
 @task(name="run-training", cache_policy=NONE)
-def run_training(config: PipelineConfig, cluster: LocalCluster, run_id: str, key: str,
-                 output_prefix: str) -> dict[str, Any]:
+def run_training(
+    config: PipelineConfig, cluster: LocalCluster, run_id: str, key: str, output_prefix: str
+) -> dict[str, Any]:
     logger = get_run_logger()
     started = time.perf_counter()
     spec = training_task(config, f"train-{run_id}", key, output_prefix)
-    progress_id = create_progress_artifact(0.0, key="training-progress",
-                                           description=f"training {run_id}: starting")
+    progress_id = cast(
+        UUID,
+        create_progress_artifact(
+            0.0, key="training-progress", description=f"training {run_id}: starting"
+        ),
+    )
     epochs: list[dict[str, Any]] = []
     resumed: list[int] = []
     tail: deque[str] = deque(maxlen=30)
@@ -58,28 +70,44 @@ def run_training(config: PipelineConfig, cluster: LocalCluster, run_id: str, key
             record = json.loads(line.split("PROGRESS ", 1)[1])
             epochs.append(record)
             update_progress_artifact(
-                progress_id, 100.0 * record["epoch"] / record["epochs"],
+                progress_id,
+                100.0 * record["epoch"] / record["epochs"],
                 description=f"epoch {record['epoch']} of {record['epochs']}: loss "
-                f"{record['train_loss']:.4f}, accuracy {record['train_accuracy']:.4f}")
+                f"{record['train_loss']:.4f}, accuracy {record['train_accuracy']:.4f}",
+            )
         elif match := RESUMED.search(line):
             resumed.append(int(match.group(1)))
 
     result = cluster.run_task(spec, on_line)
     if result.exit_code != 0:
-        raise TrainingFailedError(f"training task {spec.id} exited with {result.exit_code}; "
-                                  "last lines:\n" + "\n".join(tail))
+        raise TrainingFailedError(
+            f"training task {spec.id} exited with {result.exit_code}; "
+            "last lines:\n" + "\n".join(tail)
+        )
     update_progress_artifact(progress_id, 100.0, description="training finished")
-    missing = [name for name in REQUIRED_OUTPUTS if f"{output_prefix}/{name}" not in result.uploaded]
+    missing = [
+        name for name in REQUIRED_OUTPUTS if f"{output_prefix}/{name}" not in result.uploaded
+    ]
     if missing:
-        raise TrainingFailedError(f"training task {spec.id} succeeded but did not produce {missing}")
-    return step_record("run-training", started, True, task=spec.id, checkpoint_key=key,
-                       resumed_from_epoch=resumed[-1] if resumed else None,
-                       epochs_run=[e["epoch"] for e in epochs], outputs=len(result.uploaded))
+        raise TrainingFailedError(
+            f"training task {spec.id} succeeded but did not produce {missing}"
+        )
+    return step_record(
+        "run-training",
+        started,
+        True,
+        task=spec.id,
+        checkpoint_key=key,
+        resumed_from_epoch=resumed[-1] if resumed else None,
+        epochs_run=[e["epoch"] for e in epochs],
+        outputs=len(result.uploaded),
+    )
 
 
 @task(name="collect-and-score", cache_policy=NONE, retries=2, retry_delay_seconds=5)
-def collect_and_score(config: PipelineConfig, cluster: LocalCluster, run_id: str,
-                      output_prefix: str) -> dict[str, Any]:
+def collect_and_score(
+    config: PipelineConfig, cluster: LocalCluster, run_id: str, output_prefix: str
+) -> dict[str, Any]:
     logger = get_run_logger()
     started = time.perf_counter()
     spec = scoring_task(f"score-{run_id}", f"{output_prefix}/model.pt", output_prefix)
@@ -91,6 +119,7 @@ def collect_and_score(config: PipelineConfig, cluster: LocalCluster, run_id: str
     score = json.loads(outputs.download_blob(f"{output_prefix}/score.json").readall())
     listed = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{output_prefix}/"))
     logger.info("score: accuracy %.4f on %d test images", score["accuracy"], score["num_images"])
-    record = step_record("collect-and-score", started, True, accuracy=score["accuracy"],
-                         files=len(listed))
+    record = step_record(
+        "collect-and-score", started, True, accuracy=score["accuracy"], files=len(listed)
+    )
     return {**record, "metrics": metrics, "score": score, "outputs": listed}

@@ -34,25 +34,37 @@ class DataValidationError(RuntimeError):
 def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
     from PIL import Image
 
-    rel = blob.name[len(prefix) + 1:] if prefix else blob.name
+    rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
     parts = rel.split("/")
     row: dict[str, Any] = {
-        "path": rel, "split": parts[0] if len(parts) == 3 else None,
-        "label": parts[1] if len(parts) == 3 else None, "bytes": int(blob.size),
-        "width": None, "height": None, "channels": None, "readable": False, "md5": None,
+        "path": rel,
+        "split": parts[0] if len(parts) == 3 else None,
+        "label": parts[1] if len(parts) == 3 else None,
+        "bytes": int(blob.size),
+        "width": None,
+        "height": None,
+        "channels": None,
+        "readable": False,
+        "md5": None,
     }
     stored = blob.content_settings.content_md5 if blob.content_settings else None
     if stored:
         row["md5"] = base64.b64encode(bytes(stored)).decode()
     if blob.size == 0:
         return row
-    head = container.download_blob(blob.name, offset=0, length=min(blob.size, HEADER_BYTES)).readall()
+    head = container.download_blob(
+        blob.name, offset=0, length=min(blob.size, HEADER_BYTES)
+    ).readall()
     if row["md5"] is None and len(head) == blob.size:
         row["md5"] = base64.b64encode(hashlib.md5(head, usedforsecurity=False).digest()).decode()
     try:
         with Image.open(io.BytesIO(head)) as image:
-            row.update(width=image.width, height=image.height, channels=len(image.getbands()),
-                       readable=True)
+            row.update(
+                width=image.width,
+                height=image.height,
+                channels=len(image.getbands()),
+                readable=True,
+            )
     except Exception:  # PIL raises many types for garbage; the gate reports them as unreadable
         pass
     return row
@@ -61,15 +73,21 @@ def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
 def build_manifest(config: PipelineConfig) -> list[dict[str, Any]]:
     container = container_client(config.data, config.retries.storage_retries)
     prefix = config.data.prefix
-    blobs = [b for b in container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
-             if not b.name.rsplit("/", 1)[-1].startswith("_")]  # markers such as _SUCCESS
+    blobs = [
+        b
+        for b in container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
+        if not b.name.rsplit("/", 1)[-1].startswith("_")
+    ]  # markers such as _SUCCESS
     with ThreadPoolExecutor(max_workers=16) as pool:
         rows = list(pool.map(lambda b: _describe_image(container, b, prefix), blobs))
     by_split: dict[str, set[str]] = {}
     for row in rows:
         if row["md5"]:
             by_split.setdefault(row["split"] or "", set()).add(row["md5"])
-    train, test = by_split.get("train", set()), by_split.get("test", set()) | by_split.get("val", set())
+    train, test = (
+        by_split.get("train", set()),
+        by_split.get("test", set()) | by_split.get("val", set()),
+    )
     for row in rows:
         row["leak"] = bool(row["md5"]) and row["md5"] in train and row["md5"] in test
     return rows
@@ -84,43 +102,71 @@ def _class_counts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return counts
 
 
-def run_expectations(rows: list[dict[str, Any]], config: PipelineConfig,
-                     docs_dir: Path) -> tuple[bool, list[dict[str, Any]]]:
+def run_expectations(
+    rows: list[dict[str, Any]], config: PipelineConfig, docs_dir: Path
+) -> tuple[bool, list[dict[str, Any]]]:
     """Run the suites; return success and one record per expectation (failed ones first)."""
     import great_expectations as gx
     import great_expectations.expectations as gxe
     import pandas as pd
 
     v = config.validation
-    manifest = pd.DataFrame(rows, columns=["path", "split", "label", "width", "height",
-                                           "channels", "bytes", "md5", "readable", "leak"])
-    counts = pd.DataFrame(_class_counts(rows),
-                          columns=["label", "train_images", "val_images", "test_images"])
+    manifest = pd.DataFrame(
+        rows,
+        columns=[
+            "path",
+            "split",
+            "label",
+            "width",
+            "height",
+            "channels",
+            "bytes",
+            "md5",
+            "readable",
+            "leak",
+        ],
+    )
+    counts = pd.DataFrame(
+        _class_counts(rows), columns=["label", "train_images", "val_images", "test_images"]
+    )
     known = sorted(set(manifest.loc[manifest["split"] == "train", "label"].dropna()))
     context = gx.get_context(mode="ephemeral")
-    context.add_data_docs_site("run", {
-        "class_name": "SiteBuilder",
-        "store_backend": {"class_name": "TupleFilesystemStoreBackend",
-                          "base_directory": str(docs_dir.resolve())},
-        "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-    })
+    context.add_data_docs_site(
+        "run",
+        {
+            "class_name": "SiteBuilder",
+            "store_backend": {
+                "class_name": "TupleFilesystemStoreBackend",
+                "base_directory": str(docs_dir.resolve()),
+            },
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        },
+    )
     source = context.data_sources.add_pandas("dataset")
     suites = {
         "images": [
             gxe.ExpectTableRowCountToBeBetween(min_value=1),
             gxe.ExpectColumnValuesToBeInSet(column="split", value_set=list(SPLITS)),
             gxe.ExpectColumnDistinctValuesToContainSet(column="split", value_set=["train", "test"]),
-            gxe.ExpectColumnValuesToBeInSet(column="label", value_set=known or ["(no train split)"]),
+            gxe.ExpectColumnValuesToBeInSet(
+                column="label", value_set=known or ["(no train split)"]
+            ),
             gxe.ExpectColumnValuesToBeInSet(column="readable", value_set=[True]),
             gxe.ExpectColumnValuesToBeBetween(column="bytes", min_value=1),
-            gxe.ExpectColumnValuesToBeBetween(column="width", min_value=v.min_side, max_value=v.max_side),
-            gxe.ExpectColumnValuesToBeBetween(column="height", min_value=v.min_side, max_value=v.max_side),
+            gxe.ExpectColumnValuesToBeBetween(
+                column="width", min_value=v.min_side, max_value=v.max_side
+            ),
+            gxe.ExpectColumnValuesToBeBetween(
+                column="height", min_value=v.min_side, max_value=v.max_side
+            ),
             gxe.ExpectColumnValuesToBeInSet(column="channels", value_set=[1, 2, 3, 4]),
             gxe.ExpectColumnValuesToBeInSet(column="leak", value_set=[False]),
         ],
         "classes": [
             gxe.ExpectTableRowCountToBeBetween(min_value=2),
-            gxe.ExpectColumnValuesToBeBetween(column="train_images", min_value=v.min_images_per_class),
+            gxe.ExpectColumnValuesToBeBetween(
+                column="train_images", min_value=v.min_images_per_class
+            ),
             gxe.ExpectColumnValuesToBeBetween(column="test_images", min_value=1),
         ],
     }
@@ -131,22 +177,34 @@ def run_expectations(rows: list[dict[str, Any]], config: PipelineConfig,
         suite = context.suites.add(gx.ExpectationSuite(name=name))
         for expectation in expectations:
             suite.add_expectation(expectation)
-        definitions.append(context.validation_definitions.add(
-            gx.ValidationDefinition(name=name, data=batch, suite=suite)))
+        definitions.append(
+            context.validation_definitions.add(
+                gx.ValidationDefinition(name=name, data=batch, suite=suite)
+            )
+        )
     records: list[dict[str, Any]] = []
     success = True
     for definition in definitions:
-        result = definition.run(batch_parameters={"dataframe": frames[definition.name]},
-                                result_format="SUMMARY")
+        result = definition.run(
+            batch_parameters={"dataframe": frames[definition.name]}, result_format="SUMMARY"
+        )
         success &= bool(result.success)
         for r in result.results:
-            kwargs = r.expectation_config.kwargs
-            records.append({
-                "table": definition.name, "expectation": r.expectation_config.type,
-                "column": kwargs.get("column", ""), "success": bool(r.success),
-                "unexpected": r.result.get("unexpected_count"),
-                "examples": [str(x) for x in (r.result.get("partial_unexpected_list") or [])[:5]],
-            })
+            conf = r.expectation_config
+            assert conf is not None  # GX fills it for every result of a suite run
+            kwargs = conf.kwargs
+            records.append(
+                {
+                    "table": definition.name,
+                    "expectation": conf.type,
+                    "column": kwargs.get("column", ""),
+                    "success": bool(r.success),
+                    "unexpected": r.result.get("unexpected_count"),
+                    "examples": [
+                        str(x) for x in (r.result.get("partial_unexpected_list") or [])[:5]
+                    ],
+                }
+            )
     context.build_data_docs(site_names=["run"])
     records.sort(key=lambda rec: rec["success"])
     return success, records
@@ -176,20 +234,38 @@ def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> 
     success, records = run_expectations(rows, config, docs)
     docs_url = _upload_docs(config, docs, output_prefix)
     failed = [r for r in records if not r["success"]]
-    lines = [f"# Data gate: {'passed' if success else 'FAILED'}", "",
-             f"{len(rows)} images under `{config.data.container}/{config.data.prefix}`; "
-             f"{len(records) - len(failed)} of {len(records)} expectations met. "
-             f"Data Docs: {docs_url}", "",
-             "| table | expectation | column | unexpected | examples |", "|---|---|---|---|---|"]
+    lines = [
+        f"# Data gate: {'passed' if success else 'FAILED'}",
+        "",
+        f"{len(rows)} images under `{config.data.container}/{config.data.prefix}`; "
+        f"{len(records) - len(failed)} of {len(records)} expectations met. "
+        f"Data Docs: {docs_url}",
+        "",
+        "| table | expectation | column | unexpected | examples |",
+        "|---|---|---|---|---|",
+    ]
     for r in failed:
-        lines.append(f"| {r['table']} | {r['expectation']} | {r['column']} | {r['unexpected']} "
-                     f"| {', '.join(_examples(rows, r))} |")
-    create_markdown_artifact("\n".join(lines), key="data-gate", description="Great Expectations gate")
+        lines.append(
+            f"| {r['table']} | {r['expectation']} | {r['column']} | {r['unexpected']} "
+            f"| {', '.join(_examples(rows, r))} |"
+        )
+    create_markdown_artifact(
+        "\n".join(lines), key="data-gate", description="Great Expectations gate"
+    )
     if not success:
-        summary = "; ".join(f"{r['expectation']}({r['column'] or r['table']}): "
-                            f"{r['unexpected'] if r['unexpected'] is not None else 'failed'} "
-                            f"unexpected, e.g. {', '.join(_examples(rows, r)) or '-'}" for r in failed)
+        summary = "; ".join(
+            f"{r['expectation']}({r['column'] or r['table']}): "
+            f"{r['unexpected'] if r['unexpected'] is not None else 'failed'} "
+            f"unexpected, e.g. {', '.join(_examples(rows, r)) or '-'}"
+            for r in failed
+        )
         raise DataValidationError(f"data gate failed, nothing was provisioned: {summary}")
     logger.info("data gate passed: %d images, %d expectations", len(rows), len(records))
-    return step_record("validate-data", started, True, images=len(rows),
-                       classes=len({r["label"] for r in rows}), data_docs=docs_url)
+    return step_record(
+        "validate-data",
+        started,
+        True,
+        images=len(rows),
+        classes=len({r["label"] for r in rows}),
+        data_docs=docs_url,
+    )

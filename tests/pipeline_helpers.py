@@ -16,12 +16,20 @@ from tests.conftest import ROOT
 def make_config(tmp_path: Path, *overrides: str) -> PipelineConfig:
     """configs/local.yaml on containers of its own and directories under tmp_path."""
     suffix = uuid.uuid4().hex[:10]
-    return load_config(ROOT / "configs" / "local.yaml", [
-        f"data.container=data-{suffix}", f"output.container=out-{suffix}",
-        f"share.local_dir={tmp_path / 'share'}", f"nfs.local_dir={tmp_path / 'nfs'}",
-        f"work_dir={tmp_path / 'work'}", f"pool.id=pool-{suffix}",
-        "training.epochs=3", "training.batch_size=16", *overrides,
-    ])
+    return load_config(
+        ROOT / "configs" / "local.yaml",
+        [
+            f"data.container=data-{suffix}",
+            f"output.container=out-{suffix}",
+            f"share.local_dir={tmp_path / 'share'}",
+            f"nfs.local_dir={tmp_path / 'nfs'}",
+            f"work_dir={tmp_path / 'work'}",
+            f"pool.id=pool-{suffix}",
+            "training.epochs=3",
+            "training.batch_size=16",
+            *overrides,
+        ],
+    )
 
 
 def seed(config: PipelineConfig, source: Path) -> int:
@@ -39,14 +47,18 @@ async def _read(flow_run_id: UUID) -> tuple[list[Any], list[Any]]:
 
     async with get_client() as client:
         task_runs = await client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
         artifacts = await client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return task_runs, artifacts
 
 
 def task_runs_and_artifacts(flow_run_id: UUID) -> tuple[dict[str, Any], list[Any]]:
     """Task runs by step name (the last run of each) and every artifact of one flow run."""
     task_runs, artifacts = asyncio.run(_read(flow_run_id))
-    by_step = {run.name.rsplit("-", 1)[0]: run for run in sorted(task_runs, key=lambda r: r.created)}
+    by_step = {
+        run.name.rsplit("-", 1)[0]: run for run in sorted(task_runs, key=lambda r: r.created)
+    }
     return by_step, artifacts

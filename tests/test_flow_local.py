@@ -49,14 +49,23 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
 
     outputs = container_client(config.output)
     prefix = f"runs/{result['run_id']}"
-    names = {b.name[len(prefix) + 1:] for b in outputs.list_blobs(name_starts_with=prefix + "/")}
-    for expected in ("model.pt", "metrics.json", "score.json", "timeline.json", "promotion.json",
-                     "logs/stdout.txt", "data_docs/index.html"):
+    names = {b.name[len(prefix) + 1 :] for b in outputs.list_blobs(name_starts_with=prefix + "/")}
+    for expected in (
+        "model.pt",
+        "metrics.json",
+        "score.json",
+        "timeline.json",
+        "promotion.json",
+        "logs/stdout.txt",
+        "data_docs/index.html",
+    ):
         assert expected in names, f"{expected} missing from {sorted(names)}"
     assert any(n.startswith("tensorboard/events.out.tfevents") for n in names)
     score = json.loads(outputs.download_blob(f"{prefix}/score.json").readall())
     metrics = json.loads(outputs.download_blob(f"{prefix}/metrics.json").readall())
-    assert score["accuracy"] == pytest.approx(metrics["test_accuracy"], abs=1.5 / score["num_images"])
+    assert score["accuracy"] == pytest.approx(
+        metrics["test_accuracy"], abs=1.5 / score["num_images"]
+    )
     assert metrics["world_size"] == 2
     champion = json.loads(outputs.download_blob("models/champion.json").readall())
     assert champion["run_id"] == result["run_id"]
@@ -72,7 +81,9 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
         assert any(f"{prefix}/{name})" in link for link in links), f"no link to {name}"
 
     # Steps 2 to 5 ran concurrently: every one started before any of them ended.
-    parallel = [task_runs[s] for s in ("upload-scripts", "stage-data", "build-image", "ensure-pool")]
+    parallel = [
+        task_runs[s] for s in ("upload-scripts", "stage-data", "build-image", "ensure-pool")
+    ]
     assert max(r.start_time for r in parallel) < min(r.end_time for r in parallel)
     assert task_runs["validate-data"].end_time <= min(r.start_time for r in parallel)
     assert task_runs["release-pool"].state.is_completed()
@@ -81,8 +92,9 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
 
     # A second run with nothing changed skips the scripts, data and image; a challenger
     # trained for one epoch only is worse and is not promoted.
-    state2, _, _ = run(config.model_copy(update={
-        "training": config.training.model_copy(update={"epochs": 1})}))
+    state2, _, _ = run(
+        config.model_copy(update={"training": config.training.model_copy(update={"epochs": 1})})
+    )
     assert state2.is_completed(), state2.message
     steps = {s["step"]: s for s in state2.result()["steps"]}
     assert steps["upload-scripts"]["status"] == "skipped"
@@ -118,7 +130,8 @@ def test_gate_stops_before_provisioning(case: str, tmp_path: Path, digits_source
     state, task_runs, artifacts = run(config)
     assert state.is_failed()
     assert "data gate failed" in state.message or "data gate failed" in str(
-        task_runs["validate-data"].state.message)
+        task_runs["validate-data"].state.message
+    )
     gate = next(a for a in artifacts if a.key == "data-gate").data
     assert "FAILED" in gate and expected in gate
     for step in ("upload-scripts", "stage-data", "build-image", "ensure-pool", "run-training"):
@@ -127,11 +140,15 @@ def test_gate_stops_before_provisioning(case: str, tmp_path: Path, digits_source
     assert not (config.work_dir / "pools" / config.pool.id / "tasks").exists()
 
 
-def test_killed_training_attempt_is_retried_and_resumes(tmp_path: Path, digits_source: Path) -> None:
+def test_killed_training_attempt_is_retried_and_resumes(
+    tmp_path: Path, digits_source: Path
+) -> None:
     config = make_config(tmp_path, "training.epochs=4", "retries.backoff_seconds=0")
     seed(config, digits_source)
     box: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: box.update(state=retrain(config=config, return_state=True)))
+    worker = threading.Thread(
+        target=lambda: box.update(state=retrain(config=config, return_state=True))
+    )
     worker.start()
     running = config.work_dir / "pools" / config.pool.id / "running"
     deadline = time.monotonic() + 600

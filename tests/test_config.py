@@ -1,0 +1,116 @@
+"""PipelineConfig: YAML + overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.config import ConfigError, PipelineConfig, load_config
+from flows.retrain import resolve_config
+from tasks.promote import decide
+from tests.conftest import ROOT, child_env
+
+LOCAL = ROOT / "configs" / "local.yaml"
+
+
+def test_shipped_configs_load() -> None:
+    local = load_config(LOCAL)
+    assert local.target == "local" and local.pool.processes_per_node == 2
+    azure = load_config(ROOT / "configs" / "azure.example.yaml")
+    assert azure.target == "azure" and azure.pool.nodes == 2
+    assert azure.data.connection_string_env is None  # identity, not a key, by default
+
+
+def test_overrides_are_typed() -> None:
+    cfg = load_config(
+        LOCAL,
+        [
+            "training.epochs=7",
+            "training.lr=0.2",
+            "training.timeline=false",
+            "training.extra_args=[--fp16-allreduce]",
+        ],
+    )
+    assert cfg.training.epochs == 7 and cfg.training.lr == 0.2 and cfg.training.timeline is False
+    assert cfg.training.extra_args == ["--fp16-allreduce"]
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("training.epochs=0", "training.epochs"),
+        ("training.model=vgg", "training.model"),
+        ("pool.processes_per_node=-1", "pool.processes_per_node"),
+        ("pool.dedicated_nodes=0", "pool"),
+        ("data.container=Bad_Name", "data.container"),
+        ("data.prefix=a/../b", "data.prefix"),
+        ("target=gcp", "target"),
+        ("training.typo=1", "training.typo"),
+        ("promotion.min_improvement=-0.1", "promotion.min_improvement"),
+    ],
+)
+def test_invalid_values_name_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"(?m)^  {field}[:.]"):
+        load_config(LOCAL, [override])
+
+
+def test_file_problems_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("data: [unclosed")
+    with pytest.raises(ConfigError, match=r"bad\.yaml is not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match=r"expected section\.field=value"):
+        load_config(LOCAL, ["training.epochs"])
+
+
+def test_flow_accepts_a_model_or_a_path() -> None:
+    cfg = load_config(LOCAL)
+    assert resolve_config(cfg, None, None) is cfg
+    from_path = resolve_config(None, str(LOCAL), ["training.epochs=2"])
+    assert isinstance(from_path, PipelineConfig) and from_path.training.epochs == 2
+    from_dict = resolve_config(cfg.model_dump(mode="json"), None, ["pool.processes_per_node=1"])
+    assert from_dict.pool.processes_per_node == 1
+    with pytest.raises(ConfigError, match="needs a config"):
+        resolve_config(None, None, None)
+
+
+def test_cli_rejects_bad_config_with_the_field() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.retrain",
+            "--config",
+            str(LOCAL),
+            "--set",
+            "training.batch_size=0",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "training.batch_size" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("challenger", "champion", "margin", "promoted"),
+    [
+        (0.90, None, 0.0, True),
+        (0.91, 0.90, 0.0, True),
+        (0.90, 0.90, 0.0, False),
+        (0.85, 0.90, 0.0, False),
+        (0.905, 0.90, 0.01, False),
+        (0.92, 0.90, 0.01, True),
+    ],
+)
+def test_promotion_decision(
+    challenger: float, champion: float | None, margin: float, promoted: bool
+) -> None:
+    assert decide(challenger, champion, margin)[0] is promoted
