@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,11 @@ from training.checkpoint import atomic_write_json
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
+
+
+SECRET_NAME = re.compile(
+    r"CONNECTION_STRING|ACCOUNT_KEY|SAS|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.IGNORECASE
+)
 
 
 class ClusterError(RuntimeError):
@@ -109,7 +115,8 @@ class LocalCluster:
 
     def _environment(self, spec: TaskSpec, task_dir: Path) -> dict[str, str]:
         bindir = str(Path(self.python).parent)
-        env = dict(os.environ)
+        # A Batch node never sees the orchestrator's credentials; neither does a local task.
+        env = {k: v for k, v in os.environ.items() if not SECRET_NAME.search(k)}
         env.update(spec.environment)
         env.update(
             {

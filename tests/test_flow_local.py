@@ -169,3 +169,19 @@ def test_killed_training_attempt_is_retried_and_resumes(
     assert 1 not in steps["run-training"]["details"]["epochs_run"]
     task_runs, _ = task_runs_and_artifacts(state.state_details.flow_run_id)
     assert task_runs["run-training"].run_count == 2
+
+
+def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: str) -> None:
+    from backends.local_cluster import LocalCluster
+    from backends.taskspec import TaskSpec
+
+    outputs = container_client(make_config(tmp_path).output, create=True)
+    cluster = LocalCluster(tmp_path / "work", "p", 1, tmp_path / "nfs", tmp_path / "share", outputs)
+    cluster.ensure_pool()
+    lines: list[str] = []
+    result = cluster.run_task(TaskSpec("env", "/bin/bash -c env"), lines.append)
+    assert result.exit_code == 0
+    seen = "\n".join(lines)
+    assert "AZ_BATCH_NODE_MOUNTS_DIR=" in seen
+    assert "AZURE_STORAGE_CONNECTION_STRING" not in seen and "AccountKey" not in seen
+    assert cluster.release()["was"] == "steady" and cluster.state() == "released"
