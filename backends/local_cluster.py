@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -149,8 +150,6 @@ class LocalCluster:
         timeout: float,
     ) -> int:
         # Batch command lines are executed without a shell: split like Batch does.
-        import shlex
-
         proc = subprocess.Popen(
             shlex.split(command),
             cwd=cwd,

@@ -13,6 +13,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training.checkpoint import atomic_write_json
+
 HASHES = ".content-hashes.json"
 
 
@@ -80,8 +82,6 @@ class LocalShare:
             Path(tmp.name).chmod(source.stat().st_mode & 0o777)
             Path(tmp.name).replace(target)
             report.uploaded.append(rel)
-        from training.checkpoint import atomic_write_json
-
         atomic_write_json(current, self.root / HASHES)
         report.digest = tree_digest(current)
         return report

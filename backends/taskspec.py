@@ -50,7 +50,7 @@ class TaskSpec:
 
 # Batch does not expand variables in environment settings, so the scripts' import path is set
 # inside the command, where the node's shell expands it.
-PYTHONPATH = 'export PYTHONPATH="$AZ_BATCH_NODE_MOUNTS_DIR/scripts"'
+PYTHONPATH = f'export PYTHONPATH="$AZ_BATCH_NODE_MOUNTS_DIR/{SHARE_MOUNT}"'
 
 
 def _bash(script: str) -> str:

@@ -20,14 +20,11 @@ from flows.config import PipelineConfig
 from tasks.steps import step_record
 
 SCRIPT_PACKAGES = ["training"]
+# Storage faults (throttling, resets) are usually gone within seconds: 2, 4, 8 s.
+TRANSIENT_BACKOFF = exponential_backoff(backoff_factor=2)
 
 
-@task(
-    name="upload-scripts",
-    cache_policy=NONE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-)
+@task(name="upload-scripts", cache_policy=NONE, retries=3, retry_delay_seconds=TRANSIENT_BACKOFF)
 def upload_scripts(config: PipelineConfig) -> dict[str, Any]:
     started = time.perf_counter()
     report = factory.share(config).upload(collect_files(factory.PROJECT_ROOT, SCRIPT_PACKAGES))
@@ -44,12 +41,7 @@ def upload_scripts(config: PipelineConfig) -> dict[str, Any]:
     )
 
 
-@task(
-    name="stage-data",
-    cache_policy=NONE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-)
+@task(name="stage-data", cache_policy=NONE, retries=3, retry_delay_seconds=TRANSIENT_BACKOFF)
 def stage_data(config: PipelineConfig) -> dict[str, Any]:
     started = time.perf_counter()
     container = container_client(config.data, config.retries.storage_retries)
