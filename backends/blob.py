@@ -95,6 +95,11 @@ def container_client(
     return client
 
 
+def folder(prefix: str) -> str | None:
+    """The ``name_starts_with`` that lists what lies below ``prefix`` (everything for "")."""
+    return f"{prefix.strip('/')}/" if prefix.strip("/") else None
+
+
 def join(prefix: str, name: str) -> str:
     return f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
 
@@ -109,7 +114,7 @@ def upload_directory(container: ContainerClient, source: Path, prefix: str) -> i
 
     existing = {
         b.name: b.content_settings.content_md5
-        for b in container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
+        for b in container.list_blobs(name_starts_with=folder(prefix))
     }
     uploaded = 0
     for path in sorted(p for p in source.rglob("*") if p.is_file()):

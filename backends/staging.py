@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from backends.blob import folder
 from training.checkpoint import atomic_write_json
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def sync_to_directory(
 ) -> SyncReport:
     """Mirror the blobs under ``prefix`` into ``dest``; see the module docstring."""
     prefix = prefix.strip("/")
-    listing = list(container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None))
+    listing = list(container.list_blobs(name_starts_with=folder(prefix)))
     planned: dict[str, tuple[Any, PurePosixPath]] = {}
     for blob in listing:  # check every name before writing anything
         planned[blob.name] = (blob, safe_relative_path(blob.name, prefix))

@@ -56,6 +56,7 @@ def retrain(
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
     from tasks.report import report
+    from tasks.steps import record_only
     from tasks.training import collect_and_score, run_training, training_key
     from tasks.validate import validate_data
 
@@ -85,11 +86,9 @@ def retrain(
         )
         steps.append(trainer(cfg, cluster, run_id, key, output_prefix))
         collected = collect_and_score(cfg, cluster, run_id, output_prefix)
-        steps.append(
-            {k: v for k, v in collected.items() if k in ("step", "status", "seconds", "details")}
-        )
+        steps.append(record_only(collected))
         promotion = promote(cfg, run_id, output_prefix, collected["score"])
-        steps.append({k: v for k, v in promotion.items() if k != "decision"})
+        steps.append(record_only(promotion))
     finally:
         steps.append(release_pool(cluster))
     outputs_url = f"{cluster.outputs.url}/{output_prefix}"

@@ -8,6 +8,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+STEP_KEYS = ("step", "status", "seconds", "details")
+
+
+def record_only(result: dict[str, Any]) -> dict[str, Any]:
+    """The step record out of a task result that also carries a payload (metrics, decision)."""
+    return {k: result[k] for k in STEP_KEYS}
+
 
 def step_record(name: str, started: float, ran: bool, **details: Any) -> dict[str, Any]:
     return {

@@ -19,7 +19,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from backends.blob import container_client, upload_directory
+from backends.blob import container_client, folder, upload_directory
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 
@@ -75,7 +75,7 @@ def build_manifest(config: PipelineConfig) -> list[dict[str, Any]]:
     prefix = config.data.prefix
     blobs = [
         b
-        for b in container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
+        for b in container.list_blobs(name_starts_with=folder(prefix))
         if not b.name.rsplit("/", 1)[-1].startswith("_")
     ]  # markers such as _SUCCESS
     with ThreadPoolExecutor(max_workers=16) as pool:
