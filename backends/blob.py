@@ -1,5 +1,8 @@
 """Blob storage clients, built from a config without a secret ever passing through parameters.
 
+Imports nothing of the orchestrator at run time: the staging task imports this module on Batch
+nodes too.
+
 Order of preference: a connection string named by an environment variable (Azurite, or an
 explicit key the user chose), a prefect-azure credentials block, then DefaultAzureCredential
 (managed identity on a Batch node or worker VM, ``az login`` on a laptop).
@@ -13,10 +16,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from flows.config import BlobLocation
-
 if TYPE_CHECKING:
     from azure.storage.blob import BlobServiceClient, ContainerClient
+
+    from flows.config import BlobLocation
 
 # Azurite rejects the newest service version the SDK speaks; this one both accept, and real
 # Azure accepts it too, so one client works against both.

@@ -6,7 +6,10 @@ dependencies), so an unchanged image is never rebuilt and a changed one never re
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +19,16 @@ IMAGE_INPUTS = ["docker", "training"]
 LOCK_FILES = ["constraints.txt", "pyproject.toml", "scripts/install_horovod.sh"]
 
 
-def content_tag(root: Path) -> str:
+def image_inputs(root: Path) -> dict[str, Path]:
+    """Every file the image is built from: the build context, and what the tag hashes."""
     files = collect_files(root, IMAGE_INPUTS)
     for rel in LOCK_FILES:
         files[rel] = root / rel
+    return files
+
+
+def content_tag(root: Path) -> str:
+    files = image_inputs(root)
     digest = hashlib.sha256()
     for rel in sorted(files):
         digest.update(f"{rel}\0{file_sha256(files[rel])}\n".encode())
@@ -40,3 +49,17 @@ def build_local(root: Path, repository: str) -> ImageResult:
         False,
         "not needed: the local target runs the trainer as local processes",
     )
+
+
+def context_archive(root: Path) -> bytes:
+    """The build context as a reproducible tar.gz (sorted names, no owners or times)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for rel, path in sorted(image_inputs(root).items()):
+            info = tar.gettarinfo(str(path), arcname=rel)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            with open(path, "rb") as fh:
+                tar.addfile(info, fh)
+    return gzip.compress(buffer.getvalue(), compresslevel=6, mtime=0)

@@ -20,11 +20,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, OutputSpec, TaskSpec
+from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, OutputSpec, TaskResult, TaskSpec
 from training.checkpoint import atomic_write_json
 
 if TYPE_CHECKING:
@@ -40,14 +39,6 @@ class ClusterError(RuntimeError):
     """The pool cannot run the task (not ensured, wrong size, missing tools)."""
 
 
-@dataclass
-class TaskResult:
-    exit_code: int
-    task_dir: Path
-    uploaded: list[str]
-    seconds: float
-
-
 def _split_pattern(pattern: str) -> tuple[str, str | None]:
     """('base dir', 'glob below it') for a Batch file pattern; glob None for an exact file."""
     parts = pattern.split("/")
@@ -58,6 +49,8 @@ def _split_pattern(pattern: str) -> tuple[str, str | None]:
 
 
 class LocalCluster:
+    retries_in_service = False
+
     def __init__(
         self,
         work_dir: Path,

@@ -10,9 +10,15 @@ in a command line or in the plain environment.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flows.config import PipelineConfig
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
 
 NFS_MOUNT = "nfs"  # relative mount paths under $AZ_BATCH_NODE_MOUNTS_DIR
 SHARE_MOUNT = "scripts"
@@ -46,6 +52,30 @@ class TaskSpec:
     outputs: list[OutputSpec] = field(default_factory=list)
     resources: list[ResourceSpec] = field(default_factory=list)
     max_wall_clock_seconds: int = 6 * 3600
+    max_retries: int = 0  # on Batch the service retries; the local cluster runs once
+    reads_training_data: bool = False  # the cluster then provides RETRAIN_DATA_URL
+
+
+@dataclass
+class TaskResult:
+    exit_code: int
+    task_dir: Path | None  # local clusters only
+    uploaded: list[str]
+    seconds: float
+    attempts: int = 1
+
+
+class Cluster(Protocol):
+    """Azure Batch or the local stand-in; the flow sees only this."""
+
+    outputs: ContainerClient
+    retries_in_service: bool  # True when the service itself retries a failed task
+
+    def ensure_pool(self) -> dict[str, Any]: ...
+
+    def run_task(self, spec: TaskSpec, on_line: Callable[[str], None] = ...) -> TaskResult: ...
+
+    def release(self) -> dict[str, Any]: ...
 
 
 # Batch does not expand variables in environment settings, so the scripts' import path is set
@@ -103,6 +133,28 @@ def training_task(
             OutputSpec(f"{OUTPUT_DIR}/**/*", output_prefix),
             OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskCompletion"),
         ],
+        max_retries=config.retries.training_attempts - 1,
+    )
+
+
+def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> TaskSpec:
+    """Blob -> NFS on a pool node (Azure): the data never streams through the orchestrator."""
+    script = (
+        f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m backends.stage_task "
+        f"--prefix {shlex.quote(config.data.prefix or '')} "
+        f'--dest "{mounts(NFS_MOUNT)}/data" --report {OUTPUT_DIR}/staging.json'
+    )
+    return TaskSpec(
+        id=task_id,
+        command_line=_bash(script),
+        environment={"PYTHONUNBUFFERED": "1"},
+        outputs=[
+            OutputSpec(f"{OUTPUT_DIR}/staging.json", f"{output_prefix}/staging.json"),
+            OutputSpec("../std*.txt", f"{output_prefix}/logs-staging", "taskCompletion"),
+        ],
+        max_wall_clock_seconds=4 * 3600,
+        max_retries=config.retries.storage_retries,
+        reads_training_data=True,
     )
 
 

@@ -67,7 +67,14 @@ class ShareConfig(_Section):
     """Where the training scripts go: an Azure Files share, or a directory standing in for it."""
 
     name: str = "retrain-scripts"
-    account_url: str | None = None
+    account_url: str | None = Field(
+        None, description="https://<account>.file.core.windows.net (Entra ID, backup intent)"
+    )
+    account_key_secret: str | None = Field(
+        None,
+        description="name of a Prefect Secret block with the storage account key; Batch needs "
+        "it to mount the share on the nodes (an SMB mount cannot use an identity)",
+    )
     local_dir: Path = Path(".work/share")
 
 
@@ -75,13 +82,22 @@ class NfsConfig(_Section):
     """The shared data and checkpoint storage the nodes mount."""
 
     local_dir: Path = Path(".work/nfs")
-    mount_path: str = "/mnt/nfs"
+    source: str | None = Field(
+        None, description="the NFS export the Batch nodes mount, e.g. 10.0.0.4:/export/retrain"
+    )
+    mount_options: str = "-o vers=4.1,hard,nconnect=8"
 
 
 class ImageConfig(_Section):
     builder: Literal["none", "acr", "docker"] = "none"
-    registry: str | None = None
+    registry: str | None = Field(None, description="<registry>.azurecr.io")
     repository: str = "retrain/horovod"
+    registry_username: str | None = Field(
+        None, description="a pull-only ACR token name; omit to pull with the pool's identity"
+    )
+    registry_password_secret: str | None = Field(
+        None, description="name of a Prefect Secret block with that token's password"
+    )
 
 
 class PoolConfig(_Section):
@@ -91,6 +107,20 @@ class PoolConfig(_Section):
     low_priority_nodes: int = Field(0, ge=0)
     processes_per_node: int = Field(2, ge=1, description="GPUs per node on Azure")
     release: Literal["resize_to_zero", "delete"] = "resize_to_zero"
+    image_publisher: str = "microsoft-dsvm"
+    image_offer: str = "ubuntu-hpc"
+    image_sku: str = "2204"
+    node_agent_sku_id: str = "batch.node.ubuntu 22.04"
+    subnet_id: str | None = Field(
+        None, description="a subnet that can reach the NFS server (ARM resource id)"
+    )
+    autoscale_formula: str | None = Field(
+        None, description="Batch autoscale formula; replaces the fixed node counts"
+    )
+    infiniband: Literal["auto", "on", "off"] = Field(
+        "auto", description="NCCL over InfiniBand: auto means by the VM size (H-, ND-series)"
+    )
+    start_timeout_minutes: int = Field(30, ge=1, description="how long nodes may take to start")
 
     @property
     def nodes(self) -> int:
@@ -132,6 +162,32 @@ class ValidationConfig(_Section):
     max_side: int = Field(4096, ge=1)
 
 
+class AzureConfig(_Section):
+    """The Azure account resources; unused on the local target."""
+
+    batch_account_url: str | None = Field(
+        None, description="https://<account>.<region>.batch.azure.com"
+    )
+    batch_key_secret: str | None = Field(
+        None,
+        description="name of a Prefect Secret block with the Batch account key; without "
+        "it, Entra ID (DefaultAzureCredential) is used",
+    )
+    subscription_id: str | None = None
+    resource_group: str | None = Field(None, description="of the container registry")
+    identity_resource_id: str | None = Field(
+        None,
+        description="user-assigned identity the pool's nodes use for Blob and ACR instead of "
+        "SAS tokens and registry passwords (the pool must be created with it through ARM)",
+    )
+    identity_client_id: str | None = Field(
+        None, description="that identity's client id, for DefaultAzureCredential on the nodes"
+    )
+    sas_hours: float = Field(
+        12, gt=0, le=168, description="lifetime of SAS tokens given to the nodes"
+    )
+
+
 class PipelineConfig(_Section):
     """Everything one retrain run needs. Sections mirror the steps of the flow."""
 
@@ -146,7 +202,32 @@ class PipelineConfig(_Section):
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     output: BlobLocation
+    azure: AzureConfig = Field(default_factory=AzureConfig)
     work_dir: Path = Field(Path(".work"), description="local state: run folders, logs")
+
+    @model_validator(mode="after")
+    def _azure_complete(self) -> PipelineConfig:
+        """A run on Azure that lacks a resource fails at load, before anything is created."""
+        if self.target != "azure":
+            return self
+        needed = {
+            "azure.batch_account_url": self.azure.batch_account_url,
+            "share.account_url": self.share.account_url,
+            "nfs.source": self.nfs.source,
+            "share.account_key_secret": self.share.account_key_secret,  # for the SMB mount
+            "image.registry": self.image.registry,
+            "data.account_url": self.data.account_url or self.data.connection_string_env,
+            "output.account_url": self.output.account_url or self.output.connection_string_env,
+        }
+        if self.image.builder == "acr":
+            needed["azure.subscription_id"] = self.azure.subscription_id
+            needed["azure.resource_group"] = self.azure.resource_group
+        missing = [name for name, value in needed.items() if not value]
+        if missing:
+            raise ValueError(f"target azure needs {', '.join(missing)}")
+        if self.image.registry_username and not self.image.registry_password_secret:
+            raise ValueError("image.registry_username needs image.registry_password_secret")
+        return self
 
 
 class ConfigError(ValueError):

@@ -69,19 +69,26 @@ def retrain(
     steps: list[dict[str, Any]] = []
     try:
         steps.append(validate_data(cfg, run_dir, output_prefix))
-        futures = [
-            upload_scripts.submit(cfg),
-            stage_data.submit(cfg),
-            build_image.submit(cfg),
-            ensure_pool.submit(cfg, cluster),
-        ]
-        uploaded, staged, image, pool = (f.result() for f in futures)
+        scripts_f = upload_scripts.submit(cfg)
+        image_f = build_image.submit(cfg)
+        pool_f = ensure_pool.submit(cfg, cluster)
+        # On Azure, staging runs on the pool with the uploaded staging code.
+        staged_f = stage_data.submit(
+            cfg,
+            cluster,
+            run_id,
+            output_prefix,
+            wait_for=[pool_f, scripts_f] if cfg.target == "azure" else [],
+            return_state=False,
+        )
+        uploaded, staged, image, pool = (f.result() for f in (scripts_f, staged_f, image_f, pool_f))
         steps += [uploaded, staged, image, pool]
         key = training_key(
             cfg, staged["details"]["data_version"], uploaded["details"]["code_version"]
         )
+        # Batch retries the task itself on the same nodes; the local cluster needs Prefect to.
         trainer = run_training.with_options(
-            retries=cfg.retries.training_attempts - 1,
+            retries=0 if cluster.retries_in_service else cfg.retries.training_attempts - 1,
             retry_delay_seconds=cfg.retries.backoff_seconds,
         )
         steps.append(trainer(cfg, cluster, run_id, key, output_prefix))

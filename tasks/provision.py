@@ -1,25 +1,29 @@
-"""Steps 2 to 5, independent of each other, run concurrently once the data gate has passed:
-upload the scripts, stage the data, build the image, ensure the pool."""
+"""Steps 2 to 5, run concurrently once the data gate has passed: upload the scripts, stage the
+data, build the image, ensure the pool. On Azure, staging is itself a task on the pool (the data
+must not stream through the orchestrator), so there it waits for the pool and the scripts."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 
 from backends import factory
 from backends.blob import container_client
-from backends.image import build_local
-from backends.local_cluster import LocalCluster
 from backends.share import collect_files
 from backends.staging import sync_to_directory
+from backends.taskspec import Cluster, staging_task
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 
-SCRIPT_PACKAGES = ["training"]
+# What the nodes import from the share: the trainer, and the staging code the Azure staging
+# task runs.
+SCRIPT_PACKAGES = ["training", "backends"]
 # Storage faults (throttling, resets) are usually gone within seconds: 2, 4, 8 s.
 TRANSIENT_BACKOFF = exponential_backoff(backoff_factor=2)
 
@@ -42,36 +46,51 @@ def upload_scripts(config: PipelineConfig) -> dict[str, Any]:
 
 
 @task(name="stage-data", cache_policy=NONE, retries=3, retry_delay_seconds=TRANSIENT_BACKOFF)
-def stage_data(config: PipelineConfig) -> dict[str, Any]:
+def stage_data(
+    config: PipelineConfig, cluster: Cluster, run_id: str, output_prefix: str
+) -> dict[str, Any]:
     started = time.perf_counter()
-    container = container_client(config.data, config.retries.storage_retries)
-    report = sync_to_directory(container, config.data.prefix, config.nfs.local_dir / "data")
-    get_run_logger().info(
+    logger = get_run_logger()
+    if config.target == "local":
+        container = container_client(config.data, config.retries.storage_retries)
+        report = sync_to_directory(
+            container, config.data.prefix, config.nfs.local_dir / "data"
+        ).as_dict()
+    else:
+        # A fresh task id per attempt: a Batch task id cannot be reused within its job.
+        spec = staging_task(config, f"stage-{run_id}-{task_run.run_count}", output_prefix)
+        result = cluster.run_task(spec, logger.info)
+        if result.exit_code != 0:
+            raise RuntimeError(f"staging task {spec.id} exited with {result.exit_code}")
+        blob = cluster.outputs.download_blob(f"{output_prefix}/staging.json")
+        report = json.loads(blob.readall())
+    logger.info(
         "data: %d downloaded (%d bytes), %d unchanged, %d deleted; version %s",
-        len(report.downloaded),
-        report.bytes_downloaded,
-        report.skipped,
-        len(report.deleted),
-        report.data_version,
+        len(report["downloaded"]),
+        report["bytes_downloaded"],
+        report["skipped"],
+        len(report["deleted"]),
+        report["data_version"],
     )
     return step_record(
         "stage-data",
         started,
-        bool(report.downloaded or report.deleted),
-        downloaded=len(report.downloaded),
-        unchanged=report.skipped,
-        deleted=len(report.deleted),
-        bytes=report.bytes_downloaded,
-        files=report.total_files,
-        data_version=report.data_version,
+        bool(report["downloaded"] or report["deleted"]),
+        downloaded=len(report["downloaded"]),
+        unchanged=report["skipped"],
+        deleted=len(report["deleted"]),
+        bytes=report["bytes_downloaded"],
+        files=report["total_files"],
+        data_version=report["data_version"],
     )
 
 
 @task(name="build-image", cache_policy=NONE)
 def build_image(config: PipelineConfig) -> dict[str, Any]:
     started = time.perf_counter()
-    result = build_local(factory.PROJECT_ROOT, config.image.repository)
-    get_run_logger().info("image %s: %s", result.reference, result.reason)
+    logger = get_run_logger()
+    result = factory.build_image(config, logger.info)
+    logger.info("image %s: %s", result.reference, result.reason)
     return step_record(
         "build-image", started, result.built, image=result.reference, reason=result.reason
     )
@@ -83,17 +102,19 @@ def build_image(config: PipelineConfig) -> dict[str, Any]:
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=5),
 )
-def ensure_pool(config: PipelineConfig, cluster: LocalCluster) -> dict[str, Any]:
+def ensure_pool(config: PipelineConfig, cluster: Cluster) -> dict[str, Any]:
     started = time.perf_counter()
     info = cluster.ensure_pool()
     get_run_logger().info(
-        "pool %s steady (%s)", config.pool.id, "created" if info["created"] else "already there"
+        "pool %s ready: %s",
+        config.pool.id,
+        info.get("action") or ("created" if info["created"] else "already there"),
     )
     return step_record("ensure-pool", started, bool(info["created"]), **info)
 
 
 @task(name="release-pool", cache_policy=NONE)
-def release_pool(cluster: LocalCluster) -> dict[str, Any]:
+def release_pool(cluster: Cluster) -> dict[str, Any]:
     started = time.perf_counter()
     info = cluster.release()
     get_run_logger().info("pool %s released (was %s)", info["pool"], info["was"])

@@ -19,8 +19,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
 
-from backends.local_cluster import LocalCluster
-from backends.taskspec import scoring_task, training_task
+from backends.taskspec import Cluster, scoring_task, training_task
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 
@@ -48,7 +47,7 @@ def training_key(config: PipelineConfig, data_version: str, code_version: str) -
 
 @task(name="run-training", cache_policy=NONE)
 def run_training(
-    config: PipelineConfig, cluster: LocalCluster, run_id: str, key: str, output_prefix: str
+    config: PipelineConfig, cluster: Cluster, run_id: str, key: str, output_prefix: str
 ) -> dict[str, Any]:
     logger = get_run_logger()
     started = time.perf_counter()
@@ -101,12 +100,13 @@ def run_training(
         resumed_from_epoch=resumed[-1] if resumed else None,
         epochs_run=[e["epoch"] for e in epochs],
         outputs=len(result.uploaded),
+        attempts=result.attempts,
     )
 
 
 @task(name="collect-and-score", cache_policy=NONE, retries=2, retry_delay_seconds=5)
 def collect_and_score(
-    config: PipelineConfig, cluster: LocalCluster, run_id: str, output_prefix: str
+    config: PipelineConfig, cluster: Cluster, run_id: str, output_prefix: str
 ) -> dict[str, Any]:
     logger = get_run_logger()
     started = time.perf_counter()

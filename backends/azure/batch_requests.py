@@ -1,0 +1,211 @@
+"""The request bodies the pipeline sends to Azure Batch, built from a config and a task spec.
+
+Pure functions: the Batch cluster sends them and ``--plan`` prints them, so what a user reviews
+is exactly what goes on the wire. ``wire`` serializes a model the way the SDK does (REST JSON,
+camelCase, read-only fields dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from backends.azure.access import NodeAccess
+from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, TaskSpec
+from flows.config import PipelineConfig
+
+if TYPE_CHECKING:
+    from azure.batch import models as batch_models
+
+# Sizes with an "r" among their feature letters have RDMA (InfiniBand): ND96isr_H100_v5,
+# ND96asr_v4, HB120rs_v3, NC24rs_v3. NC24ads_A100_v4 has none.
+_SIZE = re.compile(r"^Standard_[A-Z]+\d+([a-z]*)", re.IGNORECASE)
+
+
+def has_infiniband(config: PipelineConfig) -> bool:
+    if config.pool.infiniband != "auto":
+        return config.pool.infiniband == "on"
+    match = _SIZE.match(config.pool.vm_size)
+    return bool(match and "r" in match.group(1).lower())
+
+
+def wire(model: Any) -> dict[str, Any]:
+    from azure.batch._utils.model_base import SdkJSONEncoder
+
+    return dict(json.loads(json.dumps(model, cls=SdkJSONEncoder, exclude_readonly=True)))
+
+
+def _identity(access: NodeAccess) -> batch_models.BatchNodeIdentityReference | None:
+    from azure.batch import models as m
+
+    return m.BatchNodeIdentityReference(resource_id=access.identity) if access.identity else None
+
+
+def pool_body(
+    config: PipelineConfig,
+    image: str,
+    access: NodeAccess,
+    share_key: str,
+    registry_password: str | None,
+) -> batch_models.BatchPoolCreateOptions:
+    """A container-capable GPU pool with inter-node communication and both mounts."""
+    from azure.batch import models as m
+
+    pool, registry = config.pool, config.image.registry
+    registry_ref = m.ContainerRegistryReference(
+        registry_server=registry,
+        username=config.image.registry_username,
+        password=registry_password,
+        identity_reference=None if registry_password else _identity(access),
+    )
+    share_url = f"{str(config.share.account_url).rstrip('/')}/{config.share.name}"
+    autoscale = bool(pool.autoscale_formula)
+    return m.BatchPoolCreateOptions(
+        id=pool.id,
+        vm_size=pool.vm_size,
+        virtual_machine_configuration=m.VirtualMachineConfiguration(
+            image_reference=m.BatchVmImageReference(
+                publisher=pool.image_publisher,
+                offer=pool.image_offer,
+                sku=pool.image_sku,
+                version="latest",
+            ),
+            node_agent_sku_id=pool.node_agent_sku_id,
+            container_configuration=m.BatchContainerConfiguration(
+                type="dockerCompatible",
+                container_image_names=[image],  # pulled once per node, before any task
+                container_registries=[registry_ref],
+            ),
+        ),
+        target_dedicated_nodes=None if autoscale else pool.dedicated_nodes,
+        target_low_priority_nodes=None if autoscale else pool.low_priority_nodes,
+        enable_auto_scale=autoscale,
+        auto_scale_formula=pool.autoscale_formula,
+        auto_scale_evaluation_interval=timedelta(minutes=5) if autoscale else None,
+        resize_timeout=timedelta(minutes=pool.start_timeout_minutes),
+        enable_inter_node_communication=True,  # multi-instance tasks need it
+        task_slots_per_node=1,  # one training process group owns a node's GPUs
+        network_configuration=(
+            m.NetworkConfiguration(subnet_id=pool.subnet_id) if pool.subnet_id else None
+        ),
+        mount_configuration=[
+            m.MountConfiguration(
+                nfs_mount_configuration=m.NfsMountConfiguration(
+                    source=str(config.nfs.source),
+                    relative_mount_path=NFS_MOUNT,
+                    mount_options=config.nfs.mount_options,
+                )
+            ),
+            m.MountConfiguration(
+                azure_file_share_configuration=m.AzureFileShareConfiguration(
+                    account_name=share_url.split("//", 1)[1].split(".", 1)[0],
+                    azure_file_url=share_url,
+                    account_key=share_key,
+                    relative_mount_path=SHARE_MOUNT,
+                    mount_options="-o vers=3.0,dir_mode=0755,file_mode=0755,serverino",
+                )
+            ),
+        ],
+        metadata=[m.BatchMetadataItem(name="created-by", value="retrain-pipeline")],
+    )
+
+
+def resize_body(dedicated: int, low_priority: int) -> batch_models.BatchPoolResizeOptions:
+    from azure.batch import models as m
+
+    return m.BatchPoolResizeOptions(
+        target_dedicated_nodes=dedicated,
+        target_low_priority_nodes=low_priority,
+        node_deallocation_option="taskcompletion" if dedicated + low_priority else "requeue",
+    )
+
+
+def job_body(config: PipelineConfig, job_id: str) -> batch_models.BatchJobCreateOptions:
+    """One job per task: it ends when its task does, so nothing lingers on the pool."""
+    from azure.batch import models as m
+
+    return m.BatchJobCreateOptions(
+        id=job_id,
+        pool_info=m.BatchPoolInfo(pool_id=config.pool.id),
+        all_tasks_complete_mode="terminatejob",
+        metadata=[m.BatchMetadataItem(name="created-by", value="retrain-pipeline")],
+    )
+
+
+def _nccl_environment(config: PipelineConfig) -> dict[str, str]:
+    if has_infiniband(config):
+        return {"NCCL_IB_DISABLE": "0", "NCCL_IB_PCI_RELAXED_ORDERING": "1", "UCX_TLS": "rc"}
+    return {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "eth0"}
+
+
+def container_run_options(config: PipelineConfig) -> str:
+    # Host networking: Horovod's ranks talk to each other on the nodes' own addresses.
+    options = "--network=host --ipc=host --ulimit memlock=-1 --ulimit stack=67108864"
+    if has_infiniband(config):
+        options += " --device=/dev/infiniband --cap-add=IPC_LOCK"
+    return options
+
+
+def task_body(
+    config: PipelineConfig, spec: TaskSpec, image: str, access: NodeAccess
+) -> batch_models.BatchTaskCreateOptions:
+    from azure.batch import models as m
+
+    identity = _identity(access)
+    environment = {**spec.environment, **_nccl_environment(config), "RETRAIN_PYTHON": "python"}
+    if spec.reads_training_data:
+        environment["RETRAIN_DATA_URL"] = access.data_url
+        if access.identity_client_id:
+            environment["AZURE_CLIENT_ID"] = access.identity_client_id
+    outputs = [
+        m.OutputFile(
+            file_pattern=out.pattern,
+            destination=m.OutputFileDestination(
+                container=m.OutputFileBlobContainerDestination(
+                    container_url=access.output_url,
+                    path=out.destination,
+                    identity_reference=identity,
+                )
+            ),
+            upload_options=m.OutputFileUploadConfiguration(upload_condition=out.condition),
+        )
+        for out in spec.outputs
+    ]
+    resources = [
+        m.ResourceFile(
+            http_url=access.blob_url(res.blob), file_path=res.file_path, identity_reference=identity
+        )
+        for res in spec.resources
+    ]
+    multi = None
+    if spec.coordination_command:  # every multi-node spec prepares its nodes
+        multi = m.MultiInstanceSettings(
+            number_of_instances=spec.instances,
+            coordination_command_line=spec.coordination_command,
+        )
+    return m.BatchTaskCreateOptions(
+        id=spec.id,
+        command_line=spec.command_line,
+        container_settings=m.BatchTaskContainerSettings(
+            image_name=image,
+            container_run_options=container_run_options(config),
+            working_directory="taskWorkingDirectory",
+        ),
+        resource_files=resources or None,
+        output_files=outputs,
+        environment_settings=[
+            m.EnvironmentSetting(name=k, value=v) for k, v in sorted(environment.items())
+        ],
+        constraints=m.BatchTaskConstraints(
+            max_wall_clock_time=timedelta(seconds=spec.max_wall_clock_seconds),
+            max_task_retry_count=spec.max_retries,
+            retention_time=timedelta(days=2),
+        ),
+        # Pool-wide admin auto-user: MPI/SSH between the nodes and InfiniBand devices need it.
+        user_identity=m.UserIdentity(
+            auto_user=m.AutoUserSpecification(scope="pool", elevation_level="admin")
+        ),
+        multi_instance_settings=multi,
+    )

@@ -1,0 +1,73 @@
+"""The scripts share on Azure Files: the same contract as ``LocalShare``.
+
+Each file's SHA-256 is kept in its own metadata, so an unchanged file costs one properties
+request and no upload, and the share itself is the record of what it holds (nothing to lose on
+the orchestrator). A changed file is uploaded under a temporary name and renamed over the old
+one, so a node that mounts the share never reads half a script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from backends.share import UploadReport, file_sha256, tree_digest
+
+if TYPE_CHECKING:
+    from azure.storage.fileshare import ShareClient, ShareServiceClient
+
+HASH_KEY = "contentsha256"
+
+
+class AzureFilesShare:
+    def __init__(self, service: ShareServiceClient, name: str) -> None:
+        self.share: ShareClient = service.get_share_client(name)
+
+    def _ensure_share(self) -> None:
+        from azure.core.exceptions import ResourceExistsError
+
+        with contextlib.suppress(ResourceExistsError):
+            self.share.create_share()
+
+    def _ensure_directories(self, rel: str, known: set[str]) -> None:
+        from azure.core.exceptions import ResourceExistsError
+
+        parents = list(PurePosixPath(rel).parents)[:-1]  # without "."
+        for parent in reversed(parents):
+            path = parent.as_posix()
+            if path in known:
+                continue
+            with contextlib.suppress(ResourceExistsError):
+                self.share.create_directory(path)
+            known.add(path)
+
+    def _stored_hash(self, rel: str) -> str | None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            props = self.share.get_file_client(rel).get_file_properties()
+        except ResourceNotFoundError:
+            return None
+        return (props.metadata or {}).get(HASH_KEY)
+
+    def upload(self, files: dict[str, Path]) -> UploadReport:
+        self._ensure_share()
+        report = UploadReport()
+        current: dict[str, str] = {}
+        directories: set[str] = set()
+        for rel, source in files.items():
+            digest = file_sha256(source)
+            current[rel] = digest
+            if self._stored_hash(rel) == digest:
+                report.unchanged += 1
+                continue
+            self._ensure_directories(rel, directories)
+            path = PurePosixPath(rel)
+            temp = self.share.get_file_client(str(path.with_name(f".upload-{path.name}")))
+            with open(source, "rb") as fh:
+                temp.upload_file(fh, metadata={HASH_KEY: digest})
+            temp.rename_file(rel, overwrite=True)
+            report.uploaded.append(rel)
+        report.digest = tree_digest(current)
+        return report
