@@ -136,12 +136,30 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECTION.FIELD=VALUE",
         help="override one config value (repeatable)",
     )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print, as JSON, every request an Azure run would send to Batch; call nothing",
+    )
     args = p.parse_args(argv)
     try:
         config = load_config(args.config, args.set)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.plan:
+        if config.target != "azure":
+            print(
+                "error: --plan describes an Azure run; the config has target local", file=sys.stderr
+            )
+            return 2
+        import json
+
+        from backends.azure.plan import build_plan
+        from backends.factory import PROJECT_ROOT
+
+        print(json.dumps(build_plan(config, PROJECT_ROOT), indent=2))
+        return 0
     state = retrain(config=config, return_state=True)
     if not state.is_completed():
         print(f"retrain failed: {state.message}", file=sys.stderr)

@@ -10,6 +10,11 @@ for node in "${nodes[@]}"; do hosts+="${hosts:+,}${node}:${ppn}"; done
 np=$(( ${#nodes[@]} * ppn ))
 controller=--gloo
 if [ "${RETRAIN_HOROVOD_CONTROLLER:-gloo}" = mpi ]; then controller=--mpi; fi
+ssh=()
+if [ "${#nodes[@]}" -gt 1 ]; then  # remote ranks start over the sshd prepare_node.sh runs
+  ssh=(--ssh-port "${RETRAIN_SSH_PORT:-2222}"
+       --ssh-identity-file "$AZ_BATCH_NODE_MOUNTS_DIR/nfs/.retrain-ssh/id_ed25519")
+fi
 echo "launch: $np processes on ${#nodes[@]} node(s): $hosts"
-exec horovodrun -np "$np" -H "$hosts" $controller ${RETRAIN_HOROVOD_ARGS:-} \
+exec horovodrun -np "$np" -H "$hosts" $controller "${ssh[@]}" ${RETRAIN_HOROVOD_ARGS:-} \
   "${RETRAIN_PYTHON:-python}" -m training.train "$@"

@@ -1,0 +1,143 @@
+"""``--plan``: every request body one Azure run would send to Batch, without calling Azure.
+
+The bodies come from the same builders the Batch cluster uses, serialized the way the SDK puts
+them on the wire, so the plan is what would be sent. Secrets are not fetched: where one would
+go, the plan names the Prefect Secret block it would come from, and SAS tokens are described
+(permissions, lifetime) instead of signed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.azure.access import NodeAccess
+from backends.azure.batch_requests import (
+    container_run_options,
+    has_infiniband,
+    job_body,
+    pool_body,
+    resize_body,
+    task_body,
+    wire,
+)
+from backends.image import content_tag
+from backends.taskspec import scoring_task, staging_task, training_task
+from flows.config import PipelineConfig
+
+RUN_ID = "{run_id}"
+
+
+def _container_url(location: Any) -> str:
+    base = (location.account_url or f"${location.connection_string_env}").rstrip("/")
+    return f"{base}/{location.container}"
+
+
+def _access(config: PipelineConfig) -> NodeAccess:
+    azure = config.azure
+    if azure.identity_resource_id:
+        return NodeAccess(
+            _container_url(config.data),
+            _container_url(config.output),
+            azure.identity_resource_id,
+            azure.identity_client_id,
+        )
+    hours = azure.sas_hours
+    return NodeAccess(
+        f"{_container_url(config.data)}?<SAS read,list; expires after {hours:g} h>",
+        f"{_container_url(config.output)}?<SAS read,list,create,write; expires after {hours:g} h>",
+    )
+
+
+def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
+    from backends.factory import image_reference
+
+    image = image_reference(config)
+    access = _access(config)
+    share_key = f"<secret from Prefect Secret block {config.share.account_key_secret!r}>"
+    password = (
+        f"<secret from Prefect Secret block {config.image.registry_password_secret!r}>"
+        if config.image.registry_password_secret
+        else None
+    )
+    output_prefix = f"{config.output.prefix}/runs/{RUN_ID}".lstrip("/")
+    specs = [
+        staging_task(config, f"stage-{RUN_ID}-1", output_prefix),
+        training_task(config, f"train-{RUN_ID}", "{training_key}", output_prefix),
+        scoring_task(f"score-{RUN_ID}", f"{output_prefix}/model.pt", output_prefix),
+    ]
+    pool_id = config.pool.id
+    requests: list[dict[str, Any]] = [
+        {
+            "step": "ensure-pool",
+            "when": "the pool does not exist",
+            "method": "POST",
+            "path": "/pools",
+            "body": wire(pool_body(config, image, access, share_key, password)),
+        },
+        {
+            "step": "ensure-pool",
+            "when": "the pool exists with fewer nodes",
+            "method": "POST",
+            "path": f"/pools/{pool_id}/resize",
+            "body": wire(resize_body(config.pool.dedicated_nodes, config.pool.low_priority_nodes)),
+        },
+    ]
+    for spec in specs:
+        job_id = f"{pool_id}-{spec.id}"[:64]
+        step = spec.id.split("-", 1)[0]
+        requests.append(
+            {
+                "step": step,
+                "method": "POST",
+                "path": "/jobs",
+                "body": wire(job_body(config, job_id)),
+            }
+        )
+        requests.append(
+            {
+                "step": step,
+                "method": "POST",
+                "path": f"/jobs/{job_id}/tasks",
+                "body": wire(task_body(config, spec, image, access)),
+            }
+        )
+    release: dict[str, Any] = (
+        {"method": "DELETE", "path": f"/pools/{pool_id}"}
+        if config.pool.release == "delete"
+        else {"method": "POST", "path": f"/pools/{pool_id}/resize", "body": wire(resize_body(0, 0))}
+    )
+    requests.append({"step": "release-pool", "when": "always, in a finally", **release})
+    return {
+        "target": "azure",
+        "batch_account": config.azure.batch_account_url,
+        "resources": {
+            "data": {
+                "container": _container_url(config.data),
+                "prefix": config.data.prefix,
+                "use": "read (gate on the orchestrator, staging on a node)",
+            },
+            "outputs": {"container": _container_url(config.output), "action": "create if missing"},
+            "share": {
+                "url": f"{config.share.account_url}/{config.share.name}",
+                "action": "create if missing; upload changed scripts",
+            },
+            "nfs": {"source": config.nfs.source, "mounted_at": "$AZ_BATCH_NODE_MOUNTS_DIR/nfs"},
+            "image": {
+                "reference": image,
+                "tag": content_tag(root),
+                "builder": config.image.builder,
+                "action": "build and push unless the tag exists",
+            },
+            "pool": {
+                "id": pool_id,
+                "vm_size": config.pool.vm_size,
+                "nodes": config.pool.nodes,
+                "infiniband": has_infiniband(config),
+                "container_run_options": container_run_options(config),
+                "action": "create if missing, resize if smaller, then "
+                f"{config.pool.release} at the end",
+            },
+            "node_access": "managed identity" if access.identity else "SAS tokens",
+        },
+        "requests": requests,
+    }
