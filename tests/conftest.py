@@ -118,3 +118,13 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def fake_azure_account(azurite: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Fake Batch, Files and ACR behind the real SDK clients; Blob is Azurite."""
+    from tests.azure_helpers import fake_azure
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    with fake_azure() as fakes:
+        yield fakes

@@ -55,6 +55,11 @@ class Polling:
             delay = min(self.cap, delay * self.factor)
 
 
+def _name(value: Any) -> str:
+    """An SDK enum as the service spells it ("unusable", not "BatchNodeState.UNUSABLE")."""
+    return str(getattr(value, "value", value))
+
+
 # Settings Batch cannot change on an existing pool: a mismatch needs a new pool.
 def _immutable(pool: Any) -> dict[str, Any]:
     vm = pool.virtual_machine_configuration
@@ -191,7 +196,7 @@ class BatchCluster:
                 raise PoolError(
                     f"pool {self.pool_id}: {len(ready)} of {needed} nodes ready after "
                     f"{self.config.pool.start_timeout_minutes} minutes (states: "
-                    + ", ".join(sorted(str(n.state) for n in nodes))
+                    + ", ".join(sorted(_name(n.state) for n in nodes))
                     + ")"
                 )
             time.sleep(delay)
@@ -199,7 +204,7 @@ class BatchCluster:
 
     @staticmethod
     def _describe_node(node: Any) -> str:
-        parts = [f"{node.id} {node.state}"]
+        parts = [f"{node.id} {_name(node.state)}"]
         for error in node.errors or []:
             parts.append(f"{error.code}: {error.message}")
         info = node.start_task_info
@@ -268,7 +273,7 @@ class BatchCluster:
                     if states.get(sub.id) != state:
                         states[sub.id] = state
                         on_line(
-                            f"subtask {sub.id} on {node}: {sub.state}"
+                            f"subtask {sub.id} on {node}: {_name(sub.state)}"
                             + (f" (exit {sub.exit_code})" if sub.exit_code is not None else "")
                         )
             if task.state in ("running", "completed"):
@@ -308,12 +313,16 @@ class BatchCluster:
     # -- release ------------------------------------------------------------------------------
     def terminate_jobs(self) -> list[str]:
         """Terminate every active job of this pipeline on the pool (cancellation)."""
+        # azure-batch 15.1 fails to build the request without a body (a None content type).
+        from azure.batch.models._models import BatchJobTerminateOptions
+
+        reason = BatchJobTerminateOptions(termination_reason="retrain flow released the pool")
         stopped = []
         for job in self.client.list_jobs(filter="state eq 'active'"):
             pool = job.pool_info.pool_id if job.pool_info else None
             if pool == self.pool_id and (job.id or "").startswith(f"{self.pool_id}-"):
                 self.client.begin_terminate_job(
-                    job.id, polling_interval=self.polling.lro_seconds
+                    str(job.id), reason, polling_interval=self.polling.lro_seconds
                 ).result()
                 stopped.append(str(job.id))
         return stopped
