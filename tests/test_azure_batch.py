@@ -267,7 +267,10 @@ def test_scoring_task_reads_the_model_through_a_resource_file(
 
 
 def test_identity_mode_sends_no_token_anywhere(fake_azure_account, tmp_path: Path) -> None:
-    identity = "/subscriptions/s/resourceGroups/g/providers/Microsoft.ManagedIdentity/userAssignedIdentities/retrain"
+    identity = (
+        "/subscriptions/s/resourceGroups/g/providers/Microsoft.ManagedIdentity/"
+        "userAssignedIdentities/retrain"
+    )
     config = azure_config(
         tmp_path,
         f"azure.identity_resource_id={identity}",
