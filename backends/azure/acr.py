@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backends.azure import service_name
 from backends.image import ImageResult, context_archive
 
 if TYPE_CHECKING:
@@ -82,7 +83,9 @@ class AcrBuilder:
         status = final.properties.status if final.properties else None
         if status != "Succeeded":
             message = final.properties.run_error_message if final.properties else None
-            raise ImageBuildError(f"ACR run {run_id} for {reference} ended {status}: {message}")
+            raise ImageBuildError(
+                f"ACR run {run_id} for {reference} ended {service_name(status)}: {message}"
+            )
         return ImageResult(reference, True, f"built and pushed by ACR run {run_id}")
 
     def _follow(self, run_id: str, on_line: Callable[[str], None]) -> Any:

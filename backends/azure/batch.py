@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from backends.azure import service_name
 from backends.azure.access import NodeAccess, redact
 from backends.azure.batch_requests import (
     job_body,
@@ -53,11 +54,6 @@ class Polling:
         while True:
             yield delay
             delay = min(self.cap, delay * self.factor)
-
-
-def _name(value: Any) -> str:
-    """An SDK enum as the service spells it ("unusable", not "BatchNodeState.UNUSABLE")."""
-    return str(getattr(value, "value", value))
 
 
 # Settings Batch cannot change on an existing pool: a mismatch needs a new pool.
@@ -196,7 +192,7 @@ class BatchCluster:
                 raise PoolError(
                     f"pool {self.pool_id}: {len(ready)} of {needed} nodes ready after "
                     f"{self.config.pool.start_timeout_minutes} minutes (states: "
-                    + ", ".join(sorted(_name(n.state) for n in nodes))
+                    + ", ".join(sorted(service_name(n.state) for n in nodes))
                     + ")"
                 )
             time.sleep(delay)
@@ -204,7 +200,7 @@ class BatchCluster:
 
     @staticmethod
     def _describe_node(node: Any) -> str:
-        parts = [f"{node.id} {_name(node.state)}"]
+        parts = [f"{node.id} {service_name(node.state)}"]
         for error in node.errors or []:
             parts.append(f"{error.code}: {error.message}")
         info = node.start_task_info
@@ -273,7 +269,7 @@ class BatchCluster:
                     if states.get(sub.id) != state:
                         states[sub.id] = state
                         on_line(
-                            f"subtask {sub.id} on {node}: {_name(sub.state)}"
+                            f"subtask {sub.id} on {node}: {service_name(sub.state)}"
                             + (f" (exit {sub.exit_code})" if sub.exit_code is not None else "")
                         )
             if task.state in ("running", "completed"):

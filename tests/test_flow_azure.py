@@ -1,0 +1,157 @@
+"""The whole retrain flow on the Azure target: the real Batch, Files, ACR and Blob SDK clients,
+against the fake Batch/Files/ACR services and Azurite, with a fake Batch node that runs the
+task command lines for real (staging through the SAS the pool gets, horovodrun training, the
+scorer). Prefect is the real test server; credentials come from Prefect Secret blocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.retrain import retrain
+from tests.azure_helpers import azure_config
+from tests.fakes.node import LocalNode
+from tests.pipeline_helpers import seed, task_runs_and_artifacts
+from training.make_images import write_digits
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
+
+SHARE_KEY = "c2hhcmUta2V5LXZhbHVlLWZvci10ZXN0cw=="
+REGISTRY_PASSWORD = "registry-password-value-for-tests"
+
+
+@pytest.fixture(scope="module")
+def digits_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("digits-src")
+    write_digits(root, test_fraction=0.25, seed=0, per_class=60)
+    return root
+
+
+@pytest.fixture
+def secrets() -> None:
+    from prefect.blocks.system import Secret
+
+    Secret(value=SHARE_KEY).save("retrain-files-key", overwrite=True)
+    Secret(value=REGISTRY_PASSWORD).save("retrain-acr-pull", overwrite=True)
+
+
+def _config(tmp_path: Path, *overrides: str) -> Any:
+    return azure_config(
+        tmp_path,
+        "pool.dedicated_nodes=1",
+        "pool.processes_per_node=2",
+        "training.epochs=3",
+        "training.lr=0.05",
+        "training.batch_size=16",
+        "training.model=cnn",
+        *overrides,
+    )
+
+
+def _node(fakes: Any, config: Any, tmp_path: Path) -> LocalNode:
+    node = LocalNode(tmp_path / "node", fakes.files, config.share.name, tmp_path / "nfs")
+    fakes.batch.executor = node
+    fakes.batch.allocation_polls = 1
+    return node
+
+
+def _logs(flow_run_id: Any) -> str:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def read() -> list[Any]:
+        logs: list[Any] = []
+        async with get_client() as client:
+            while True:  # the API pages at 200
+                page = await client.read_logs(
+                    LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                    limit=200,
+                    offset=len(logs),
+                )
+                logs += page
+                if len(page) < 200:
+                    return logs
+
+    return "\n".join(log.message for log in asyncio.run(read()))
+
+
+def test_azure_flow_end_to_end(
+    fake_azure_account: Any, secrets: None, tmp_path: Path, digits_source: Path
+) -> None:
+    fakes = fake_azure_account
+    config = _config(tmp_path)
+    seed(config, digits_source)
+    node = _node(fakes, config, tmp_path)
+
+    state = retrain(config=config, return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["accuracy"] > 0.4
+
+    batch = fakes.batch
+    # The pool: created once, with the secrets from the blocks in its body, released at the end.
+    (pool,) = batch.bodies("POST", "/pools")
+    mount = pool["mountConfiguration"][1]["azureFileShareConfiguration"]
+    assert mount["accountKey"] == SHARE_KEY
+    resizes = batch.bodies("POST", f"/pools/{config.pool.id}/resize")
+    assert resizes[-1]["targetDedicatedNodes"] == 0
+    assert batch.pools[config.pool.id]["currentDedicatedNodes"] == 0
+    # Three jobs, each one task: staging on the node, training, scoring.
+    jobs = [j["id"] for j in batch.bodies("POST", "/jobs")]
+    assert [j.split(f"{config.pool.id}-")[1].split("-")[0] for j in jobs] == [
+        "stage",
+        "train",
+        "score",
+    ]
+    stage_task = batch.bodies("POST", f"/jobs/{jobs[0]}/tasks")[0]
+    env = {e["name"]: e["value"] for e in stage_task["environmentSettings"]}
+    assert "sp=rl" in env["RETRAIN_DATA_URL"]  # read and list only, on the data container
+    assert "sig=" not in stage_task["commandLine"]
+    # The scripts share got the code the node ran; the image was built once by ACR Tasks.
+    assert "training/train.py" in fakes.files.file_paths(config.share.name)
+    assert "backends/stage_task.py" in fakes.files.file_paths(config.share.name)
+    assert len([r for r in fakes.acr.requests.all() if r.path.endswith("/scheduleRun")]) == 1
+    # The node really ran the commands: staging fetched every blob into NFS.
+    staged = sorted(p for p in (tmp_path / "nfs" / "data").rglob("*.png"))
+    assert len(staged) == sum(1 for _ in digits_source.rglob("*.png"))
+    assert any("launch.sh" in c for c in node.commands)
+
+    outputs = batch.tasks[(jobs[1], jobs[1].split(f"{config.pool.id}-")[1])].uploaded
+    assert {f"runs/{result['run_id']}/{n}" for n in ("model.pt", "metrics.json")} <= set(outputs)
+    by_step, artifacts = task_runs_and_artifacts(state.state_details.flow_run_id)
+    assert {"validate-data", "stage-data", "run-training", "collect-and-score"} <= set(by_step)
+    logs = _logs(state.state_details.flow_run_id)
+    assert "PROGRESS" in logs  # the primary's stdout, streamed from Batch
+    # Nothing secret reached the logs or the artifacts.
+    texts = [logs, *(json.dumps(a.data) for a in artifacts)]
+    for text in texts:
+        assert SHARE_KEY not in text and REGISTRY_PASSWORD not in text and "sig=" not in text
+
+
+def test_failed_training_still_releases_the_pool(
+    fake_azure_account: Any, secrets: None, tmp_path: Path, digits_source: Path
+) -> None:
+    fakes = fake_azure_account
+    config = _config(
+        tmp_path, "training.extra_args=['--no-such-option']", "retries.training_attempts=2"
+    )
+    seed(config, digits_source)
+    _node(fakes, config, tmp_path)
+
+    state = retrain(config=config, return_state=True)
+
+    assert state.is_failed()
+    assert "exited with 2" in str(state.message) or "exited with" in _logs(
+        state.state_details.flow_run_id
+    )
+    batch = fakes.batch
+    train_job = next(j for j in batch.jobs if "-train-" in j)
+    task = next(t for (job, _), t in batch.tasks.items() if job == train_job)
+    assert task.retry == 1  # Batch retried once (training_attempts=2), not Prefect
+    assert batch.bodies("POST", f"/pools/{config.pool.id}/resize")[-1]["targetDedicatedNodes"] == 0
+    assert batch.pools[config.pool.id]["currentDedicatedNodes"] == 0
