@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
+from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
@@ -25,8 +26,18 @@ def resolve_config(
     config: PipelineConfig | dict[str, Any] | None,
     config_path: str | None,
     overrides: list[str] | None,
+    data_container: str | None = None,
+    data_prefix: str | None = None,
 ) -> PipelineConfig:
-    """The flow's parameters to one validated config: a model, or a YAML path, plus overrides."""
+    """The flow's parameters to one validated config: a model, or a YAML path, plus overrides.
+
+    ``data_container``/``data_prefix`` are what a new-data trigger fills in from its event.
+    """
+    overrides = list(overrides or [])
+    if data_container:
+        overrides.append(f"data.container={data_container}")
+    if data_prefix is not None:
+        overrides.append(f"data.prefix={data_prefix}")
     if isinstance(config, PipelineConfig) and not config_path and not overrides:
         return config
     base = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
@@ -35,13 +46,21 @@ def resolve_config(
     return load_config(config_path, overrides, base=base)
 
 
+def pool_slot(pool_id: str) -> str:
+    return f"retrain-pool-{pool_id}"
+
+
 def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
     """Crash and cancellation hook: the pool is released even when the flow body cannot."""
     from backends import factory
 
     params = flow_run.parameters
     config = resolve_config(
-        params.get("config"), params.get("config_path"), params.get("overrides")
+        params.get("config"),
+        params.get("config_path"),
+        params.get("overrides"),
+        params.get("data_container"),
+        params.get("data_prefix"),
     )
     factory.cluster(config).release()
 
@@ -51,7 +70,12 @@ def retrain(
     config: PipelineConfig | None = None,
     config_path: str | None = None,
     overrides: list[str] | None = None,
+    data_container: str | None = None,
+    data_prefix: str | None = None,
+    data_version: str | None = None,
 ) -> dict[str, Any]:
+    """One retrain. The ``data_*`` parameters are filled in by the new-data trigger; a manual
+    or nightly run leaves them empty and trains on the config's data location."""
     from backends import factory
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
@@ -61,43 +85,55 @@ def retrain(
     from tasks.validate import validate_data
 
     logger = get_run_logger()
-    cfg = resolve_config(config, config_path, overrides)
+    cfg = resolve_config(config, config_path, overrides, data_container, data_prefix)
+    if data_version:
+        logger.info(
+            "started for new data: %s/%s, version %s",
+            cfg.data.container,
+            cfg.data.prefix,
+            data_version,
+        )
     run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{str(flow_run.get_id() or 'local')[:8]}"
     output_prefix = f"{cfg.output.prefix}/runs/{run_id}".lstrip("/")
     run_dir = cfg.work_dir / "runs" / run_id
     cluster = factory.cluster(cfg)
     steps: list[dict[str, Any]] = []
-    try:
-        steps.append(validate_data(cfg, run_dir, output_prefix))
-        scripts_f = upload_scripts.submit(cfg)
-        image_f = build_image.submit(cfg)
-        pool_f = ensure_pool.submit(cfg, cluster)
-        # On Azure, staging runs on the pool with the uploaded staging code.
-        staged_f = stage_data.submit(
-            cfg,
-            cluster,
-            run_id,
-            output_prefix,
-            wait_for=[pool_f, scripts_f] if cfg.target == "azure" else [],
-            return_state=False,
-        )
-        uploaded, staged, image, pool = (f.result() for f in (scripts_f, staged_f, image_f, pool_f))
-        steps += [uploaded, staged, image, pool]
-        key = training_key(
-            cfg, staged["details"]["data_version"], uploaded["details"]["code_version"]
-        )
-        # Batch retries the task itself on the same nodes; the local cluster needs Prefect to.
-        trainer = run_training.with_options(
-            retries=0 if cluster.retries_in_service else cfg.retries.training_attempts - 1,
-            retry_delay_seconds=cfg.retries.backoff_seconds,
-        )
-        steps.append(trainer(cfg, cluster, run_id, key, output_prefix))
-        collected = collect_and_score(cfg, cluster, run_id, output_prefix)
-        steps.append(record_only(collected))
-        promotion = promote(cfg, run_id, output_prefix, collected["score"])
-        steps.append(record_only(promotion))
-    finally:
-        steps.append(release_pool(cluster))
+    # One run per pool at a time, across deployments: a global concurrency limit named for the
+    # pool (created by deployments/setup.py; without it, runs are not limited).
+    with concurrency(pool_slot(cfg.pool.id), occupy=1, strict=False):
+        try:
+            steps.append(validate_data(cfg, run_dir, output_prefix))
+            scripts_f = upload_scripts.submit(cfg)
+            image_f = build_image.submit(cfg)
+            pool_f = ensure_pool.submit(cfg, cluster)
+            # On Azure, staging runs on the pool with the uploaded staging code.
+            staged_f = stage_data.submit(
+                cfg,
+                cluster,
+                run_id,
+                output_prefix,
+                wait_for=[pool_f, scripts_f] if cfg.target == "azure" else [],
+                return_state=False,
+            )
+            uploaded, staged, image, pool = (
+                f.result() for f in (scripts_f, staged_f, image_f, pool_f)
+            )
+            steps += [uploaded, staged, image, pool]
+            key = training_key(
+                cfg, staged["details"]["data_version"], uploaded["details"]["code_version"]
+            )
+            # Batch retries the task itself on the same nodes; the local cluster needs Prefect to.
+            trainer = run_training.with_options(
+                retries=0 if cluster.retries_in_service else cfg.retries.training_attempts - 1,
+                retry_delay_seconds=cfg.retries.backoff_seconds,
+            )
+            steps.append(trainer(cfg, cluster, run_id, key, output_prefix))
+            collected = collect_and_score(cfg, cluster, run_id, output_prefix)
+            steps.append(record_only(collected))
+            promotion = promote(cfg, run_id, output_prefix, collected["score"])
+            steps.append(record_only(promotion))
+        finally:
+            steps.append(release_pool(cluster))
     outputs_url = f"{cluster.outputs.url}/{output_prefix}"
     report(
         run_id,
@@ -120,6 +156,7 @@ def retrain(
         "promoted": promotion["decision"]["promoted"],
         "reason": promotion["decision"]["reason"],
         "outputs": outputs_url,
+        "data_version": data_version,
         "steps": steps,
     }
 

@@ -1,0 +1,1 @@
+"""How users start the pipeline: work pool setup, the Event Grid relay, the polling sensor."""

@@ -1,0 +1,56 @@
+"""``python -m deployments.setup``: what ``prefect deploy --all`` needs on a Prefect server.
+
+Creates (idempotently) the process work pool the deployments use and, for each config given,
+a global concurrency limit of 1 named for its Batch pool, which the retrain flow occupies, so
+two runs (manual, nightly, new data) never fight over one pool: the second waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+WORK_POOL = "retrain-workers"
+
+
+def ensure(configs: list[str]) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    from flows.config import load_config
+    from flows.retrain import pool_slot
+
+    done = []
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(WORK_POOL)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=WORK_POOL, type="process"))
+            done.append(f"work pool {WORK_POOL} (process) created")
+        for path in configs:
+            name = pool_slot(load_config(path).pool.id)
+            try:
+                client.read_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                try:
+                    client.create_global_concurrency_limit(
+                        GlobalConcurrencyLimitCreate(name=name, limit=1)
+                    )
+                    done.append(f"concurrency limit {name} = 1 created")
+                except ObjectAlreadyExists:
+                    pass
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__)
+    p.add_argument("--config", action="append", default=[], help="a pipeline config (repeatable)")
+    args = p.parse_args(argv)
+    for line in ensure(args.config or ["configs/local.yaml"]) or ["nothing to do"]:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

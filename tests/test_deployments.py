@@ -1,0 +1,369 @@
+"""Deployments on a real Prefect server: prefect.yaml deployed with the CLI, the Event Grid relay
+over HTTP, the polling sensor, and the automations the server runs from the triggers."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from backends.blob import container_client
+from deployments.relay import RelaySettings, Watch, create_app
+from deployments.sensor import watch_new_data
+from flows.config import BlobLocation
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+SECRET = "relay-shared-secret-for-tests"
+
+
+def _api_env() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PWD": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_api: None) -> dict[str, Any]:
+    """`python -m deployments.setup` then `prefect deploy --all`, as the README says."""
+    env = _api_env()
+    for args in (
+        [sys.executable, "-m", "deployments.setup", "--config", "configs/local.yaml"],
+        [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy", "--all"],
+    ):
+        proc = subprocess.run(
+            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return asyncio.run(_read_deployments())
+
+
+async def _read_deployments() -> dict[str, Any]:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return {
+            name: await client.read_deployment_by_name(name)
+            for name in (
+                "retrain/manual",
+                "retrain/nightly",
+                "retrain/on-new-data",
+                "watch-new-data/poll",
+            )
+        }
+
+
+def _runs_for(deployment_id: Any, container: str) -> list[Any]:
+    async def read() -> list[Any]:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+            )
+        return [r for r in runs if r.parameters.get("data_container") == container]
+
+    return asyncio.run(read())
+
+
+def _wait_for_runs(deployment_id: Any, container: str, count: int) -> list[Any]:
+    """Until ``count`` runs exist (automations take a few seconds), then a while longer to see
+    that no extra one follows."""
+    deadline = time.monotonic() + 60
+    while len(runs := _runs_for(deployment_id, container)) < count:
+        assert time.monotonic() < deadline, f"{len(runs)} of {count} runs after 60 s"
+        time.sleep(0.5)
+    time.sleep(4)
+    return _runs_for(deployment_id, container)
+
+
+@pytest.fixture
+def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    import uvicorn
+
+    settings = getattr(request, "param", None) or RelaySettings(
+        watches=[Watch("landing", "images")], shared_secret=SECRET
+    )
+    app = create_app(settings)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/events", app
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _eg_event(container: str, name: str, etag: str = "0x8DC1", event_id: str | None = None) -> dict:
+    """Microsoft.Storage.BlobCreated in the Event Grid schema, as Event Grid delivers it."""
+    return {
+        "topic": "/subscriptions/s/resourceGroups/g/providers/Microsoft.Storage/storageAccounts/a",
+        "subject": f"/blobServices/default/containers/{container}/blobs/{name}",
+        "eventType": "Microsoft.Storage.BlobCreated",
+        "id": event_id or str(uuid.uuid4()),
+        "data": {
+            "api": "PutBlob",
+            "eTag": f'"{etag}"',
+            "contentType": "image/png",
+            "contentLength": 524,
+            "blobType": "BlockBlob",
+            "url": f"https://a.blob.core.windows.net/{container}/{name}",
+            "sequencer": "00000000000004420000000000028963",
+        },
+        "dataVersion": "",
+        "metadataVersion": "1",
+        "eventTime": "2026-11-22T01:00:00.0000000Z",
+    }
+
+
+def _cloud_event(container: str, name: str, etag: str) -> dict:
+    event = _eg_event(container, name, etag)
+    return {
+        "specversion": "1.0",
+        "type": event["eventType"],
+        "source": event["topic"],
+        "id": event["id"],
+        "time": event["eventTime"],
+        "subject": event["subject"],
+        "data": event["data"],
+    }
+
+
+def _post(url: str, body: Any, key: str | None = SECRET, **headers: str) -> requests.Response:
+    params = {"key": key} if key else None
+    return requests.post(
+        url,
+        params=params,
+        json=body,
+        timeout=30,
+        headers={"aeg-event-type": "Notification", **headers},
+    )
+
+
+def test_prefect_yaml_deployments(deployed: dict[str, Any]) -> None:
+    nightly = deployed["retrain/nightly"]
+    (schedule,) = nightly.schedules
+    assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC"
+    for name in ("retrain/manual", "retrain/nightly", "retrain/on-new-data"):
+        d = deployed[name]
+        assert d.parameters == {"config_path": "configs/local.yaml"}
+        assert d.work_pool_name == "retrain-workers"
+        assert d.global_concurrency_limit.limit == 1
+        assert d.concurrency_options.collision_strategy == "ENQUEUE"
+    assert deployed["watch-new-data/poll"].schedules[0].schedule.interval.total_seconds() == 600
+    # The trigger in prefect.yaml is the one the server holds as an automation.
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    (trigger,) = next(d for d in spec["deployments"] if d["name"] == "on-new-data")["triggers"]
+    assert trigger["expect"] == ["retrain.data.ready"]
+
+
+def test_validation_handshakes_are_answered(relay: tuple[str, Any]) -> None:
+    url, _ = relay
+    validation = [
+        {
+            "id": "2d1781af-3a4c-4d7c-bd0c-e34b19da4e66",
+            "topic": "/subscriptions/s/resourceGroups/g/providers/Microsoft.Storage/"
+            "storageAccounts/a",
+            "subject": "",
+            "data": {
+                "validationCode": "512d38b6-c7b8-40c8-89fe-f46f9e9622b6",
+                "validationUrl": "https://rp-eastus2.eventgrid.azure.net/...",
+            },
+            "eventType": "Microsoft.EventGrid.SubscriptionValidationEvent",
+            "eventTime": "2026-11-22T01:00:00Z",
+            "metadataVersion": "1",
+            "dataVersion": "1",
+        }
+    ]
+    reply = _post(url, validation, **{"aeg-event-type": "SubscriptionValidation"})
+    assert reply.status_code == 200
+    assert reply.json() == {"validationResponse": "512d38b6-c7b8-40c8-89fe-f46f9e9622b6"}
+    options = requests.options(
+        url,
+        params={"key": SECRET},
+        timeout=30,
+        headers={"WebHook-Request-Origin": "eventgrid.azure.net"},
+    )
+    assert options.status_code == 200
+    assert options.headers["WebHook-Allowed-Origin"] == "eventgrid.azure.net"
+
+
+def test_requests_without_valid_credentials_are_refused_and_start_nothing(
+    deployed: dict[str, Any], relay: tuple[str, Any]
+) -> None:
+    url, app = relay
+    events = [_eg_event("landing", "images/v9/_SUCCESS", "0xBAD")]
+    assert _post(url, events, key=None).status_code == 401
+    assert _post(url, events, key="wrong-secret").status_code == 401
+    assert (
+        requests.post(
+            url, json=events, timeout=30, headers={"Authorization": "Bearer not-a-token"}
+        ).status_code
+        == 401
+    )
+    assert requests.options(url, timeout=30).status_code == 401
+    assert not app.state.debouncer.seen_ids
+    time.sleep(3)
+    assert _runs_for(deployed["retrain/on-new-data"].id, "landing") == []
+
+
+def test_a_burst_for_one_version_starts_exactly_one_run(
+    deployed: dict[str, Any], relay: tuple[str, Any]
+) -> None:
+    url, _ = relay
+    container = "landing"
+    blobs = [f"images/v1/train/{i % 10}/img{i:04d}.png" for i in range(300)]
+    for start in range(0, len(blobs), 50):  # Event Grid delivers in batches
+        reply = _post(url, [_eg_event(container, b) for b in blobs[start : start + 50]])
+        assert reply.status_code == 200
+        assert set(reply.json()["outcomes"]) == {"waiting for the marker"}
+    marker = _eg_event(container, "images/v1/_SUCCESS", "0x8DCF00D")
+    assert _post(url, [marker]).json()["outcomes"] == ["started"]
+    assert _post(url, [marker]).json()["outcomes"] == ["duplicate delivery"]  # a retry
+    replay = {**marker, "id": str(uuid.uuid4())}  # the same blob version, another event
+    assert _post(url, [replay]).json()["outcomes"] == ["version already started"]
+    # Other containers and prefixes are not this relay's business.
+    assert _post(url, [_eg_event("other", "images/v1/_SUCCESS")]).json()["outcomes"] == [
+        "not watched"
+    ]
+
+    (run,) = _wait_for_runs(deployed["retrain/on-new-data"].id, container, 1)
+    assert run.parameters == {
+        "config_path": "configs/local.yaml",
+        "data_container": "landing",
+        "data_prefix": "images/v1",
+        "data_version": "0x8DCF00D",
+    }
+
+
+def test_cloudevents_schema_and_a_new_version_start_a_second_run(
+    deployed: dict[str, Any], relay: tuple[str, Any]
+) -> None:
+    url, _ = relay
+    container = "landing"
+    body = [_cloud_event(container, "images/v2/_SUCCESS", "0x8DC2222")]
+    reply = _post(url, body, **{"Content-Type": "application/cloudevents-batch+json"})
+    assert reply.status_code == 200 and reply.json()["outcomes"] == ["started"]
+    runs = _wait_for_runs(deployed["retrain/on-new-data"].id, container, 2)
+    assert {r.parameters["data_prefix"] for r in runs} == {"images/v1", "images/v2"}
+
+
+@pytest.mark.parametrize(
+    "relay",
+    [
+        RelaySettings(
+            watches=[Watch("quiet-landing", "")],
+            marker=None,
+            quiet_seconds=1.0,
+            shared_secret=SECRET,
+        )
+    ],
+    indirect=True,
+)
+def test_quiet_period_mode_reports_a_burst_once(
+    deployed: dict[str, Any], relay: tuple[str, Any]
+) -> None:
+    url, _ = relay
+    for start in range(0, 200, 50):
+        events = [_eg_event("quiet-landing", f"batch/{i}.png") for i in range(start, start + 50)]
+        assert set(_post(url, events).json()["outcomes"]) == {"waiting for quiet"}
+    (run,) = _wait_for_runs(deployed["retrain/on-new-data"].id, "quiet-landing", 1)
+    assert run.parameters["data_prefix"] == "" and len(run.parameters["data_version"]) == 16
+
+
+def test_entra_token_is_accepted_and_a_wrong_audience_refused(tmp_path: Path) -> None:
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from starlette.testclient import TestClient
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
+    (tmp_path / "keys.json").write_text(json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig"}]}))
+    tenant = "11111111-2222-3333-4444-555555555555"
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    keys_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=keys_server.serve_forever, daemon=True).start()
+    settings = RelaySettings(
+        watches=[Watch("landing", "images")],
+        entra_audience="api://retrain-relay",
+        entra_tenant=tenant,
+        jwks_url=f"http://127.0.0.1:{keys_server.server_address[1]}/keys.json",
+    )
+
+    def token(audience: str) -> str:
+        claims = {
+            "aud": audience,
+            "iss": f"https://login.microsoftonline.com/{tenant}/v2.0",
+            "exp": int(time.time()) + 600,
+            "appid": "eventgrid",
+        }
+        return jwt.encode(claims, key, algorithm="RS256", headers={"kid": "k1"})
+
+    sent: list[Any] = []
+    client = TestClient(create_app(settings, send=lambda r: sent.append(r) or True))
+    marker = [_eg_event("landing", "images/v5/_SUCCESS", "0xE")]
+    good = client.post(
+        "/events", json=marker, headers={"Authorization": f"Bearer {token('api://retrain-relay')}"}
+    )
+    assert good.status_code == 200 and [r.key for r in sent] == ["landing/images/v5@0xE"]
+    bad = client.post(
+        "/events", json=marker, headers={"Authorization": f"Bearer {token('api://someone-else')}"}
+    )
+    assert bad.status_code == 401 and len(sent) == 1
+    keys_server.shutdown()
+
+
+def test_relay_refuses_to_start_without_authentication() -> None:
+    from deployments.relay import RelayConfigError
+
+    with pytest.raises(RelayConfigError, match="RETRAIN_RELAY_SECRET"):
+        RelaySettings.from_env({"RETRAIN_RELAY_WATCH": "landing/images"})
+    with pytest.raises(RelayConfigError, match="RETRAIN_RELAY_WATCH"):
+        RelaySettings.from_env({"RETRAIN_RELAY_SECRET": "x"})
+
+
+def test_polling_sensor_fires_once_per_new_data_version(
+    deployed: dict[str, Any], azurite: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    name = f"sensed-{uuid.uuid4().hex[:8]}"
+    container = container_client(BlobLocation(container=name), create=True)
+    config = tmp_path / "sensor.yaml"
+    base = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    base["data"] = {**base["data"], "container": name, "prefix": "images"}
+    config.write_text(yaml.safe_dump(base))
+
+    for i in range(20):
+        container.upload_blob(f"images/v1/train/{i % 2}/{i}.png", b"png")
+    assert watch_new_data(config_path=str(config)) == []  # no marker yet: not ready
+    container.upload_blob("images/v1/_SUCCESS", b"")
+    first = watch_new_data(config_path=str(config))
+    assert len(first) == 1 and first[0].startswith(f"{name}/images/v1@")
+    assert watch_new_data(config_path=str(config)) == []  # the watermark holds it
+    container.upload_blob("images/v2/train/0/a.png", b"png")
+    container.upload_blob("images/v2/_SUCCESS", b"")
+    second = watch_new_data(config_path=str(config))
+    assert len(second) == 1 and second[0].startswith(f"{name}/images/v2@")
+
+    runs = _wait_for_runs(deployed["retrain/on-new-data"].id, name, 2)
+    assert sorted(r.parameters["data_prefix"] for r in runs) == ["images/v1", "images/v2"]
