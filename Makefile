@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh package.json package-lock.json
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test reliability lint bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ demo: setup
 
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+# The reliability suite with more trials; it writes docs/reliability.md.
+reliability: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RETRAIN_RELIABILITY_TRIALS=5 \
+	RETRAIN_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
+	$(PY) -m pytest tests/test_reliability_*.py $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

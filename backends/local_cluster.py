@@ -190,6 +190,7 @@ class LocalCluster:
                 f"task {spec.id} asks for {spec.instances} nodes; the local pool has 1"
             )
         started = time.perf_counter()
+        self._wait_for_free_node(spec, on_line)
         task_dir = (self.root / "tasks" / f"{spec.id}-{int(time.time() * 1000)}").resolve()
         for sub in ("wd", "shared"):
             (task_dir / sub).mkdir(parents=True)
@@ -224,6 +225,17 @@ class LocalCluster:
             )
         uploaded = self._upload_outputs(spec.outputs, task_dir / "wd", success=code == 0)
         return TaskResult(code, task_dir, uploaded, time.perf_counter() - started)
+
+    def _wait_for_free_node(self, spec: TaskSpec, on_line: Callable[[str], None]) -> None:
+        """One task per node, as on the Batch pool (task_slots_per_node=1): a task left running
+        by a killed orchestrator finishes first, then this one starts (and resumes from the
+        checkpoints it wrote)."""
+        announced = False
+        while busy := self.running_tasks():
+            if not announced:
+                on_line(f"task {spec.id} waits for {', '.join(sorted(busy))} to finish")
+                announced = True
+            time.sleep(0.5)
 
     def _upload_outputs(self, outputs: list[OutputSpec], wd: Path, success: bool) -> list[str]:
         uploaded = []

@@ -150,19 +150,22 @@ def sync_to_directory(
             files[name] = entry
         else:
             todo.append((name, target, blob.size, md5, entry))
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            futures = {
-                pool.submit(_download, container, name, target, size, md5): (name, entry)
-                for name, target, size, md5, entry in todo
-            }
-            for future in as_completed(futures):
-                name, entry = futures[future]
-                files[name] = {**entry, "md5": future.result()}
-                report.downloaded.append(name)
-                report.bytes_downloaded += entry["size"]
+        futures = {
+            pool.submit(_download, container, name, target, size, md5): (name, entry)
+            for name, target, size, md5, entry in todo
+        }
+        for future in as_completed(futures):
+            name, entry = futures[future]
+            files[name] = {**entry, "md5": future.result()}
+            report.downloaded.append(name)
+            report.bytes_downloaded += entry["size"]
     finally:
-        # Even when a download failed, record what did arrive, so the retry fetches only the rest.
+        # After a failure nothing new starts (each queued download would only retry against
+        # the same broken storage); the step's retry fetches the rest. What did arrive is
+        # recorded, and files finished but unrecorded are recognised by their MD5 next time.
+        pool.shutdown(wait=True, cancel_futures=True)
         _write_manifest(dest, prefix, files, report)
     for name, old in previous.items():
         if name not in planned:  # removed from the container since the last sync

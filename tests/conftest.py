@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
@@ -128,3 +129,50 @@ def fake_azure_account(azurite: str, monkeypatch: pytest.MonkeyPatch) -> Iterato
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
     with fake_azure() as fakes:
         yield fakes
+
+
+def prefect_api_env() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PWD": str(ROOT)}
+
+
+@pytest.fixture(scope="session")
+def deployed(prefect_api: None) -> dict[str, Any]:
+    """`python -m deployments.setup` then `prefect deploy --all`, as the README says."""
+    env = prefect_api_env()
+    for args in (
+        [sys.executable, "-m", "deployments.setup", "--config", "configs/local.yaml"],
+        [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy", "--all"],
+    ):
+        proc = subprocess.run(
+            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return asyncio.run(_read_deployments())
+
+
+async def _read_deployments() -> dict[str, Any]:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return {
+            name: await client.read_deployment_by_name(name)
+            for name in (
+                "retrain/manual",
+                "retrain/nightly",
+                "retrain/on-new-data",
+                "watch-new-data/poll",
+            )
+        }
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write the reliability suite's figures (docs/reliability.md under `make reliability`)."""
+    from tests.reliability import report
+
+    if report.has_rows():
+        target = os.environ.get("RETRAIN_RELIABILITY_REPORT") or str(
+            ROOT / ".work" / "reliability.md"
+        )
+        report.write(Path(target), tests_passed=exitstatus == 0)

@@ -62,3 +62,26 @@ def task_runs_and_artifacts(flow_run_id: UUID) -> tuple[dict[str, Any], list[Any
         run.name.rsplit("-", 1)[0]: run for run in sorted(task_runs, key=lambda r: r.created)
     }
     return by_step, artifacts
+
+
+def flow_run_logs(flow_run_id: Any) -> str:
+    """Every log line of one flow run, from the Prefect API."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def read() -> list[Any]:
+        logs: list[Any] = []
+        async with get_client() as client:
+            while True:  # the API pages at 200
+                page = await client.read_logs(
+                    LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                    limit=200,
+                    offset=len(logs),
+                )
+                logs += page
+                if len(page) < 200:
+                    return logs
+
+    return "\n".join(log.message for log in asyncio.run(read()))

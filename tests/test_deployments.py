@@ -7,10 +7,7 @@ import asyncio
 import functools
 import http.server
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -30,42 +27,6 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 SECRET = "relay-shared-secret-for-tests"
-
-
-def _api_env() -> dict[str, str]:
-    from prefect.settings import PREFECT_API_URL
-
-    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PWD": str(ROOT)}
-
-
-@pytest.fixture(scope="module")
-def deployed(prefect_api: None) -> dict[str, Any]:
-    """`python -m deployments.setup` then `prefect deploy --all`, as the README says."""
-    env = _api_env()
-    for args in (
-        [sys.executable, "-m", "deployments.setup", "--config", "configs/local.yaml"],
-        [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy", "--all"],
-    ):
-        proc = subprocess.run(
-            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return asyncio.run(_read_deployments())
-
-
-async def _read_deployments() -> dict[str, Any]:
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as client:
-        return {
-            name: await client.read_deployment_by_name(name)
-            for name in (
-                "retrain/manual",
-                "retrain/nightly",
-                "retrain/on-new-data",
-                "watch-new-data/poll",
-            )
-        }
 
 
 def _runs_for(deployment_id: Any, container: str) -> list[Any]:

@@ -14,7 +14,8 @@ import pytest
 from flows.retrain import retrain
 from tests.azure_helpers import azure_config
 from tests.fakes.node import LocalNode
-from tests.pipeline_helpers import seed, task_runs_and_artifacts
+from tests.pipeline_helpers import flow_run_logs, seed, task_runs_and_artifacts
+from tests.reliability import report
 from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
@@ -56,28 +57,6 @@ def _node(fakes: Any, config: Any, tmp_path: Path) -> LocalNode:
     fakes.batch.executor = node
     fakes.batch.allocation_polls = 1
     return node
-
-
-def _logs(flow_run_id: Any) -> str:
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    async def read() -> list[Any]:
-        logs: list[Any] = []
-        async with get_client() as client:
-            while True:  # the API pages at 200
-                page = await client.read_logs(
-                    LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
-                    limit=200,
-                    offset=len(logs),
-                )
-                logs += page
-                if len(page) < 200:
-                    return logs
-
-    return "\n".join(log.message for log in asyncio.run(read()))
 
 
 def test_azure_flow_end_to_end(
@@ -125,12 +104,28 @@ def test_azure_flow_end_to_end(
     assert {f"runs/{result['run_id']}/{n}" for n in ("model.pt", "metrics.json")} <= set(outputs)
     by_step, artifacts = task_runs_and_artifacts(state.state_details.flow_run_id)
     assert {"validate-data", "stage-data", "run-training", "collect-and-score"} <= set(by_step)
-    logs = _logs(state.state_details.flow_run_id)
+    logs = flow_run_logs(state.state_details.flow_run_id)
     assert "PROGRESS" in logs  # the primary's stdout, streamed from Batch
     # Nothing secret reached the logs or the artifacts.
     texts = [logs, *(json.dumps(a.data) for a in artifacts)]
     for text in texts:
         assert SHARE_KEY not in text and REGISTRY_PASSWORD not in text and "sig=" not in text
+    # The command lines sent to Batch carry no secret: SAS tokens travel in outputFiles and
+    # environment settings, keys only in the pool's mount and registry settings.
+    bodies = [b for job in jobs for b in batch.bodies("POST", f"/jobs/{job}/tasks")]
+    commands = [b["commandLine"] for b in bodies] + [
+        b.get("multiInstanceSettings", {}).get("coordinationCommandLine", "") for b in bodies
+    ]
+    leaks = [c for c in commands if "sig=" in c or SHARE_KEY in c or REGISTRY_PASSWORD in c]
+    assert leaks == []
+    report.record(
+        "secrets",
+        "Azure flow (fakes): share key, registry password, SAS tokens",
+        "0 hits",
+        places_scanned="logs, artifacts, Batch command lines",
+        command_lines=len(commands),
+        hits=0,
+    )
 
 
 def test_failed_training_still_releases_the_pool(
@@ -146,7 +141,7 @@ def test_failed_training_still_releases_the_pool(
     state = retrain(config=config, return_state=True)
 
     assert state.is_failed()
-    assert "exited with 2" in str(state.message) or "exited with" in _logs(
+    assert "exited with 2" in str(state.message) or "exited with" in flow_run_logs(
         state.state_details.flow_run_id
     )
     batch = fakes.batch

@@ -1,0 +1,155 @@
+"""Training faults: one Horovod rank killed at a random moment; the job fails, the retry resumes
+from the newest checkpoint and produces the final model; work lost per fault is measured. And a
+corrupt newest checkpoint falls back to the one before."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, child_env, trainer_command
+from tests.reliability import report
+
+TRIALS = int(os.environ.get("RETRAIN_RELIABILITY_TRIALS", "1"))
+EPOCHS = 5
+RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")
+
+
+def _args(ckpt: Path) -> list[str]:
+    return [
+        "--epochs",
+        str(EPOCHS),
+        "--batch-size",
+        "32",
+        "--model",
+        "cnn",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--seed",
+        "3",
+    ]
+
+
+def _ranks(proc: subprocess.Popen[str]) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [
+        c
+        for c in children
+        if c.name().startswith("python") and "training.train" in " ".join(c.cmdline())
+    ]
+
+
+def _newest_checkpoint(ckpt: Path) -> tuple[int, float]:
+    found = [(int(p.stem.split("-")[1]), p.stat().st_mtime) for p in ckpt.glob("checkpoint-*.pt")]
+    return max(found) if found else (0, 0.0)
+
+
+@pytest.mark.parametrize("trial", range(max(3, TRIALS)))
+def test_killed_rank_fails_the_job_and_the_retry_resumes(
+    trial: int, tmp_path: Path, horovodrun: Path
+) -> None:
+    rng = random.Random(100 + trial)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    data = "synthetic:1600"
+    proc = subprocess.Popen(
+        trainer_command(2, data, out, *_args(ckpt)),
+        cwd=ROOT,
+        env=child_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    # Two checkpoints give the epoch time; the kill lands at a random point of the next epoch.
+    deadline = time.monotonic() + 300
+    while _newest_checkpoint(ckpt)[0] < 2:
+        assert proc.poll() is None, "the trainer ended before its second checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    first = (ckpt / "checkpoint-1.pt").stat().st_mtime
+    epoch_seconds = _newest_checkpoint(ckpt)[1] - first
+    time.sleep(rng.uniform(0.0, 0.9 * epoch_seconds))
+    ranks = _ranks(proc)
+    assert len(ranks) == 2, "expected two ranks"
+    victim = rng.choice(ranks)
+    at_kill, checkpoint_time = _newest_checkpoint(ckpt)
+    killed_at = time.time()
+    victim.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=300)
+    assert at_kill < EPOCHS
+    assert proc.returncode != 0, "a job with a dead rank must fail, not hang or succeed"
+
+    retry = subprocess.run(
+        trainer_command(2, data, out, *_args(ckpt)),
+        cwd=ROOT,
+        env=child_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+        check=False,
+    )
+    assert retry.returncode == 0, retry.stdout[-3000:]
+    resumed = int(RESUMED.search(retry.stdout).group(1))  # type: ignore[union-attr]
+    assert resumed >= at_kill  # nothing older than what existed at the kill
+    assert (out / "model.pt").is_file() and (out / "metrics.json").is_file()
+    lost_epochs = (at_kill + 1) - resumed  # the epoch in progress at the kill, redone
+    assert 0 <= lost_epochs <= 1
+    report.record(
+        "training",
+        f"kill rank {ranks.index(victim)} (trial {trial + 1})",
+        "job failed; retry resumed; model produced",
+        newest_checkpoint_at_kill=at_kill,
+        resumed_from=resumed,
+        epochs_redone=lost_epochs,
+        seconds_of_work_lost=round(killed_at - checkpoint_time, 2),
+        first_exit_code=proc.returncode,
+    )
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(
+    tmp_path: Path, horovodrun: Path
+) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    args = ["--epochs", "3", "--batch-size", "32", "--model", "cnn", "--checkpoint-dir", str(ckpt)]
+    first = subprocess.run(
+        trainer_command(2, "synthetic:800", out, *args),
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert first.returncode == 0, first.stdout[-2000:]
+    newest = ckpt / "checkpoint-3.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])  # torn write
+    args[1] = "4"
+    again = subprocess.run(
+        trainer_command(2, "synthetic:800", out, *args),
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert "resuming from checkpoint-2.pt" in again.stdout
+    report.record(
+        "training",
+        "newest checkpoint truncated to a third",
+        "fell back to checkpoint-2, trained on to epoch 4",
+        epochs_redone=1,
+    )
