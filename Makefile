@@ -25,12 +25,14 @@ $(STAMP): $(SETUP_INPUTS)
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py
 
+# Everything but the extra trials of the fault tests (marked slow; `make reliability` runs them).
 test: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The reliability suite with more trials; it writes docs/reliability.md.
+RELIABILITY_TRIALS ?= 5
 reliability: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RETRAIN_RELIABILITY_TRIALS=5 \
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RETRAIN_RELIABILITY_TRIALS=$(RELIABILITY_TRIALS) \
 	RETRAIN_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
 	$(PY) -m pytest tests/test_reliability_*.py $(PYTEST_ARGS)
 

@@ -4,7 +4,10 @@ artifact, flow-run parameter, output blob and local file it wrote is scanned for
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +35,30 @@ def _flow_run(flow_run_id: Any) -> Any:
     return asyncio.run(read())
 
 
+@pytest.fixture
+def private_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    """An Azurite with an account of its own and a fresh random key (the emulator's default key
+    is a published constant, and appears in this project's source)."""
+    from urllib.parse import urlparse
+
+    from backends.azurite import running_azurite
+
+    key = base64.b64encode(os.urandom(64)).decode()
+    monkeypatch.setenv("AZURITE_ACCOUNTS", f"retrainsecret:{key}")
+    with running_azurite(tmp_path / "azurite") as default:
+        endpoint = dict(p.split("=", 1) for p in default.split(";") if "=" in p)["BlobEndpoint"]
+        port = urlparse(endpoint).port
+        yield (
+            "DefaultEndpointsProtocol=http;AccountName=retrainsecret;"
+            f"AccountKey={key};BlobEndpoint=http://127.0.0.1:{port}/retrainsecret;",
+            key,
+        )
+
+
 def test_no_secret_in_logs_artifacts_parameters_or_files(
-    azurite: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    private_account: tuple[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    account_key = dict(p.split("=", 1) for p in azurite.split(";") if "=" in p)["AccountKey"]
+    azurite, account_key = private_account
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)  # holds the account key
     monkeypatch.setenv("RETRAIN_OUTPUTS_SAS", f"https://a.blob.core.windows.net/c?{FAKE_SAS}")
     monkeypatch.setenv("AZURE_STORAGE_KEY", FAKE_KEY)

@@ -4,7 +4,6 @@ Azurite. Nothing is lost, nothing half-written is ever visible, an interrupted s
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import threading
 import time
@@ -17,10 +16,8 @@ from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION, upload_directory
 from backends.staging import MANIFEST, sync_to_directory
-from tests.reliability import report
+from tests.reliability import report, trials
 from tests.reliability.fault_proxy import FaultProxy
-
-TRIALS = int(os.environ.get("RETRAIN_RELIABILITY_TRIALS", "1"))
 
 
 def _parts(conn: str) -> dict[str, str]:
@@ -88,7 +85,7 @@ class PartialWatcher(threading.Thread):
             time.sleep(0.01)  # leave the CPU to the sync
 
 
-@pytest.mark.parametrize("trial", range(TRIALS))
+@pytest.mark.parametrize("trial", trials())
 def test_staging_survives_faults_with_every_file_verified(
     trial: int, azurite: str, dataset: tuple[ContainerClient, dict[str, bytes]], tmp_path: Path
 ) -> None:

@@ -4,7 +4,6 @@ corrupt newest checkpoint falls back to the one before."""
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
@@ -16,9 +15,8 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, child_env, trainer_command
-from tests.reliability import report
+from tests.reliability import report, trials
 
-TRIALS = int(os.environ.get("RETRAIN_RELIABILITY_TRIALS", "1"))
 EPOCHS = 5
 RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")
 
@@ -55,7 +53,7 @@ def _newest_checkpoint(ckpt: Path) -> tuple[int, float]:
     return max(found) if found else (0, 0.0)
 
 
-@pytest.mark.parametrize("trial", range(max(3, TRIALS)))
+@pytest.mark.parametrize("trial", trials())
 def test_killed_rank_fails_the_job_and_the_retry_resumes(
     trial: int, tmp_path: Path, horovodrun: Path
 ) -> None:
