@@ -58,11 +58,7 @@ def _pool_state(config: Any) -> str:
 
 
 def _group_alive(pgid: int) -> bool:
-    return any(
-        p.info["pid"] != os.getpid() and os.getpgid(p.info["pid"]) == pgid
-        for p in psutil.process_iter(["pid"])
-        if _safe_pgid(p.info["pid"]) == pgid
-    )
+    return any(_safe_pgid(p.pid) == pgid for p in psutil.process_iter())
 
 
 def _safe_pgid(pid: int) -> int | None:
