@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT, child_env, trainer_command
+from tests.conftest import ROOT, child_env, run_trainer, trainer_command
 from tests.reliability import report, trials
 
 EPOCHS = 5
@@ -88,18 +88,9 @@ def test_killed_rank_fails_the_job_and_the_retry_resumes(
     assert at_kill < EPOCHS
     assert proc.returncode != 0, "a job with a dead rank must fail, not hang or succeed"
 
-    retry = subprocess.run(
-        trainer_command(2, data, out, *_args(ckpt)),
-        cwd=ROOT,
-        env=child_env(),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=600,
-        check=False,
-    )
-    assert retry.returncode == 0, retry.stdout[-3000:]
-    resumed = int(RESUMED.search(retry.stdout).group(1))  # type: ignore[union-attr]
+    retry = run_trainer(2, data, out, *_args(ckpt))
+    assert retry.returncode == 0, retry.output[-3000:]
+    resumed = int(RESUMED.search(retry.output).group(1))  # type: ignore[union-attr]
     assert resumed >= at_kill  # nothing older than what existed at the kill
     assert (out / "model.pt").is_file() and (out / "metrics.json").is_file()
     lost_epochs = (at_kill + 1) - resumed  # the epoch in progress at the kill, redone
@@ -121,30 +112,14 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(
 ) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     args = ["--epochs", "3", "--batch-size", "32", "--model", "cnn", "--checkpoint-dir", str(ckpt)]
-    first = subprocess.run(
-        trainer_command(2, "synthetic:800", out, *args),
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert first.returncode == 0, first.stdout[-2000:]
+    first = run_trainer(2, "synthetic:800", out, *args)
+    assert first.returncode == 0, first.output[-2000:]
     newest = ckpt / "checkpoint-3.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])  # torn write
     args[1] = "4"
-    again = subprocess.run(
-        trainer_command(2, "synthetic:800", out, *args),
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert again.returncode == 0, again.stdout[-2000:]
-    assert "resuming from checkpoint-2.pt" in again.stdout
+    again = run_trainer(2, "synthetic:800", out, *args)
+    assert again.returncode == 0, again.output[-2000:]
+    assert "resuming from checkpoint-2.pt" in again.output
     report.record(
         "training",
         "newest checkpoint truncated to a third",
