@@ -45,6 +45,14 @@ def make_cluster(config: PipelineConfig) -> BatchCluster:
     )
 
 
+def ready_cluster(tmp_path: Path, *overrides: str) -> tuple[PipelineConfig, BatchCluster]:
+    """A config on the fakes and its cluster, with the pool already ensured."""
+    config = azure_config(tmp_path, *overrides)
+    cluster = make_cluster(config)
+    cluster.ensure_pool()
+    return config, cluster
+
+
 def _sas_permissions(url: str) -> str:
     return parse_qs(urlparse(url).query)["sp"][0]
 
@@ -165,9 +173,7 @@ def _training_outputs() -> dict[str, bytes]:
 
 def test_training_task_request_streaming_and_outputs(fake_azure_account, tmp_path: Path) -> None:
     batch = fake_azure_account.batch
-    config = azure_config(tmp_path, "pool.dedicated_nodes=2", "pool.processes_per_node=4")
-    cluster = make_cluster(config)
-    cluster.ensure_pool()
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=2", "pool.processes_per_node=4")
     batch.scripts["train-"] = [
         Attempt(0, "launch: 8 processes on 2 node(s)\nepoch 1 loss 0.5\n", _training_outputs())
     ]
@@ -219,9 +225,7 @@ def test_failed_attempt_is_retried_by_batch_and_reported(
     fake_azure_account, tmp_path: Path
 ) -> None:
     batch = fake_azure_account.batch
-    config = azure_config(tmp_path, "pool.dedicated_nodes=1")
-    cluster = make_cluster(config)
-    cluster.ensure_pool()
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
     batch.scripts["train-"] = [
         Attempt(1, "rank 1 killed\n"),
         Attempt(0, "resuming from checkpoint-2.pt: starting at epoch 3\n", _training_outputs()),
@@ -235,9 +239,9 @@ def test_failed_attempt_is_retried_by_batch_and_reported(
 
 def test_task_that_keeps_failing_returns_its_exit_code(fake_azure_account, tmp_path: Path) -> None:
     batch = fake_azure_account.batch
-    config = azure_config(tmp_path, "pool.dedicated_nodes=1", "retries.training_attempts=2")
-    cluster = make_cluster(config)
-    cluster.ensure_pool()
+    config, cluster = ready_cluster(
+        tmp_path, "pool.dedicated_nodes=1", "retries.training_attempts=2"
+    )
     batch.scripts["train-"] = [Attempt(3, "bad\n")]
     lines: list[str] = []
     result = cluster.run_task(training_task(config, "train-x", "k", "runs/x"), lines.append)
@@ -251,9 +255,7 @@ def test_scoring_task_reads_the_model_through_a_resource_file(
     fake_azure_account, tmp_path: Path
 ) -> None:
     batch = fake_azure_account.batch
-    config = azure_config(tmp_path, "pool.dedicated_nodes=1")
-    cluster = make_cluster(config)
-    cluster.ensure_pool()
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
     batch.scripts["score-"] = [Attempt(0, "", {"outputs/score.json": b'{"accuracy": 0.9}'})]
     result = cluster.run_task(scoring_task("score-r", "runs/r/model.pt", "runs/r"))
     (task,) = batch.bodies("POST", f"/jobs/{config.pool.id}-score-r/tasks")
@@ -302,9 +304,7 @@ def test_cancellation_terminates_the_job_and_release_resizes_to_zero(
     fake_azure_account, tmp_path: Path
 ) -> None:
     batch = fake_azure_account.batch
-    config = azure_config(tmp_path, "pool.dedicated_nodes=2")
-    cluster = make_cluster(config)
-    cluster.ensure_pool()
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=2")
     batch.scripts["train-"] = [Attempt(0, "epoch 1\n", _training_outputs(), seconds=60)]
     results = []
     runner = threading.Thread(
@@ -335,9 +335,7 @@ def test_cancellation_terminates_the_job_and_release_resizes_to_zero(
 
 def test_release_can_delete_the_pool(fake_azure_account, tmp_path: Path) -> None:
     batch = fake_azure_account.batch
-    config = azure_config(tmp_path, "pool.release=delete")
-    cluster = make_cluster(config)
-    cluster.ensure_pool()
+    config, cluster = ready_cluster(tmp_path, "pool.release=delete")
     assert cluster.release()["action"] == "delete"
     assert batch.requests.find("DELETE", f"/pools/{config.pool.id}")
     assert config.pool.id not in batch.pools
@@ -347,9 +345,7 @@ def test_release_can_delete_the_pool(fake_azure_account, tmp_path: Path) -> None
 def test_a_rerun_follows_the_task_it_already_submitted(fake_azure_account, tmp_path: Path) -> None:
     """After an orchestrator crash the same step finds its task and follows it (no duplicate)."""
     batch = fake_azure_account.batch
-    config = azure_config(tmp_path, "pool.dedicated_nodes=1")
-    cluster = make_cluster(config)
-    cluster.ensure_pool()
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
     batch.scripts["train-"] = [Attempt(0, "done\n", _training_outputs())]
     spec = training_task(config, "train-again", "k", "runs/a")
     cluster.run_task(spec)
