@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from backends.staging import sync_to_directory
+from backends.staging import stage
 from training.checkpoint import atomic_write_json
 
 
@@ -40,19 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dest", type=Path, required=True)
     p.add_argument("--report", type=Path, required=True)
     p.add_argument("--workers", type=int, default=32)
+    p.add_argument(
+        "--shards-size", type=int, default=0, help="pack shards at this input size (0: do not)"
+    )
     args = p.parse_args(argv)
     url = os.environ.get("RETRAIN_DATA_URL")
     if not url:
         print("error: RETRAIN_DATA_URL is not set (the task spec provides it)", file=sys.stderr)
         return 2
-    report = sync_to_directory(_container(url), args.prefix, args.dest, workers=args.workers)
-    atomic_write_json(report.as_dict(), args.report)
+    report = stage(_container(url), args.prefix, args.dest, args.shards_size, args.workers)
+    atomic_write_json(report, args.report)
     print(
-        f"staged {len(report.downloaded)} files ({report.bytes_downloaded} bytes), "
-        f"{report.skipped} unchanged, {len(report.deleted)} deleted; "
-        f"version {report.data_version}"
+        f"staged {len(report['downloaded'])} files ({report['bytes_downloaded']} bytes), "
+        f"{report['skipped']} unchanged, {len(report['deleted'])} deleted; "
+        f"version {report['data_version']}; shards {report['shards']['action']}"
     )
-    print(json.dumps({"data_version": report.data_version, "files": report.total_files}))
+    print(json.dumps({"data_version": report["data_version"], "files": report["total_files"]}))
     return 0
 
 

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from backends.blob import folder
 from training.checkpoint import atomic_write_json
+from training.shards import SHARD_DIR, pack_shards, remove_shards
+from training.shards import STAGING_MANIFEST as MANIFEST
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
-MANIFEST = ".staging-manifest.json"
 MAX_NAME = 1024  # Azure's own limit on blob names
 
 
@@ -69,6 +70,8 @@ def safe_relative_path(name: str, prefix: str) -> PurePosixPath:
         problem = "'.', '..' or empty path segment"
     elif any(part == MANIFEST or part.startswith(".staging-") for part in rel.split("/")):
         problem = "collides with the staging manifest"
+    elif rel.split("/", 1)[0] == SHARD_DIR:
+        problem = f"collides with the packed shards ({SHARD_DIR}/)"
     if problem:
         raise UnsafeBlobNameError(f"blob {name!r} rejected: {problem}")
     return PurePosixPath(rel)
@@ -173,6 +176,20 @@ def sync_to_directory(
             if stale.resolve().is_relative_to(root) and stale.is_file():
                 stale.unlink()
                 report.deleted.append(name)
+    return report
+
+
+def stage(
+    container: ContainerClient, prefix: str, dest: Path, shard_size: int, workers: int = 16
+) -> dict[str, Any]:
+    """The staging step, wherever it runs: sync, then pack shards for a trainer reading
+    ``shard_size`` pixels (0: no packing, and an older pack is removed). Returns the report."""
+    report = sync_to_directory(container, prefix, dest, workers=workers).as_dict()
+    if shard_size:
+        report["shards"] = pack_shards(dest, shard_size).as_dict()
+    else:
+        remove_shards(dest)
+        report["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}
     return report
 
 

@@ -114,6 +114,7 @@ def training_task(
         t.model,
         "--seed",
         str(t.seed),
+        *(["--image-size", str(t.image_size)] if t.image_size else []),
         *(["--timeline"] if t.timeline else []),
         *t.extra_args,
     ]
@@ -137,12 +138,22 @@ def training_task(
     )
 
 
+def shard_size(config: PipelineConfig) -> int:
+    """The input size staging packs shards at (the trainer's), or 0 with packing switched off."""
+    if not config.nfs.shards:
+        return 0
+    from training.models import default_input_size
+
+    return config.training.image_size or default_input_size(config.training.model)
+
+
 def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> TaskSpec:
     """Blob -> NFS on a pool node (Azure): the data never streams through the orchestrator."""
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m backends.stage_task "
         f"--prefix {shlex.quote(config.data.prefix or '')} "
-        f'--dest "{mounts(NFS_MOUNT)}/data" --report {OUTPUT_DIR}/staging.json'
+        f'--dest "{mounts(NFS_MOUNT)}/data" --report {OUTPUT_DIR}/staging.json '
+        f"--shards-size {shard_size(config)}"
     )
     return TaskSpec(
         id=task_id,

@@ -86,6 +86,11 @@ class NfsConfig(_Section):
         None, description="the NFS export the Batch nodes mount, e.g. 10.0.0.4:/export/retrain"
     )
     mount_options: str = "-o vers=4.1,hard,nconnect=8"
+    shards: bool = Field(
+        True,
+        description="after staging, pack image folders into memory-mapped shards at the "
+        "model's input size, which the trainer reads instead of the loose files",
+    )
 
 
 class ImageConfig(_Section):
@@ -140,6 +145,9 @@ class TrainingConfig(_Section):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(0.05, gt=0)
     model: Literal["cnn", "resnet18", "resnet50"] = "cnn"
+    image_size: int | None = Field(
+        None, ge=8, description="input size in pixels; default the model's own"
+    )
     seed: int = 0
     timeline: bool = True
     extra_args: list[str] = Field(default_factory=list)

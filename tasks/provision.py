@@ -16,8 +16,8 @@ from prefect.tasks import exponential_backoff
 from backends import factory
 from backends.blob import container_client
 from backends.share import collect_files
-from backends.staging import sync_to_directory
-from backends.taskspec import Cluster, staging_task
+from backends.staging import stage
+from backends.taskspec import Cluster, shard_size, staging_task
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 
@@ -53,9 +53,9 @@ def stage_data(
     logger = get_run_logger()
     if config.target == "local":
         container = container_client(config.data, config.retries.storage_retries)
-        report = sync_to_directory(
-            container, config.data.prefix, config.nfs.local_dir / "data"
-        ).as_dict()
+        report = stage(
+            container, config.data.prefix, config.nfs.local_dir / "data", shard_size(config)
+        )
     else:
         # A fresh task id per attempt: a Batch task id cannot be reused within its job.
         spec = staging_task(config, f"stage-{run_id}-{task_run.run_count}", output_prefix)
@@ -64,13 +64,16 @@ def stage_data(
             raise RuntimeError(f"staging task {spec.id} exited with {result.exit_code}")
         blob = cluster.outputs.download_blob(f"{output_prefix}/staging.json")
         report = json.loads(blob.readall())
+    shards = report["shards"]
     logger.info(
-        "data: %d downloaded (%d bytes), %d unchanged, %d deleted; version %s",
+        "data: %d downloaded (%d bytes), %d unchanged, %d deleted; version %s; shards %s%s",
         len(report["downloaded"]),
         report["bytes_downloaded"],
         report["skipped"],
         len(report["deleted"]),
         report["data_version"],
+        shards["action"],
+        f" ({shards['reason']})" if shards.get("reason") else "",
     )
     return step_record(
         "stage-data",
@@ -82,6 +85,7 @@ def stage_data(
         bytes=report["bytes_downloaded"],
         files=report["total_files"],
         data_version=report["data_version"],
+        shards=shards,
     )
 
 

@@ -70,6 +70,7 @@ class DatasetInfo:
     kind: str
     class_names: list[str]
     splits: dict[str, SplitData]
+    notes: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- preprocessing
@@ -121,16 +122,22 @@ class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
             raise DatasetError(f"cannot decode image {path}: {exc}") from exc
 
 
-def _check_image(path: Path) -> str | None:
-    """Return why ``path`` is unusable, or None. Decodes fully: a valid header is not enough."""
+def decode_checked(path: Path, size: int | None) -> torch.Tensor | str | None:
+    """Fully decode ``path`` (a valid header is not enough): the model input at ``size``, or
+    None when no size is asked for; a string saying why when the file is unusable."""
     try:
         if path.stat().st_size == 0:
             return "zero-byte file"
         with Image.open(path) as image:
             image.load()
+            return None if size is None else to_model_input(image, size)
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
         return f"unreadable image ({type(exc).__name__}: {exc})"
-    return None
+
+
+def _check_image(path: Path) -> str | None:
+    verdict = decode_checked(path, None)
+    return verdict if isinstance(verdict, str) else None
 
 
 def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
@@ -150,9 +157,9 @@ def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
     return classes
 
 
-def _load_image_folders(
-    root: Path, size: int, verify: bool, rank: int, world: int, gather: Gather
-) -> DatasetInfo:
+def list_image_folders(root: Path) -> tuple[list[str], dict[str, dict[str, list[Path]]]]:
+    """The class names and, per split present, each class's image files; checks that every
+    split has the same classes (a model cannot score a class it never saw)."""
     listed = {
         s: _list_split(root, s) for s in SPLITS if s in REQUIRED_SPLITS or (root / s).is_dir()
     }
@@ -165,18 +172,21 @@ def _load_image_folders(
                 f"class sets differ between train and {split}: "
                 f"only in {split}: {only_here or 'none'}; missing from {split}: {missing or 'none'}"
             )
-    bad: dict[str, str] = {}
-    if verify:
-        # Each rank decodes its own share of the files; the verdicts are then shared, so every
-        # rank drops exactly the same files and the samplers stay aligned.
-        everything = [p for classes in listed.values() for fs in classes.values() for p in fs]
-        mine = {str(p): why for p in everything[rank::world] if (why := _check_image(p))}
-        for part in gather(mine):
-            bad.update(part)
+    return class_names, listed
+
+
+def labelled_samples(
+    class_names: list[str], listed: dict[str, dict[str, list[Path]]], bad: dict[str, str]
+) -> dict[str, tuple[list[tuple[Path, int]], list[str]]]:
+    """Per split, the usable (file, label) pairs and the damaged files left out with why.
+
+    A class whose every file is damaged in some split is an error, not a silent gap.
+    """
     labels = {name: i for i, name in enumerate(class_names)}
-    splits: dict[str, SplitData] = {}
+    result: dict[str, tuple[list[tuple[Path, int]], list[str]]] = {}
     for split, classes in listed.items():
-        samples, skipped = [], []
+        samples: list[tuple[Path, int]] = []
+        skipped: list[str] = []
         for name, files in classes.items():
             for path in files:
                 if str(path) in bad:
@@ -188,7 +198,26 @@ def _load_image_folders(
                     f"class {name!r} in split {split} has no readable images "
                     f"({len(files)} files, all damaged, e.g. {files[0]})"
                 )
-        splits[split] = SplitData(ImageFolderSplit(samples, size), skipped)
+        result[split] = (samples, skipped)
+    return result
+
+
+def _load_image_folders(
+    root: Path, size: int, verify: bool, rank: int, world: int, gather: Gather
+) -> DatasetInfo:
+    class_names, listed = list_image_folders(root)
+    bad: dict[str, str] = {}
+    if verify:
+        # Each rank decodes its own share of the files; the verdicts are then shared, so every
+        # rank drops exactly the same files and the samplers stay aligned.
+        everything = [p for classes in listed.values() for fs in classes.values() for p in fs]
+        mine = {str(p): why for p in everything[rank::world] if (why := _check_image(p))}
+        for part in gather(mine):
+            bad.update(part)
+    splits = {
+        split: SplitData(ImageFolderSplit(samples, size), skipped)
+        for split, (samples, skipped) in labelled_samples(class_names, listed, bad).items()
+    }
     return DatasetInfo("image-folders", class_names, splits)
 
 
@@ -367,8 +396,13 @@ def open_dataset(
     rank: int = 0,
     world: int = 1,
     gather: Gather = _single_process_gather,
+    use_shards: bool = True,
 ) -> DatasetInfo:
-    """Detect the layout at ``data_dir`` and index it; raise DatasetError on anything unusable."""
+    """Detect the layout at ``data_dir`` and index it; raise DatasetError on anything unusable.
+
+    Image folders packed by staging (``training.shards``) are read from their shards when the
+    shards match the folder's data and ``image_size``; ``notes`` says why when they do not.
+    """
     if data_dir.startswith("synthetic:"):
         return _load_synthetic(data_dir, image_size, seed)
     root = Path(data_dir)
@@ -382,7 +416,17 @@ def open_dataset(
             f"--data-dir {root}: no train/ or test/ folders and no CIFAR-10 batches "
             "(data_batch_1 + test_batch, or their .bin versions)"
         )
-    return _load_image_folders(root, image_size, verify_images, rank, world, gather)
+    note = "packed shards not looked for"
+    if use_shards:
+        from training.shards import open_shards
+
+        packed = open_shards(root, image_size)
+        if isinstance(packed, DatasetInfo):
+            return packed
+        note = f"reading loose files: {packed}"
+    info = _load_image_folders(root, image_size, verify_images, rank, world, gather)
+    info.notes.append(note)
+    return info
 
 
 def encode_png(image: torch.Tensor) -> bytes:

@@ -392,6 +392,8 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         ", ".join(f"{k}={len(v)}" for k, v in info.splits.items()),
         len(skipped),
     )
+    for note in info.notes:
+        log.info("data: %s", note)
 
     # channels_last goes on the inputs only: convolutions then run in NHWC, while weights and
     # so gradients stay contiguous, which Horovod's in-place collectives require.

@@ -1,0 +1,383 @@
+"""Packed shards: an image-folder dataset decoded once, at the model's input size, into a few
+memory-mapped uint8 files of 64 MB or more that the trainer and the scorer read directly.
+
+Why: with many small images, every image of every epoch on every rank costs a file open
+(milliseconds on NFS or Azure Files) and a PNG/JPEG decode plus resize, the data loader's main
+CPU cost. Packing pays that once, during staging, on the node beside the data; an epoch then
+reads contiguous rows, and damaged images were found and left out at packing, so the trainer's
+start-up verification pass is skipped too. ``bench/staging.py`` measures the difference.
+
+Layout under ``<data>/.shards/``: ``index.json``, the commit point, written last and atomically;
+per split, ``<split>-<pack>-NNNNN.u8`` files of raw (N, 3, S, S) rows, ``<split>-<pack>.labels``
+(int64) and ``<split>-<pack>.keys.json`` (the content key of every row). A repack copies the
+rows of files whose content did not change (keyed by the MD5 the staging manifest recorded), so
+a 1% change decodes 1% of the images. The trainer uses shards only when they were packed from
+the data version now in the folder, at its input size; otherwise it reads the loose files and
+says why.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from training.checkpoint import atomic_write, atomic_write_json
+from training.data import (
+    DatasetError,
+    DatasetInfo,
+    SplitData,
+    decode_checked,
+    labelled_samples,
+    list_image_folders,
+)
+
+SHARD_DIR = ".shards"
+INDEX = "index.json"
+STAGING_MANIFEST = ".staging-manifest.json"  # written by backends.staging
+PACK_FORMAT = 1
+TARGET_SHARD_BYTES = 64 << 20
+DECODE_BATCH = 2048  # images in flight at once: bounds memory on datasets of any size
+
+
+@dataclass
+class PackReport:
+    action: str  # packed | unchanged | not packed
+    reason: str = ""
+    images: int = 0
+    decoded: int = 0
+    reused: int = 0
+    skipped: int = 0
+    shards: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _staged_files(root: Path) -> tuple[str | None, dict[str, str]]:
+    """The staging manifest's data version and each file's MD5, if the folder was staged."""
+    manifest = _read_json(root / STAGING_MANIFEST)
+    if not manifest or not manifest.get("data_version"):
+        return None, {}
+    files = manifest.get("files", {})
+    md5s = {f["path"]: f["md5"] for f in files.values() if isinstance(f, dict) and f.get("md5")}
+    return str(manifest["data_version"]), md5s
+
+
+def _files(listed: dict[str, dict[str, list[Path]]]) -> Iterator[Path]:
+    for classes in listed.values():
+        for files in classes.values():
+            yield from files
+
+
+def _content_keys(
+    root: Path, listed: dict[str, dict[str, list[Path]]]
+) -> tuple[str, dict[Path, str]]:
+    """The folder's data version and a key per image that changes when its content does.
+
+    Staged folders use the manifest (no file is touched); any other folder its size and
+    modification time, as make does.
+    """
+    version, md5s = _staged_files(root)
+    keys: dict[Path, str] = {}
+    for path in _files(listed):
+        rel = path.relative_to(root).as_posix()
+        if rel in md5s:
+            keys[path] = f"md5:{md5s[rel]}"
+        else:
+            st = path.stat()
+            keys[path] = f"stat:{st.st_size}:{st.st_mtime_ns}"
+    if version is None or len(md5s) < len(keys):
+        digest = hashlib.sha256()
+        for path, key in sorted(keys.items()):
+            digest.update(f"{path.relative_to(root).as_posix()}\0{key}\n".encode())
+        version = f"listing-{digest.hexdigest()[:16]}"
+    return version, keys
+
+
+def current_version(root: Path) -> str:
+    """The version of the data now in ``root``, as the shards record it."""
+    return _content_keys(root, list_image_folders(root)[1])[0]
+
+
+def _row_bytes(size: int) -> int:
+    return 3 * size * size
+
+
+class _ShardWriter:
+    """Appends rows to numbered shard files, each renamed into place once complete."""
+
+    def __init__(self, directory: Path, stem: str, row_bytes: int) -> None:
+        self.directory, self.stem, self.row_bytes = directory, stem, row_bytes
+        self.per_shard = max(1, -(-TARGET_SHARD_BYTES // row_bytes))
+        self.shards: list[dict[str, Any]] = []
+        self._fh: Any = None
+        self._tmp: Path | None = None
+        self._rows = 0
+
+    def write(self, row: bytes) -> None:
+        if self._fh is None:
+            self._tmp = self.directory / f".{self.stem}-{len(self.shards):05d}.tmp"
+            self._fh = open(self._tmp, "wb")  # noqa: SIM115  # closed in _finish
+            self._rows = 0
+        self._fh.write(row)
+        self._rows += 1
+        if self._rows == self.per_shard:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._fh is None or self._tmp is None:
+            return
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        name = f"{self.stem}-{len(self.shards):05d}.u8"
+        os.replace(self._tmp, self.directory / name)
+        self.shards.append({"file": name, "count": self._rows})
+        self._fh = None
+
+    def close(self) -> list[dict[str, Any]]:
+        self._finish()
+        return self.shards
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+
+
+class _OldRows:
+    """Rows of the previous pack, found by content key, so unchanged images are not decoded."""
+
+    def __init__(self, directory: Path, index: dict[str, Any] | None, size: int) -> None:
+        self.where: dict[str, tuple[Path, int]] = {}
+        if not index or index.get("format") != PACK_FORMAT or index.get("image_size") != size:
+            return
+        for split in index.get("splits", {}).values():
+            keys = _read_json(directory / split.get("keys", ""))
+            if not keys or len(keys.get("keys", [])) != split.get("count"):
+                continue
+            rows = iter(keys["keys"])
+            for shard in split["shards"]:
+                for row in range(shard["count"]):
+                    self.where[next(rows)] = (directory / shard["file"], row)
+        self.row_bytes = _row_bytes(size)
+        self._maps: dict[Path, np.memmap] = {}
+
+    def get(self, key: str) -> bytes | None:
+        found = self.where.get(key)
+        if found is None:
+            return None
+        path, row = found
+        try:
+            if path not in self._maps:
+                self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+            data = self._maps[path][row * self.row_bytes : (row + 1) * self.row_bytes]
+        except (OSError, ValueError):
+            return None  # an old shard gone or short: decode the image instead
+        return data.tobytes() if len(data) == self.row_bytes else None
+
+
+def pack_shards(root: Path, image_size: int, workers: int | None = None) -> PackReport:
+    """Pack the image folders under ``root`` for ``image_size``; see the module docstring.
+
+    A folder that is not an image-folder dataset, or one the trainer would refuse, is left
+    unpacked (the report says why) so that the trainer's own error reaches the user.
+    """
+    started = time.perf_counter()
+    if not (root / "train").is_dir():
+        return PackReport("not packed", reason="no train/ folder (not an image-folder dataset)")
+    try:
+        class_names, listed = list_image_folders(root)
+    except DatasetError as exc:
+        return PackReport("not packed", reason=str(exc))
+    version, keys = _content_keys(root, listed)
+    directory = root / SHARD_DIR
+    index = _read_json(directory / INDEX)
+    if (
+        index
+        and index.get("format") == PACK_FORMAT
+        and index.get("version") == version
+        and index.get("image_size") == image_size
+    ):
+        return PackReport("unchanged", images=sum(s["count"] for s in index["splits"].values()))
+    directory.mkdir(parents=True, exist_ok=True)
+    pack = hashlib.sha256(f"{version}/{image_size}/{PACK_FORMAT}".encode()).hexdigest()[:12]
+    old = _OldRows(directory, index, image_size)
+    report = PackReport("packed")
+    bad: dict[str, str] = {}
+    splits: dict[str, dict[str, Any]] = {}
+    labels_of = {name: i for i, name in enumerate(class_names)}
+
+    def load(path: Path) -> tuple[bytes | str, bool]:
+        """The row for ``path`` (copied from the old pack if unchanged), or why it is unusable."""
+        reused = old.get(keys[path])
+        if reused is not None:
+            return reused, True
+        verdict = decode_checked(path, image_size)
+        if isinstance(verdict, torch.Tensor):
+            return verdict.numpy().tobytes(), False
+        return verdict or "not decoded", False
+
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        for split, classes in listed.items():
+            items = [(p, labels_of[c]) for c, files in classes.items() for p in files]
+            writer = _ShardWriter(directory, f"{split}-{pack}", _row_bytes(image_size))
+            labels: list[int] = []
+            row_keys: list[str] = []
+            try:
+                for start in range(0, len(items), DECODE_BATCH):
+                    batch = items[start : start + DECODE_BATCH]
+                    for (path, label), (result, reused) in zip(
+                        batch, pool.map(load, [p for p, _ in batch]), strict=True
+                    ):
+                        if isinstance(result, str):
+                            bad[str(path)] = result
+                            continue
+                        report.reused += reused
+                        writer.write(result)
+                        labels.append(label)
+                        row_keys.append(keys[path])
+                shards = writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            stem = f"{split}-{pack}"
+            atomic_write(
+                directory / f"{stem}.labels",
+                lambda fh, ls=labels: fh.write(np.asarray(ls, dtype=np.int64).tobytes()),
+            )
+            atomic_write_json({"keys": row_keys}, directory / f"{stem}.keys.json")
+            splits[split] = {
+                "count": len(labels),
+                "shards": shards,
+                "labels": f"{stem}.labels",
+                "keys": f"{stem}.keys.json",
+            }
+    try:
+        checked = labelled_samples(class_names, listed, bad)
+    except DatasetError as exc:
+        _remove_unreferenced(directory, index)
+        return PackReport("not packed", reason=str(exc))
+    for split, (_, skipped) in checked.items():
+        splits[split]["skipped"] = [s.replace(str(root) + os.sep, "", 1) for s in skipped]
+    new_index = {
+        "format": PACK_FORMAT,
+        "pack": pack,
+        "version": version,
+        "image_size": image_size,
+        "class_names": class_names,
+        "splits": splits,
+    }
+    atomic_write_json(new_index, directory / INDEX)
+    _remove_unreferenced(directory, new_index)
+    report.images = sum(s["count"] for s in splits.values())
+    report.decoded = report.images - report.reused
+    report.skipped = len(bad)
+    report.shards = sum(len(s["shards"]) for s in splits.values())
+    report.bytes = report.images * _row_bytes(image_size)
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report
+
+
+def _referenced(index: dict[str, Any] | None) -> set[str]:
+    names = {INDEX}
+    for split in (index or {}).get("splits", {}).values():
+        names.update(s["file"] for s in split.get("shards", []))
+        names.update(n for n in (split.get("labels"), split.get("keys")) if n)
+    return names
+
+
+def _remove_unreferenced(directory: Path, index: dict[str, Any] | None) -> None:
+    """Old packs and the leftovers of an interrupted one; what the index names stays."""
+    keep = _referenced(index)
+    for path in directory.iterdir():
+        if path.name not in keep and path.is_file():
+            path.unlink(missing_ok=True)
+
+
+def remove_shards(root: Path) -> None:
+    """Drop the packed copy (packing switched off): the trainer then reads the loose files."""
+    directory = root / SHARD_DIR
+    if directory.is_dir():
+        (directory / INDEX).unlink(missing_ok=True)
+        _remove_unreferenced(directory, None)
+        directory.rmdir()
+
+
+class ShardSplit(Dataset[tuple[torch.Tensor, int]]):
+    """Rows of one split across its shard files, mapped lazily (after DataLoader workers fork)."""
+
+    def __init__(self, shards: list[tuple[Path, int]], labels: np.ndarray, size: int) -> None:
+        self.paths = [p for p, _ in shards]
+        self.ends = list(np.cumsum([n for _, n in shards]))
+        self.labels, self.size = labels, size
+        self._maps: list[np.ndarray | None] = [None] * len(shards)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _map(self, i: int) -> np.ndarray:
+        mapped = self._maps[i]
+        if mapped is None:
+            mapped = np.memmap(self.paths[i], dtype=np.uint8, mode="r").reshape(
+                -1, 3, self.size, self.size
+            )
+            self._maps[i] = mapped
+        return mapped
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        shard = bisect.bisect_right(self.ends, index)
+        row = index - (self.ends[shard - 1] if shard else 0)
+        return torch.from_numpy(np.array(self._map(shard)[row])), int(self.labels[index])
+
+
+def open_shards(root: Path, image_size: int) -> DatasetInfo | str:
+    """The packed dataset, or a sentence saying why the loose files must be read instead."""
+    directory = root / SHARD_DIR
+    index = _read_json(directory / INDEX)
+    if index is None:
+        return "no packed shards"
+    if index.get("format") != PACK_FORMAT:
+        return f"shards are format {index.get('format')}, this trainer reads {PACK_FORMAT}"
+    if index.get("image_size") != image_size:
+        return f"shards were packed at {index.get('image_size')} px; the model reads {image_size}"
+    version = current_version(root)
+    if index.get("version") != version:
+        return f"shards hold data version {index.get('version')}; the folder holds {version}"
+    splits: dict[str, SplitData] = {}
+    row = _row_bytes(image_size)
+    for name, split in index["splits"].items():
+        shards = [(directory / s["file"], int(s["count"])) for s in split["shards"]]
+        for path, count in shards:
+            actual = path.stat().st_size if path.is_file() else -1
+            if actual != count * row:
+                return f"shard {path.name} is {actual} bytes, expected {count * row}"
+        labels = np.fromfile(directory / split["labels"], dtype=np.int64)
+        if len(labels) != split["count"]:
+            return f"{split['labels']} holds {len(labels)} labels, expected {split['count']}"
+        skipped = [f"{root / s}" for s in split.get("skipped", [])]
+        splits[name] = SplitData(ShardSplit(shards, labels, image_size), skipped)
+    return DatasetInfo("image-folders (packed shards)", list(index["class_names"]), splits)
