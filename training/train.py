@@ -30,6 +30,7 @@ from training import distributed as dist
 from training.data import DatasetError, DatasetInfo, SplitData, open_dataset
 from training.distributed import World
 from training.models import build_model, default_input_size
+from training.shards import ShardSplit
 
 log = dist.log
 
@@ -104,10 +105,12 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def _loader_workers(requested: int, world: World, dataset_len: int) -> int:
+def _loader_workers(requested: int, world: World, split: SplitData) -> int:
     if requested >= 0:
         return requested
-    if dataset_len < 2048:
+    if isinstance(split.dataset, ShardSplit):
+        return 0  # rows are already decoded: a copy is cheaper than passing it between processes
+    if len(split) < 2048:
         return 0  # starting worker processes costs more than decoding a few images
     per_rank = (os.cpu_count() or 1) // world.local_size
     return max(0, min(8, per_rank - 1))
@@ -116,7 +119,7 @@ def _loader_workers(requested: int, world: World, dataset_len: int) -> int:
 def _loader(
     split: SplitData, sampler: Sampler[int], args: argparse.Namespace, world: World
 ) -> DataLoader[Any]:
-    workers = _loader_workers(args.workers, world, len(split))
+    workers = _loader_workers(args.workers, world, split)
     return DataLoader(
         split.dataset,
         batch_size=args.batch_size,
