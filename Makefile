@@ -41,8 +41,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Every benchmark, side by side on this machine; writes docs/performance.md (about 10 min).
 bench: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench.train_throughput
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .demo .pytest_cache .ruff_cache .mypy_cache

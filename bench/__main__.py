@@ -1,0 +1,101 @@
+"""Run every benchmark and write docs/performance.md: ``python -m bench`` (``make bench``).
+
+Each benchmark runs in a process of its own (they set up their own Azurite, Prefect API and
+thread counts) and leaves its JSON in the results folder; ``bench.report`` renders the page.
+On a machine with a CUDA GPU the GPU variants run too, and their results are kept in
+docs/bench-gpu/ for machines without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench.report import GPU_RESULTS, ROOT
+from bench.report import main as render
+
+FULL: dict[str, list[str]] = {
+    "staging": [],
+    "loading": [],
+    "pipeline": [],
+    "train_throughput": [],
+}
+QUICK: dict[str, list[str]] = {
+    "staging": ["--small", "300", "--large", "2", "--large-mb", "4"],
+    "loading": ["--images", "600"],
+    "pipeline": ["--repeats", "1"],
+    "train_throughput": ["--images", "400", "--epochs", "1"],
+}
+
+
+def _run(module: str, args: list[str], output: Path, prefix: list[str] | None = None) -> None:
+    started = time.perf_counter()
+    print(f"== bench.{module} {' '.join(args)}", flush=True)
+    cmd = [*(prefix or []), sys.executable, "-m", f"bench.{module}", *args, "--json", str(output)]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    print(f"   done in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _stamp(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data["date"] = f"{datetime.now(UTC):%Y-%m-%d}"
+    path.write_text(json.dumps(data, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the code, not speed")
+    p.add_argument("--only", nargs="+", choices=sorted(FULL), help="run just these")
+    p.add_argument("--scratch", type=Path, default=ROOT / ".bench", help="datasets, work dirs")
+    p.add_argument("--results", type=Path, default=ROOT / ".bench" / "results")
+    p.add_argument("--output", type=Path, default=ROOT / "docs" / "performance.md")
+    args = p.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    shutil.rmtree(args.results, ignore_errors=True)
+    args.results.mkdir(parents=True)
+    where = {
+        "staging": [
+            "--source",
+            str(args.scratch / "source"),
+            "--work",
+            str(args.scratch / "staging"),
+        ],
+        "loading": [
+            "--source",
+            str(args.scratch / "source"),
+            "--work",
+            str(args.scratch / "loading"),
+        ],
+    }
+    for name in args.only or plan:
+        _run(name, [*plan[name], *where.get(name, [])], args.results / f"{name}.json")
+    gpus = _gpus()
+    if gpus and not args.quick:
+        GPU_RESULTS.mkdir(parents=True, exist_ok=True)
+        _run(
+            "loading", ["--gpu-model", "resnet18", *where["loading"]], GPU_RESULTS / "loading.json"
+        )
+        horovodrun = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(gpus)]
+        _run("train_throughput", ["--gpu"], GPU_RESULTS / "train_throughput.json", horovodrun)
+        for path in GPU_RESULTS.glob("*.json"):
+            _stamp(path)
+    return render([str(args.results), str(args.output)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
