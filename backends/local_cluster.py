@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, OutputSpec, TaskResult, TaskSpec
-from training.checkpoint import atomic_write_json
+from training.atomic import atomic_write_json
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

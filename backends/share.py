@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.checkpoint import atomic_write_json
+from training.atomic import atomic_write_json
 
 HASHES = ".content-hashes.json"
 

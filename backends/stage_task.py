@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.staging import stage
-from training.checkpoint import atomic_write_json
+from training.atomic import atomic_write_json
 
 
 def _container(url: str) -> Any:

@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from backends.blob import folder
-from training.checkpoint import atomic_write_json
+from training.atomic import atomic_write_json
 from training.shards import SHARD_DIR, pack_shards, remove_shards
 from training.shards import STAGING_MANIFEST as MANIFEST
 

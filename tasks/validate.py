@@ -3,6 +3,10 @@
 The manifest comes from the listing plus one small ranged read per image (enough for the
 header, and usually the whole file), so the gate costs seconds and no GPU is provisioned, and no
 data is copied, for a dataset that would fail. A failed gate raises: nothing after it runs.
+
+What each read found is kept in the work folder by blob name and ETag (a blob's ETag changes
+with its content), so a nightly run over unchanged data lists the container and reads nothing:
+per-request cost, not bandwidth, is what a gate over many small images pays.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +27,7 @@ from prefect.cache_policies import NONE
 from backends.blob import container_client, folder, upload_directory
 from flows.config import PipelineConfig
 from tasks.steps import step_record
+from training.atomic import atomic_write
 
 HEADER_BYTES = 64 * 1024
 SPLITS = ("train", "val", "test")
@@ -70,7 +76,22 @@ def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
     return row
 
 
-def build_manifest(config: PipelineConfig) -> list[dict[str, Any]]:
+def _cache_path(config: PipelineConfig) -> Path:
+    where = f"{config.data.account_url or ''}|{config.data.container}|{config.data.prefix}"
+    key = hashlib.sha256(where.encode()).hexdigest()[:16]
+    return config.work_dir / "gate-cache" / f"{config.data.container}-{key}.json"
+
+
+def _load_cache(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        entries = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}  # no usable cache: every image is read again
+    return entries if isinstance(entries, dict) else {}
+
+
+def build_manifest(config: PipelineConfig) -> tuple[list[dict[str, Any]], int]:
+    """One row per image, and how many rows came from the cache (unchanged blobs)."""
     container = container_client(config.data, config.retries.storage_retries)
     prefix = config.data.prefix
     blobs = [
@@ -78,8 +99,26 @@ def build_manifest(config: PipelineConfig) -> list[dict[str, Any]]:
         for b in container.list_blobs(name_starts_with=folder(prefix))
         if not b.name.rsplit("/", 1)[-1].startswith("_")
     ]  # markers such as _SUCCESS
+    cache_file = _cache_path(config)
+    cache = _load_cache(cache_file)
+
+    def describe(blob: Any) -> dict[str, Any]:
+        hit = cache.get(blob.name)
+        if isinstance(hit, dict) and hit.get("etag") == blob.etag and "row" in hit:
+            return dict(hit["row"])
+        return _describe_image(container, blob, prefix)
+
     with ThreadPoolExecutor(max_workers=16) as pool:
-        rows = list(pool.map(lambda b: _describe_image(container, b, prefix), blobs))
+        rows = list(pool.map(describe, blobs))
+    reused = sum(
+        1
+        for b in blobs
+        if isinstance(cache.get(b.name), dict) and cache[b.name].get("etag") == b.etag
+    )
+    entries = {b.name: {"etag": b.etag, "row": row} for b, row in zip(blobs, rows, strict=True)}
+    atomic_write(
+        cache_file, lambda fh: fh.write(json.dumps(entries, separators=(",", ":")).encode())
+    )
     by_split: dict[str, set[str]] = {}
     for row in rows:
         if row["md5"]:
@@ -90,7 +129,7 @@ def build_manifest(config: PipelineConfig) -> list[dict[str, Any]]:
     )
     for row in rows:
         row["leak"] = bool(row["md5"]) and row["md5"] in train and row["md5"] in test
-    return rows
+    return rows, reused
 
 
 def _class_counts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -221,7 +260,7 @@ def _examples(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
 
 def _upload_docs(config: PipelineConfig, docs: Path, output_prefix: str) -> str:
     container = container_client(config.output, config.retries.storage_retries, create=True)
-    upload_directory(container, docs, f"{output_prefix}/data_docs")
+    upload_directory(container, docs, f"{output_prefix}/data_docs", workers=8)
     return f"{container.url}/{output_prefix}/data_docs/index.html"
 
 
@@ -229,7 +268,7 @@ def _upload_docs(config: PipelineConfig, docs: Path, output_prefix: str) -> str:
 def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> dict[str, Any]:
     logger = get_run_logger()
     started = time.perf_counter()
-    rows = build_manifest(config)
+    rows, cached = build_manifest(config)
     docs = run_dir / "data_docs"
     success, records = run_expectations(rows, config, docs)
     docs_url = _upload_docs(config, docs, output_prefix)
@@ -260,12 +299,19 @@ def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> 
             for r in failed
         )
         raise DataValidationError(f"data gate failed, nothing was provisioned: {summary}")
-    logger.info("data gate passed: %d images, %d expectations", len(rows), len(records))
+    logger.info(
+        "data gate passed: %d images (%d unchanged since the last gate, not read again), "
+        "%d expectations",
+        len(rows),
+        cached,
+        len(records),
+    )
     return step_record(
         "validate-data",
         started,
         True,
         images=len(rows),
+        read_from_cache=cached,
         classes=len({r["label"] for r in rows}),
         data_docs=docs_url,
     )

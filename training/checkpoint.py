@@ -8,15 +8,14 @@ warning, and training falls back to the previous epoch rather than crashing.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from training.atomic import atomic_write
 
 log = logging.getLogger("training")
 
@@ -25,28 +24,8 @@ _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 REQUIRED_KEYS = {"format_version", "epoch", "model", "optimizer", "args", "history"}
 
 
-def atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(file_object)`` on a temp file beside ``path``, fsync, then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide outputs from a scorer run as another user
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def atomic_save(obj: object, path: Path) -> None:
     atomic_write(path, lambda fh: torch.save(obj, fh))
-
-
-def atomic_write_json(obj: object, path: Path) -> None:
-    atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2).encode()))
 
 
 def checkpoint_path(directory: Path, epoch: int) -> Path:

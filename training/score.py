@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from training.checkpoint import atomic_write_json
+from training.atomic import atomic_write_json
 from training.data import DatasetError, open_dataset
 from training.models import build_model
 

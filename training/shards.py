@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from training.checkpoint import atomic_write, atomic_write_json
+from training.atomic import atomic_write, atomic_write_json
 from training.data import (
     DatasetError,
     DatasetInfo,

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from training import checkpoint as ckpt
 from training import distributed as dist
+from training.atomic import atomic_write_json
 from training.data import DatasetError, DatasetInfo, SplitData, open_dataset
 from training.distributed import World
 from training.models import build_model, default_input_size
@@ -509,7 +510,7 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
             },
             args.output_dir / "model.pt",
         )
-        ckpt.atomic_write_json(metrics, args.output_dir / "metrics.json")
+        atomic_write_json(metrics, args.output_dir / "metrics.json")
         if writer is not None:
             writer.add_scalar("test/accuracy", test["accuracy"], args.epochs)
             writer.close()

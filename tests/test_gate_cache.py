@@ -1,0 +1,48 @@
+"""The data gate reads each image once per content: unchanged blobs come from its cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.blob import container_client
+from tasks.validate import _cache_path, build_manifest
+from tests.pipeline_helpers import make_config, seed
+
+
+def test_unchanged_blobs_are_not_read_again(
+    azurite: str, small_folders: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    config = make_config(tmp_path)
+    total = seed(config, small_folders)
+    first, cached = build_manifest(config)
+    assert (len(first), cached) == (total, 0)
+    again, cached = build_manifest(config)
+    assert cached == total and again == first  # same rows, no image read
+
+    # New content under an old name: that one blob is read again, and what it holds now is
+    # what the gate sees (here: not an image any more).
+    container = container_client(config.data)
+    victim = sorted(r["path"] for r in first if r["split"] == "train")[0]
+    container.upload_blob(f"{config.data.prefix}/{victim}", b"not an image", overwrite=True)
+    changed, cached = build_manifest(config)
+    assert cached == total - 1
+    row = next(r for r in changed if r["path"] == victim)
+    assert row["readable"] is False and row["bytes"] == len(b"not an image")
+
+
+def test_damaged_cache_is_ignored(
+    azurite: str, small_folders: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    config = make_config(tmp_path)
+    total = seed(config, small_folders)
+    build_manifest(config)
+    cache = _cache_path(config)
+    cache.write_text(cache.read_text()[: len(cache.read_text()) // 2])  # cut mid-write
+    rows, cached = build_manifest(config)
+    assert (len(rows), cached) == (total, 0)
+    assert len(json.loads(cache.read_text())) == total  # rewritten whole

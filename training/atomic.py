@@ -1,0 +1,32 @@
+"""Write-then-rename, so a reader sees the whole file or none: a node can die mid-write.
+
+Kept free of heavy imports: the orchestrator's steps use it as well as the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call ``write(file_object)`` on a temp file beside ``path``, fsync, then rename over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide outputs from a scorer run as another user
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(obj: object, path: Path) -> None:
+    atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2).encode()))
