@@ -23,12 +23,14 @@ from bench.report import main as render
 FULL: dict[str, list[str]] = {
     "staging": [],
     "loading": [],
+    "trainer": [],
     "pipeline": [],
     "train_throughput": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": ["--small", "300", "--large", "2", "--large-mb", "4"],
     "loading": ["--images", "600"],
+    "trainer": ["--images", "600", "--epochs", "1"],
     "pipeline": ["--repeats", "1"],
     "train_throughput": ["--images", "400", "--epochs", "1"],
 }

@@ -141,6 +141,26 @@ def loading(r: dict[str, Any], heading: str) -> list[str]:
     return [*lines, ""]
 
 
+def trainer(r: dict[str, Any], heading: str) -> list[str]:
+    return [
+        heading,
+        "",
+        f"Machine: {r['machine']}. Method: {r['method']}.",
+        "",
+        "| read from | training images/s | wall (start-up and evaluation included) |",
+        "|---|---:|---:|",
+        *(
+            f"| {name} | {r[name]['images_per_sec']:,.0f} | {r[name]['wall_seconds']:.1f} s |"
+            for name in ("loose", "shards")
+        ),
+        "",
+        f"Shards train at {r['shards_over_loose_images_per_sec']}x the images/s of loose files; "
+        f"the loose run takes {r['loose_over_shards_wall']}x the wall time. Same test loss "
+        f"both ways: {'yes' if r['same_test_loss'] else 'no'}.",
+        "",
+    ]
+
+
 def pipeline(r: dict[str, Any]) -> list[str]:
     runs = {"first run": r["first_run"], "re-run, nothing changed": r["rerun_unchanged"]}
     rows = ["| | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
@@ -243,6 +263,8 @@ def render(results: Path) -> str:
         lines += loading(
             r, "## Data loading: loose files against packed shards (`bench/loading.py`)"
         )
+    if (r := load("trainer")) is not None:
+        lines += trainer(r, "## The trainer on loose files and on shards (`bench/trainer.py`)")
     if (r := load("pipeline")) is not None:
         lines += pipeline(r)
     if (r := load("train_throughput")) is not None:
@@ -260,7 +282,9 @@ def render(results: Path) -> str:
             r = json.loads(path.read_text())
             stamp = r.get("date", "date not recorded")
             if r["benchmark"] == "loading":
-                lines += loading(r, f"### Data loading on {r['machine']} ({stamp})")
+                lines += loading(r, f"### Data loading, {r['method'].split(', ')[0]} ({stamp})")
+            elif r["benchmark"] == "trainer":
+                lines += trainer(r, f"### The trainer on loose files and on shards ({stamp})")
             else:
                 lines += [f"### {r['benchmark']} ({stamp})", "", *train_throughput(r)]
     return "\n".join(lines).rstrip() + "\n"

@@ -106,11 +106,16 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+# Measured (bench/loading.py on a 16-core H100 machine): 3 KB rows (32 px) load 2x faster in
+# the training process than through 8 worker processes; 150 KB rows (224 px) 1.8x slower.
+IN_PROCESS_ROW_BYTES = 32 * 1024
+
+
 def _loader_workers(requested: int, world: World, split: SplitData) -> int:
     if requested >= 0:
         return requested
-    if isinstance(split.dataset, ShardSplit):
-        return 0  # rows are already decoded: a copy is cheaper than passing it between processes
+    if isinstance(split.dataset, ShardSplit) and split.dataset.row_bytes <= IN_PROCESS_ROW_BYTES:
+        return 0  # small decoded rows: a copy is cheaper than passing it between processes
     if len(split) < 2048:
         return 0  # starting worker processes costs more than decoding a few images
     per_rank = (os.cpu_count() or 1) // world.local_size

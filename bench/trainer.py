@@ -1,0 +1,118 @@
+"""The trainer itself on loose files and on packed shards: the same data, seed and model, run
+twice in one run, so the difference is only how the images reach the model.
+
+Each run is ``python -m training.train`` in one process (Horovod of size 1), on its own copy of
+the image folders (``bench/dataset.py``); the packed copy is packed first at the model's input
+size, as staging does. Reported: training images/s (the trainer's own figure, training time
+only), the run's wall time (start-up, verification and evaluation included), the ratios, and
+whether both runs reached the same test loss (they should: the samples are identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import dataset
+from training.models import default_input_size
+from training.shards import pack_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "training.train",
+        "--data-dir",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--model",
+        args.model,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--warmup-epochs",
+        "0",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    return dict(json.loads((out / "metrics.json").read_text()))
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    source = dataset.images(args.source, args.images, args.kb)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    runs: dict[str, dict[str, Any]] = {}
+    for name in ("loose", "shards"):
+        folder = args.work / name
+        subprocess.run(["cp", "-r", str(source), str(folder)], check=True)
+        if name == "shards":
+            pack_shards(folder, default_input_size(args.model))
+        metrics = train(folder, args.work / f"out-{name}", args)
+        runs[name] = {
+            "dataset": metrics["dataset"]["kind"],
+            "images_per_sec": round(metrics["images_per_sec"], 1),
+            "wall_seconds": round(metrics["wall_seconds"], 2),
+            "test_loss": metrics["test_loss"],
+            "device": metrics["device"],
+        }
+    return {
+        "benchmark": "trainer",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, device {_device_name()}",
+        "method": f"{args.model} at {default_input_size(args.model)} px, {args.images} PNGs of "
+        f"~{args.kb} KB ({args.images * 4 // 5} train), batch {args.batch_size}, "
+        f"{args.epochs} epochs, one process; the trainer's default data loader settings",
+        **runs,
+        "shards_over_loose_images_per_sec": round(
+            runs["shards"]["images_per_sec"] / runs["loose"]["images_per_sec"], 2
+        ),
+        "loose_over_shards_wall": round(
+            runs["loose"]["wall_seconds"] / runs["shards"]["wall_seconds"], 2
+        ),
+        "same_test_loss": runs["loose"]["test_loss"] == runs["shards"]["test_loss"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.trainer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="cnn", choices=["cnn", "resnet18", "resnet50"])
+    p.add_argument("--images", type=int, default=20_000)
+    p.add_argument("--kb", type=float, default=20)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--source", type=Path, default=ROOT / ".bench" / "source")
+    p.add_argument("--work", type=Path, default=ROOT / ".bench" / "trainer")
+    p.add_argument("--json", type=Path, help="also write the report here")
+    args = p.parse_args(argv)
+    report = run(args)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
