@@ -18,7 +18,7 @@ import base64
 import hashlib
 import json
 import os
-import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -97,23 +97,30 @@ def _load_manifest(dest: Path) -> dict[str, dict[str, Any]]:
 def _download(
     container: ContainerClient, name: str, target: Path, size: int, md5: str | None
 ) -> str:
-    """Download to a temp file beside ``target``, verify, rename. Returns the MD5 (base64)."""
+    """Download to a temp file beside ``target``, verify, rename. Returns the MD5 (base64).
+
+    The MD5 is computed from the bytes as they arrive (no second read of the file), and the
+    temp name is this thread's own in that folder: small files are bound by per-file costs.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".staging-", suffix=".part", dir=target.parent)
+    tmp = target.parent / f".staging-{os.getpid()}-{threading.get_ident()}.part"
+    digest = hashlib.md5(usedforsecurity=False)
+    received = 0
     try:
-        with os.fdopen(fd, "wb") as fh:
-            container.download_blob(name, max_concurrency=1).readinto(fh)
-        actual_size = os.path.getsize(tmp)
-        if actual_size != size:
-            raise IntegrityError(f"blob {name!r}: downloaded {actual_size} bytes, expected {size}")
-        actual_md5 = _md5_b64(Path(tmp))
+        with open(tmp, "wb") as fh:
+            for chunk in container.download_blob(name, max_concurrency=1).chunks():
+                digest.update(chunk)
+                fh.write(chunk)
+                received += len(chunk)
+        if received != size:
+            raise IntegrityError(f"blob {name!r}: downloaded {received} bytes, expected {size}")
+        actual_md5 = base64.b64encode(digest.digest()).decode()
         if md5 and actual_md5 != md5:
             raise IntegrityError(f"blob {name!r}: MD5 {actual_md5} does not match stored {md5}")
-        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
         return actual_md5
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -132,9 +139,12 @@ def sync_to_directory(
     report = SyncReport(total_files=len(planned))
     todo = []
     files: dict[str, dict[str, Any]] = {}
+    inside: dict[Path, bool] = {}  # per folder: resolving each file's path costs a stat per part
     for name, (blob, rel) in planned.items():
         target = dest / rel
-        if not target.resolve().is_relative_to(root):  # e.g. through a symlinked folder
+        if target.parent not in inside:
+            inside[target.parent] = target.parent.resolve().is_relative_to(root)
+        if not inside[target.parent] or target.is_symlink():  # e.g. through a symlinked folder
             raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
         md5 = (
             base64.b64encode(bytes(blob.content_settings.content_md5)).decode()

@@ -155,10 +155,20 @@ def trainer(r: dict[str, Any], heading: str) -> list[str]:
         ),
         "",
         f"Shards train at {r['shards_over_loose_images_per_sec']}x the images/s of loose files; "
-        f"the loose run takes {r['loose_over_shards_wall']}x the wall time. Same test loss "
-        f"both ways: {'yes' if r['same_test_loss'] else 'no'}.",
+        f"the loose run takes {r['loose_over_shards_wall']}x the wall time. Test loss "
+        f"{r['loose']['test_loss']:.3g} from loose files, {r['shards']['test_loss']:.3g} from "
+        f"shards; {_sameness(r)}.",
         "",
     ]
+
+
+def _sameness(r: dict[str, Any]) -> str:
+    if "identical_samples" in r:
+        return (
+            f"{r['identical_samples']} of {r['samples_checked']} random training samples "
+            "checked are bit-identical in both copies"
+        )
+    return "the two runs ended with bit-identical test losses" if r.get("same_test_loss") else ""
 
 
 def pipeline(r: dict[str, Any]) -> list[str]:

@@ -54,8 +54,12 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   grep -q "allow_abbrev=False" "$src/horovod/runner/launch.py"
   "$PY" -m pip install --quiet cloudpickle psutil pyyaml packaging setuptools wheel cmake
   mkdir -p "$work/out"
+  # Newer toolchains: GCC 13 no longer pulls <string>, <stdexcept> and <cstdint> in through
+  # other headers that Horovod's sources rely on, and CMake 4 refuses the
+  # cmake_minimum_required of the bundled Gloo; neither setting changes the built code.
   env "${build_env[@]}" HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-    MAKEFLAGS="-j$(nproc)" \
+    CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept" \
+    CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
     "$PY" -m pip wheel --no-deps --no-build-isolation -w "$work/out" "$src"
   mkdir -p "$wheel_dir"
   # Copy under a temporary name, then rename, so an interrupted copy never looks like a wheel.

@@ -1,6 +1,6 @@
-"""The --gpu benchmark's code path (AMP scaler, channels_last inputs, Horovod synchronize) on CPU.
+"""The benchmarks' code at toy sizes: the figures are not checked, what they are made of is.
 
-No GPU exists here; this keeps the path that runs on one from rotting, at toy sizes.
+The --gpu path (AMP scaler, channels_last inputs, Horovod synchronize) runs here on CPU.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.pipeline import DAG, critical_path
 from tests.conftest import BIN, ROOT, child_env
 
 
@@ -50,3 +51,60 @@ def test_gpu_mode_runs_under_horovodrun(tmp_path: Path, horovodrun: Path) -> Non
     assert data["gpus"] == 2
     assert data["images_per_sec_per_gpu"] > 0
     assert data["images_per_sec_total"] > data["images_per_sec_per_gpu"]
+
+
+def test_critical_path_takes_the_longest_branch() -> None:
+    durations = dict.fromkeys(DAG, 1.0)
+    durations["build-image"] = 5.0
+    seconds, path = critical_path(durations)
+    assert path == [
+        "validate-data",
+        "build-image",
+        "run-training",
+        "collect-and-score",
+        "promote",
+        "release-pool",
+        "report",
+    ]
+    assert seconds == 11.0  # six steps of 1 s and the 5 s branch; the other branches overlap
+
+
+def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
+    """Staging, loading and the trainer at toy sizes, then the page rendered from their JSON."""
+    results, page = tmp_path / "results", tmp_path / "performance.md"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--quick",
+        "--only",
+        "staging",
+        "loading",
+        "trainer",
+        "--scratch",
+        str(tmp_path / "scratch"),
+        "--results",
+        str(results),
+        "--output",
+        str(page),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    staging = json.loads((results / "staging.json").read_text())
+    assert staging["total"]["files"] == 302  # 300 images + 2 large files, all staged
+    assert staging["resync_unchanged"]["downloaded"] == 0
+    changed = staging["resync_one_percent"]
+    assert changed["downloaded"] == changed["changed_blobs"] == changed["decoded"] == 3
+    assert changed["reused"] == 297
+    loading = json.loads((results / "loading.json").read_text())
+    assert all(rate > 0 for per in loading["images_per_sec"].values() for rate in per.values())
+    trainer = json.loads((results / "trainer.json").read_text())
+    assert trainer["shards"]["dataset"] == "image-folders (packed shards)"
+    assert trainer["loose"]["dataset"] == "image-folders"
+    assert trainer["identical_samples"] == trainer["samples_checked"]  # the same data both ways
+    text = page.read_text()
+    for heading in ("## Staging", "## Data loading", "## The trainer", "## On a GPU"):
+        assert heading in text
+    assert "| all | 302 |" in text

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from backends.blob import container_client
+from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from training.make_images import write_digits
@@ -67,6 +68,11 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
         metrics["test_accuracy"], abs=1.5 / score["num_images"]
     )
     assert metrics["world_size"] == 2
+    # Staging packed the images; the trainer read the shards, not the loose files.
+    staged = {s["step"]: s for s in result["steps"]}["stage-data"]["details"]
+    assert staged["shards"]["action"] == "packed"
+    assert staged["shards"]["images"] == metrics["dataset"]["num_train"] + score["num_images"]
+    assert metrics["dataset"]["kind"] == "image-folders (packed shards)"
     champion = json.loads(outputs.download_blob("models/champion.json").readall())
     assert champion["run_id"] == result["run_id"]
 
@@ -87,6 +93,12 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert max(r.start_time for r in parallel) < min(r.end_time for r in parallel)
     assert task_runs["validate-data"].end_time <= min(r.start_time for r in parallel)
     assert task_runs["release-pool"].state.is_completed()
+    # The pipeline benchmark reads this run's critical path from the same API: its DAG
+    # names exactly the flow's steps, and the path fits inside the wall time.
+    timing = analyse(state.state_details.flow_run_id)
+    assert set(timing["steps"]) == set(DAG)
+    assert timing["critical_path"][0] == "validate-data" and timing["critical_path"][-1] == "report"
+    assert 0 < timing["critical_path_seconds"] <= timing["wall_seconds"]
     pool = json.loads((config.work_dir / "pools" / config.pool.id / "pool.json").read_text())
     assert pool["state"] == "released"
 
@@ -100,6 +112,10 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert steps["upload-scripts"]["status"] == "skipped"
     assert steps["stage-data"]["status"] == "skipped"
     assert steps["stage-data"]["details"]["downloaded"] == 0
+    assert steps["stage-data"]["details"]["shards"]["action"] == "unchanged"
+    # The gate read no image again: every blob's description came from its cache.
+    gate = steps["validate-data"]["details"]
+    assert gate["read_from_cache"] == gate["images"] > 0
     assert steps["build-image"]["status"] == "skipped"
     assert state2.result()["promoted"] is False
     assert "does not beat" in state2.result()["reason"]

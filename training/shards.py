@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from training.atomic import atomic_write, atomic_write_json
@@ -220,6 +221,7 @@ def _decoder(images: int, workers: int | None) -> Executor:
     like PyTorch's DataLoader workers: a spawned process spends seconds importing torch."""
     cores = workers or os.cpu_count() or 1
     if images >= PROCESS_DECODE_MIN and cores > 2:
+        Image.init()  # every format plugin loaded before the fork: no import in the children
         return ProcessPoolExecutor(
             max_workers=cores, mp_context=mp.get_context("fork"), initializer=_one_thread
         )
