@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -68,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=ROOT / "docs" / "performance.md")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    shutil.rmtree(args.results, ignore_errors=True)
-    args.results.mkdir(parents=True)
+    args.results.mkdir(parents=True, exist_ok=True)
+    for name in args.only or plan:  # results of benchmarks not run this time are kept
+        (args.results / f"{name}.json").unlink(missing_ok=True)
     where = {
         "staging": [
             "--source",

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import time
@@ -45,6 +46,12 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads (the storage client's side of a transfer)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def naive_download(container: ContainerClient, prefix: str, dest: Path) -> int:
     """What a first script does: one blob after another, straight into its file."""
     count = 0
@@ -68,8 +75,11 @@ def measure_part(
     container: ContainerClient, prefix: str, work: Path, part: str, workers: int
 ) -> dict[str, Any]:
     staged, naive, copied = (work / kind / part for kind in ("staged", "naive", "copy"))
+    cpu = cpu_seconds()
     t_stage, report = timed(lambda: sync_to_directory(container, prefix, staged, workers))
+    cpu_stage, cpu = cpu_seconds() - cpu, cpu_seconds()
     t_naive, count = timed(lambda: naive_download(container, prefix, naive))
+    cpu_naive = cpu_seconds() - cpu
     copied.parent.mkdir(parents=True, exist_ok=True)
     t_copy, _ = timed(lambda: subprocess.run(["cp", "-r", str(staged), str(copied)], check=True))
     files, size = dataset.tree_bytes(staged)
@@ -84,6 +94,10 @@ def measure_part(
         "staging_over_naive": round(t_naive / t_stage, 2),
         "staging_fraction_of_cp": round(t_copy / t_stage, 3),
         "downloaded": len(report.downloaded),
+        "client_cpu_ms_per_file": {
+            "staging": round(1000 * cpu_stage / files, 2),
+            "naive_sequential": round(1000 * cpu_naive / files, 2),
+        },
     }
 
 
@@ -143,6 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "staging",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "cores": os.cpu_count(),
+        "workers": args.workers,
         "method": f"{args.small} images of ~{args.small_kb} KB + {args.large} x {args.large_mb} MB "
         f"in Azurite on loopback; staging with {args.workers} threads; page cache warm",
         "upload_seconds": round(t_upload, 1),

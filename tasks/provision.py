@@ -78,7 +78,7 @@ def stage_data(
     return step_record(
         "stage-data",
         started,
-        bool(report["downloaded"] or report["deleted"]),
+        bool(report["downloaded"] or report["deleted"] or shards["action"] == "packed"),
         downloaded=len(report["downloaded"]),
         unchanged=report["skipped"],
         deleted=len(report["deleted"]),
