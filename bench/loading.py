@@ -15,23 +15,20 @@ already on the device, so the report says whether loading or compute bounds an e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from bench import dataset
+from bench.output import dataset_main
 from training.data import open_dataset
 from training.shards import pack_shards
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def epoch_rate(split: Any, batch_size: int, workers: int, batches: int | None) -> float:
@@ -152,16 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, help="stop each pass after this many batches")
     p.add_argument("--workers", type=int, help="loader processes (default: the trainer's)")
     p.add_argument("--gpu-model", help="also measure this model's training rate on the GPU")
-    p.add_argument("--source", type=Path, default=ROOT / ".bench" / "source")
-    p.add_argument("--work", type=Path, default=ROOT / ".bench" / "loading")
-    p.add_argument("--json", type=Path, help="also write the report here")
-    args = p.parse_args(argv)
-    report = run(args)
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return dataset_main(p, "loading", run, argv)
 
 
 if __name__ == "__main__":

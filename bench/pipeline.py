@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 from uuid import UUID
+
+from bench.output import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 # The flow's DAG on the local target (flows/retrain.py): each step and what it waits for.
@@ -209,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         **runs,
         "startup": startup_cost(args.repeats),
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ costs, not disk reads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -34,8 +33,8 @@ from backends.azurite import running_azurite
 from backends.blob import API_VERSION, upload_directory
 from backends.staging import stage, sync_to_directory
 from bench import dataset
+from bench.output import dataset_main
 
-ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "bench"
 SHARD_SIZE = 32  # the default model's input size
 
@@ -198,16 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--large", type=int, default=4, help="large files")
     p.add_argument("--large-mb", type=int, default=256, help="size of each")
     p.add_argument("--workers", type=int, default=16, help="staging threads")
-    p.add_argument("--source", type=Path, default=ROOT / ".bench" / "source")
-    p.add_argument("--work", type=Path, default=ROOT / ".bench" / "staging")
-    p.add_argument("--json", type=Path, help="also write the report here")
-    args = p.parse_args(argv)
-    report = run(args)
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return dataset_main(p, "staging", run, argv)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import dataset
+from bench.output import ROOT, dataset_main
 from training.models import default_input_size
 from training.shards import pack_shards
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -117,16 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kb", type=float, default=20)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--source", type=Path, default=ROOT / ".bench" / "source")
-    p.add_argument("--work", type=Path, default=ROOT / ".bench" / "trainer")
-    p.add_argument("--json", type=Path, help="also write the report here")
-    args = p.parse_args(argv)
-    report = run(args)
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return dataset_main(p, "trainer", run, argv)
 
 
 if __name__ == "__main__":

@@ -102,19 +102,21 @@ def build_manifest(config: PipelineConfig) -> tuple[list[dict[str, Any]], int]:
     cache_file = _cache_path(config)
     cache = _load_cache(cache_file)
 
-    def describe(blob: Any) -> dict[str, Any]:
+    def describe(blob: Any) -> tuple[dict[str, Any], bool]:
+        """The blob's row, and whether it came from the cache (same name, same ETag)."""
         hit = cache.get(blob.name)
-        if isinstance(hit, dict) and hit.get("etag") == blob.etag and "row" in hit:
-            return dict(hit["row"])
-        return _describe_image(container, blob, prefix)
+        if (
+            isinstance(hit, dict)
+            and hit.get("etag") == blob.etag
+            and isinstance(hit.get("row"), dict)
+        ):
+            return dict(hit["row"]), True
+        return _describe_image(container, blob, prefix), False
 
     with ThreadPoolExecutor(max_workers=16) as pool:
-        rows = list(pool.map(describe, blobs))
-    reused = sum(
-        1
-        for b in blobs
-        if isinstance(cache.get(b.name), dict) and cache[b.name].get("etag") == b.etag
-    )
+        described = list(pool.map(describe, blobs))
+    rows = [row for row, _ in described]
+    reused = sum(1 for _, from_cache in described if from_cache)
     entries = {b.name: {"etag": b.etag, "row": row} for b, row in zip(blobs, rows, strict=True)}
     atomic_write(
         cache_file, lambda fh: fh.write(json.dumps(entries, separators=(",", ":")).encode())

@@ -8,16 +8,23 @@ from pathlib import Path
 import pytest
 
 from backends.blob import container_client
+from flows.config import PipelineConfig
 from tasks.validate import _cache_path, build_manifest
 from tests.pipeline_helpers import make_config, seed
 
 
-def test_unchanged_blobs_are_not_read_again(
+@pytest.fixture
+def seeded(
     azurite: str, small_folders: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> tuple[PipelineConfig, int]:
+    """A config on containers of its own, its data container seeded; and how many images."""
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
     config = make_config(tmp_path)
-    total = seed(config, small_folders)
+    return config, seed(config, small_folders)
+
+
+def test_unchanged_blobs_are_not_read_again(seeded: tuple[PipelineConfig, int]) -> None:
+    config, total = seeded
     first, cached = build_manifest(config)
     assert (len(first), cached) == (total, 0)
     again, cached = build_manifest(config)
@@ -34,12 +41,8 @@ def test_unchanged_blobs_are_not_read_again(
     assert row["readable"] is False and row["bytes"] == len(b"not an image")
 
 
-def test_damaged_cache_is_ignored(
-    azurite: str, small_folders: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
-    config = make_config(tmp_path)
-    total = seed(config, small_folders)
+def test_damaged_cache_is_ignored(seeded: tuple[PipelineConfig, int]) -> None:
+    config, total = seeded
     build_manifest(config)
     cache = _cache_path(config)
     cache.write_text(cache.read_text()[: len(cache.read_text()) // 2])  # cut mid-write
