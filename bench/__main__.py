@@ -70,27 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     for name in args.only or plan:  # results of benchmarks not run this time are kept
         (args.results / f"{name}.json").unlink(missing_ok=True)
+    # Where the benchmarks on generated datasets keep them and their scratch folders.
     where = {
-        "staging": [
-            "--source",
-            str(args.scratch / "source"),
-            "--work",
-            str(args.scratch / "staging"),
-        ],
-        "loading": [
-            "--source",
-            str(args.scratch / "source"),
-            "--work",
-            str(args.scratch / "loading"),
-        ],
+        name: ["--source", str(args.scratch / "source"), "--work", str(args.scratch / name)]
+        for name in ("staging", "loading", "trainer")
     }
     for name in args.only or plan:
         _run(name, [*plan[name], *where.get(name, [])], args.results / f"{name}.json")
     gpus = _gpus()
     if gpus and not args.quick:
         GPU_RESULTS.mkdir(parents=True, exist_ok=True)
+        for size, model in (("32", "resnet18"), ("224", "resnet50")):
+            _run(
+                "loading",
+                ["--size", size, "--gpu-model", model, *where["loading"]],
+                GPU_RESULTS / f"loading-{size}.json",
+            )
         _run(
-            "loading", ["--gpu-model", "resnet18", *where["loading"]], GPU_RESULTS / "loading.json"
+            "trainer",
+            ["--model", "resnet18", "--epochs", "3", "--batch-size", "128", *where["trainer"]],
+            GPU_RESULTS / "trainer.json",
         )
         horovodrun = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(gpus)]
         _run("train_throughput", ["--gpu"], GPU_RESULTS / "train_throughput.json", horovodrun)
