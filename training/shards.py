@@ -111,7 +111,9 @@ def _content_keys(
         else:
             st = path.stat()
             keys[path] = f"stat:{st.st_size}:{st.st_mtime_ns}"
-    if version is None or len(md5s) < len(keys):
+    # The manifest's version stands only if it vouches for every image (it also lists
+    # non-image files, so counting its entries would not say that).
+    if version is None or any(key.startswith("stat:") for key in keys.values()):
         digest = hashlib.sha256()
         for path, key in sorted(keys.items()):
             digest.update(f"{path.relative_to(root).as_posix()}\0{key}\n".encode())
