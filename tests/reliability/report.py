@@ -23,6 +23,7 @@ SECTIONS = {
     "orchestrator": "Orchestrator faults",
     "inputs": "Bad input corpus",
     "secrets": "Secrets",
+    "adversarial": "Adversarial inputs (hostile values and misuse on documented paths)",
 }
 
 
