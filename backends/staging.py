@@ -140,16 +140,14 @@ def _download(
                     digest.update(chunk)
                     fh.write(chunk)
                     received += len(chunk)
-        except ResourceModifiedError:
-            raise ChangedSinceGateError(
-                f"blob {name!r} changed after the data gate validated it (ETag {pinned.etag} "
-                "no longer matches): it is not staged unvalidated; run again to validate it"
-            ) from None
-        except ResourceNotFoundError:
+        except (ResourceModifiedError, ResourceNotFoundError):
             if not pinned_etag:
                 raise
+            # A condition on a deleted blob is answered with 412 or 404: one message for both.
             raise ChangedSinceGateError(
-                f"blob {name!r} was deleted after the data gate validated it: run again"
+                f"blob {name!r} changed or was deleted after the data gate validated it (its "
+                f"ETag is no longer {pinned.etag}): it is not staged unvalidated; run again to "
+                "validate it"
             ) from None
         if received != size:
             raise IntegrityError(f"blob {name!r}: downloaded {received} bytes, expected {size}")

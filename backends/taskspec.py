@@ -179,17 +179,25 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
     )
 
 
-def scoring_task(task_id: str, model_blob: str, output_prefix: str) -> TaskSpec:
-    """The scorer on the held-out split, on a node that sees the same NFS data."""
+def scoring_task(
+    task_id: str, model_blob: str, output_prefix: str, output_name: str = "score.json"
+) -> TaskSpec:
+    """The scorer on the held-out split, on a node that sees the same NFS data. Its output is
+    uploaded on failure too: a model the scorer refuses leaves the reason there."""
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m training.score --model model.pt "
-        f'--data-dir "{mounts(NFS_MOUNT)}/data" --split test --output {OUTPUT_DIR}/score.json'
+        f'--data-dir "{mounts(NFS_MOUNT)}/data" --split test '
+        f"--output {OUTPUT_DIR}/{shlex.quote(output_name)}"
     )
     return TaskSpec(
         id=task_id,
         command_line=_bash(script),
         environment={"PYTHONUNBUFFERED": "1"},
         resources=[ResourceSpec(model_blob, "model.pt")],
-        outputs=[OutputSpec(f"{OUTPUT_DIR}/score.json", f"{output_prefix}/score.json")],
+        outputs=[
+            OutputSpec(
+                f"{OUTPUT_DIR}/{output_name}", f"{output_prefix}/{output_name}", "taskCompletion"
+            )
+        ],
         max_wall_clock_seconds=3600,
     )

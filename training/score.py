@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = score(args.model, args.data_dir, args.split, args.seed)
     except (DatasetError, ModelFileError) as exc:
+        # The refusal goes into the output too: whoever ran this on a cluster reads it there.
+        atomic_write_json({"error": str(exc)}, args.output)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     atomic_write_json(result, args.output)
