@@ -180,24 +180,22 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
 
 
 def scoring_task(
-    task_id: str, model_blob: str, output_prefix: str, output_name: str = "score.json"
+    task_id: str, model_blob: str, output_prefix: str, name: str = "score"
 ) -> TaskSpec:
-    """The scorer on the held-out split, on a node that sees the same NFS data. Its output is
-    uploaded on failure too: a model the scorer refuses leaves the reason there."""
+    """The scorer on the held-out split, on a node that sees the same NFS data: ``<name>.json``
+    on success; ``<name>.error.json`` (the reason) when the scorer refuses the model or data."""
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m training.score --model model.pt "
         f'--data-dir "{mounts(NFS_MOUNT)}/data" --split test '
-        f"--output {OUTPUT_DIR}/{shlex.quote(output_name)}"
+        f"--output {OUTPUT_DIR}/{shlex.quote(name)}.json "
+        f"--error-output {OUTPUT_DIR}/{shlex.quote(name)}.error.json"
     )
     return TaskSpec(
         id=task_id,
         command_line=_bash(script),
         environment={"PYTHONUNBUFFERED": "1"},
         resources=[ResourceSpec(model_blob, "model.pt")],
-        outputs=[
-            OutputSpec(
-                f"{OUTPUT_DIR}/{output_name}", f"{output_prefix}/{output_name}", "taskCompletion"
-            )
-        ],
+        # A wildcard: whichever of the two exists is uploaded, and a missing one is no error.
+        outputs=[OutputSpec(f"{OUTPUT_DIR}/{name}*.json", output_prefix, "taskCompletion")],
         max_wall_clock_seconds=3600,
     )

@@ -35,7 +35,7 @@ from flows.config import PipelineConfig
 from tasks.steps import step_record
 from tasks.training import SCORER_REFUSED, run_scorer
 
-RESCORE_OUTPUT = "champion-score.json"
+RESCORE_NAME = "champion-score"  # its report in the run's outputs: champion-score.json
 
 
 def decide(challenger: float, champion: float | None, margin: float) -> tuple[bool, str]:
@@ -64,7 +64,7 @@ def rescore_champion(
         f"score-champion-{run_id}",
         champion.model,
         output_prefix,
-        RESCORE_OUTPUT,
+        RESCORE_NAME,
         logger.info,
     )
     if code == SCORER_REFUSED and report and "error" in report:

@@ -109,24 +109,23 @@ SCORER_REFUSED = 2
 
 
 def run_scorer(
-    cluster: Cluster,
-    task_id: str,
-    model_blob: str,
-    output_prefix: str,
-    output_name: str,
-    on_line: Any,
+    cluster: Cluster, task_id: str, model_blob: str, output_prefix: str, name: str, on_line: Any
 ) -> tuple[int, dict[str, Any] | None]:
     """Score ``model_blob`` on the held-out split the cluster's data holds now, as a task on
-    the cluster; returns the exit code and the uploaded report (on refusal: ``{"error"}``)."""
-    spec = scoring_task(task_id, model_blob, output_prefix, output_name)
-    result = cluster.run_task(spec, on_line)
+    the cluster. Returns the exit code and the report: the score, or on refusal (exit
+    ``SCORER_REFUSED``) ``{"error": why}``; None when neither was uploaded."""
     from azure.core.exceptions import ResourceNotFoundError
 
-    blob = f"{output_prefix}/{output_name}"
+    result = cluster.run_task(scoring_task(task_id, model_blob, output_prefix, name), on_line)
+    blob = (
+        f"{output_prefix}/{name}.json"
+        if result.exit_code == 0
+        else (f"{output_prefix}/{name}.error.json")
+    )
     try:
         report = json.loads(cluster.outputs.download_blob(blob).readall())
     except (ResourceNotFoundError, ValueError):  # none, or not JSON: the exit code says why
-        report = None
+        return result.exit_code, None
     return result.exit_code, report if isinstance(report, dict) else None
 
 
@@ -138,7 +137,7 @@ def collect_and_score(
     started = time.perf_counter()
     task_id = f"score-{run_id}"
     code, score = run_scorer(
-        cluster, task_id, f"{output_prefix}/model.pt", output_prefix, "score.json", logger.info
+        cluster, task_id, f"{output_prefix}/model.pt", output_prefix, "score", logger.info
     )
     if code != 0 or score is None or "error" in score:
         why = f": {score['error']}" if score and "error" in score else ""

@@ -448,6 +448,8 @@ def test_malformed_model_file_is_refused_by_the_scorer(
             str(small_folders),
             "--output",
             str(out),
+            "--error-output",
+            str(tmp_path / "error.json"),
         ],
         cwd=ROOT,
         env=child_env(),
@@ -457,7 +459,9 @@ def test_malformed_model_file_is_refused_by_the_scorer(
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"error: model file {model}" in proc.stderr and "Traceback" not in proc.stderr
-    assert "error" in json.loads(out.read_text())  # the reason, for the orchestrator
+    assert not out.exists()  # no score from a refused model
+    reason = json.loads((tmp_path / "error.json").read_text())["error"]  # for the orchestrator
+    assert reason.startswith(f"model file {model}")
     report.record("adversarial", f"scorer: model.pt is {case}", "exit 2, names the file")
 
 

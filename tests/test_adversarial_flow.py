@@ -116,14 +116,13 @@ def test_azure_staging_task_stages_the_gates_listing_only(
     a blob uploaded after the gate is not staged, and a blob changed after the gate fails the
     step with the blob named; no secret is on a command line."""
     from prefect import flow
+    from prefect.blocks.system import Secret
 
     from tasks.provision import ensure_pool, stage_data, upload_scripts
     from tasks.validate import validate_data
     from tests.azure_helpers import azure_config
     from tests.fakes.node import LocalNode
     from tests.test_azure_batch import make_cluster
-
-    from prefect.blocks.system import Secret
 
     # The blocks the example config names (the share key mounts the scripts on the nodes).
     Secret(value="c2hhcmUta2V5LXZhbHVl").save("retrain-files-key", overwrite=True)

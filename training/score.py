@@ -127,12 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="test", choices=["train", "val", "test"])
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0, help="must match training for synthetic:N")
+    p.add_argument(
+        "--error-output",
+        type=Path,
+        help="when the model or data is refused (exit 2), the reason as JSON here: for a "
+        "cluster task whose outputs, not logs, the orchestrator reads",
+    )
     args = p.parse_args(argv)
     try:
         result = score(args.model, args.data_dir, args.split, args.seed)
     except (DatasetError, ModelFileError) as exc:
-        # The refusal goes into the output too: whoever ran this on a cluster reads it there.
-        atomic_write_json({"error": str(exc)}, args.output)
+        if args.error_output:
+            atomic_write_json({"error": str(exc)}, args.error_output)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     atomic_write_json(result, args.output)
