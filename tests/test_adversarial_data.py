@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,11 @@ import torch
 from azure.storage.blob import ContainerClient
 from PIL import Image
 
-from backends.blob import API_VERSION
 from backends.listing import ChangedSinceGateError, PinnedBlob, listing_json, parse_listing, pin
 from backends.staging import MANIFEST, UnsafeBlobNameError, stage, sync_to_directory
 from flows.config import ConfigError, load_config
 from tests.conftest import ROOT, child_env, run_trainer
+from tests.pipeline_helpers import new_container
 from tests.reliability import report
 from training.data import DatasetError, decode_checked, open_dataset
 from training.shards import INDEX, SHARD_DIR, open_shards, pack_shards
@@ -48,11 +47,7 @@ def _png(seed: int, side: int = 16) -> bytes:
 
 @pytest.fixture
 def container(azurite: str) -> ContainerClient:
-    client = ContainerClient.from_connection_string(
-        azurite, f"adv-{uuid.uuid4().hex[:12]}", api_version=API_VERSION
-    )
-    client.create_container()
-    return client
+    return new_container(azurite, "adv")
 
 
 def _upload(container: ContainerClient, files: dict[str, bytes]) -> None:
@@ -432,35 +427,20 @@ def _model_files() -> dict[str, Any]:
     ],
 )
 def test_malformed_model_file_is_refused_by_the_scorer(
-    case: str, small_folders: Path, tmp_path: Path
+    case: str, small_folders: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from training.score import main as score
+
     model = tmp_path / "model.pt"
     torch.save(_model_files()[case], model)
     out = tmp_path / "score.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "training.score",
-            "--model",
-            str(model),
-            "--data-dir",
-            str(small_folders),
-            "--output",
-            str(out),
-            "--error-output",
-            str(tmp_path / "error.json"),
-        ],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"error: model file {model}" in proc.stderr and "Traceback" not in proc.stderr
+    error = tmp_path / "error.json"
+    args = ["--model", str(model), "--data-dir", str(small_folders), "--output", str(out)]
+    code = score([*args, "--error-output", str(error)])  # the CLI's entry point, in-process
+    assert code == 2
+    assert f"error: model file {model}" in capsys.readouterr().err
     assert not out.exists()  # no score from a refused model
-    reason = json.loads((tmp_path / "error.json").read_text())["error"]  # for the orchestrator
+    reason = json.loads(error.read_text())["error"]  # for the orchestrator
     assert reason.startswith(f"model file {model}")
     report.record("adversarial", f"scorer: model.pt is {case}", "exit 2, names the file")
 
@@ -481,26 +461,6 @@ def test_absurd_sizes_are_config_errors(override: str, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
         load_config(LOCAL, [override])
     report.record("adversarial", f"config --set {override}", f"refused, names {field}")
-
-
-def test_absurd_size_exits_2_from_the_cli() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.retrain",
-            "--config",
-            str(LOCAL),
-            "--set",
-            "training.image_size=100000000",
-        ],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2 and "training.image_size" in proc.stderr
 
 
 # ---------------------------------------------------------------------------- shard packs

@@ -5,14 +5,13 @@ after training, never taken for "no champion", the damaged bytes kept)."""
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from azure.storage.blob import ContainerClient
 
-from backends.blob import API_VERSION, container_client
+from backends.blob import container_client
 from backends.champion import (
     CHAMPION,
     HISTORY,
@@ -22,17 +21,13 @@ from backends.champion import (
     read_champion,
     replace_champion,
 )
-from tests.pipeline_helpers import make_config
+from tests.pipeline_helpers import make_config, new_container
 from tests.reliability import report
 
 
 @pytest.fixture
 def outputs(azurite: str) -> ContainerClient:
-    client = ContainerClient.from_connection_string(
-        azurite, f"champ-{uuid.uuid4().hex[:12]}", api_version=API_VERSION
-    )
-    client.create_container()
-    return client
+    return new_container(azurite, "champ")
 
 
 def _champion(i: int, version: str = "v1") -> Champion:
