@@ -13,7 +13,9 @@ per split, ``<split>-<pack>-NNNNN.u8`` files of raw (N, 3, S, S) rows, ``<split>
 rows of files whose content did not change (keyed by the MD5 the staging manifest recorded), so
 a 1% change decodes 1% of the images. The trainer uses shards only when they were packed from
 the data version now in the folder, at its input size; otherwise it reads the loose files and
-says why.
+says why. Two packs of one folder at once (two runs staging the same NFS folder) take turns on
+a lock file in ``.shards/`` and write under unique temp names, so neither deletes or overwrites
+the other's work and the index written last names complete shards.
 """
 
 from __future__ import annotations
