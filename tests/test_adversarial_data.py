@@ -93,7 +93,7 @@ def test_new_version_under_new_prefix_keeps_every_file(
         "adversarial",
         "staging: v1 then v2 (v1 + 12 images) under a new prefix, same folder",
         f"all {len(v2)} v2 files kept; 12 downloaded, 6 unchanged",
-        deleted_before_fix="12 of 18",
+        before_fix="12 of the 18 v2 files deleted right after staging",
     )
 
 
