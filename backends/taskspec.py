@@ -169,7 +169,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
         resources=[ResourceSpec(listing_blob(output_prefix), STAGING_LISTING)],
         outputs=[
             OutputSpec(
-                f"{OUTPUT_DIR}/staging.json", f"{output_prefix}/staging.json", "taskCompletion"
+                f"{OUTPUT_DIR}/staging.json", f"{output_prefix}/staging.json", "taskcompletion"
             ),
             OutputSpec("../std*.txt", f"{output_prefix}/logs-staging", "taskCompletion"),
         ],
@@ -196,6 +196,6 @@ def scoring_task(
         environment={"PYTHONUNBUFFERED": "1"},
         resources=[ResourceSpec(model_blob, "model.pt")],
         # A wildcard: whichever of the two exists is uploaded, and a missing one is no error.
-        outputs=[OutputSpec(f"{OUTPUT_DIR}/{name}*.json", output_prefix, "taskCompletion")],
+        outputs=[OutputSpec(f"{OUTPUT_DIR}/{name}*.json", output_prefix, "taskcompletion")],
         max_wall_clock_seconds=3600,
     )
