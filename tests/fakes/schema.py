@@ -149,7 +149,8 @@ class Schema:
         extra = schema.get("additionalProperties")
         prefix = f"{path}." if path else ""
         for key in schema["required"]:
-            if key not in value:
+            secret = properties.get(key, {}).get("format") == "password"
+            if key not in value and (request or not secret):  # secrets are never read back
                 out.append(
                     Problem("MissingRequiredProperty", prefix + key, None, f"{key} is required")
                 )
