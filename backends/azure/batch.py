@@ -418,31 +418,30 @@ class BatchCluster:
         return task, now
 
     def _follow(self, job_id: str, spec: TaskSpec, on_line: Callable[[str], None]) -> Any:
-        offset = 0
-        attempt: tuple[Any, ...] | None = None
+        offset, retry = 0, 0
+        start: tuple[Any, Any] | None = None  # (start time, node) of the attempt being read
         states: dict[Any, tuple[Any, Any]] = {}
         delays = self.polling.delays()
         lifetime = task_lifetime(self.config, spec)
         while True:
             task, now = self._get_task(job_id, spec)
             info = task.execution_info
+            if info is not None and (info.retry_count or 0) != retry:
+                retry, offset = info.retry_count or 0, 0  # a retry writes a new stdout.txt
+                on_line(
+                    f"task {spec.id}: attempt {retry + 1} of {spec.max_retries + 1} "
+                    f"(previous exit code "
+                    f"{info.exit_code if info.exit_code is not None else '?'})"
+                )
             if info is not None and info.start_time is not None:
                 node = task.node_info.node_id if task.node_info else None
-                current = (info.retry_count or 0, info.start_time, node)
-                if attempt is not None and current != attempt:
-                    offset = 0  # a new attempt writes a new stdout.txt
-                    if current[0] != attempt[0]:
-                        on_line(
-                            f"task {spec.id}: attempt {current[0] + 1} of "
-                            f"{spec.max_retries + 1} (previous exit code "
-                            f"{info.exit_code if info.exit_code is not None else '?'})"
-                        )
-                    else:
-                        on_line(
-                            f"task {spec.id} was requeued (a node was preempted or recovered): "
-                            f"it starts again on {node}, from its last checkpoint"
-                        )
-                attempt = current
+                if start is not None and start[0] != info.start_time and offset:
+                    offset = 0  # started again without a retry: requeued, new stdout.txt
+                    on_line(
+                        f"task {spec.id} was requeued (a node was preempted or recovered): "
+                        f"it starts again on {node}, from its last checkpoint"
+                    )
+                start = (info.start_time, node)
             if spec.coordination_command:
                 self._log_subtasks(job_id, spec, states, on_line)
             if task.state in ("running", "completed"):

@@ -141,6 +141,7 @@ class _Task:
     requeues: int = 0  # user-requested requeues (pool shrink)
     attempt: Attempt | None = None
     generation: int = 0  # bumped when an attempt is abandoned (preemption, termination)
+    starts: int = 0  # attempts started, retries and requeues alike
     stdout: bytes = b""
     started: bool = False  # an attempt has run: the task has files
     running_since: int = 0  # tick the current attempt started
@@ -177,6 +178,7 @@ class FakeBatch:
         self.throttle_status = 429
         self.retry_after = 1
         self.scripts: dict[str, list[Attempt]] = {}  # task id prefix -> attempts in order
+        self.throttled = 0  # requests answered 429/503
         self.executor: Executor | None = None
         self.identity_upload: Callable[[str, bytes], None] | None = None  # blob URL, data
         self.clock_offset = timedelta(0)
@@ -195,6 +197,13 @@ class FakeBatch:
     # -- dispatch -----------------------------------------------------------------------------
     def __call__(self, req: Request) -> Response:
         self.requests.add(req)
+        with self._lock:
+            response = self._answer(req)
+            # The service's clock, as its responses' Date header tells it.
+            response.headers.setdefault("Date", _http_date(self.now()))
+            return response
+
+    def _answer(self, req: Request) -> Response:
         auth = req.headers.get("Authorization", "")
         if not (auth.startswith(f"SharedKey {self.account}:") or auth.startswith("Bearer ")):
             return self._error(
@@ -205,25 +214,26 @@ class FakeBatch:
                 Refused(
                     400,
                     "InvalidQueryParameterValue",
-                    "Value for one of the query parameters specified in the request URI is invalid.",
+                    "Value for one of the query parameters specified in the request URI is "
+                    "invalid.",
                     {
                         "QueryParameterName": "api-version",
                         "QueryParameterValue": str(req.query.get("api-version")),
                     },
                 )
             )
-        with self._lock:
-            self._count += 1
-            if self.throttle_every and self._count % self.throttle_every == 0:
-                code = "TooManyRequests" if self.throttle_status == 429 else "ServerBusy"
-                response = self._error(Refused(self.throttle_status, code, "The server is busy."))
-                response.headers["Retry-After"] = str(self.retry_after)
-                return response
-            self._advance()
-            try:
-                return self._route(req, [p for p in req.path.split("/") if p])
-            except Refused as refused:
-                return self._error(refused)
+        self._count += 1
+        if self.throttle_every and self._count % self.throttle_every == 0:
+            code = "TooManyRequests" if self.throttle_status == 429 else "ServerBusy"
+            self.throttled += 1
+            response = self._error(Refused(self.throttle_status, code, "The server is busy."))
+            response.headers["Retry-After"] = str(self.retry_after)
+            return response
+        self._advance()
+        try:
+            return self._route(req, [p for p in req.path.split("/") if p])
+        except Refused as refused:
+            return self._error(refused)
 
     def _error(self, refused: Refused) -> Response:
         body: dict[str, Any] = {
@@ -423,7 +433,8 @@ class FakeBatch:
         self._set_allocation(pool, "steady")
 
     def _new_node(self, pool: dict[str, Any], dedicated: bool) -> dict[str, Any]:
-        n = next(self._ids)
+        n = pool["_nodes_made"]
+        pool["_nodes_made"] += 1
         node = {
             "id": f"tvmps_{n:04d}{'d' if dedicated else 'p'}",
             "state": "creating",
@@ -489,6 +500,7 @@ class FakeBatch:
             "currentDedicatedNodes": 0,
             "currentLowPriorityNodes": 0,
             "_since": self._tick,
+            "_nodes_made": 0,
         }
         if body.get("enableAutoScale"):
             pool["targetDedicatedNodes"], pool["targetLowPriorityNodes"] = self.autoscale_nodes, 0
@@ -746,6 +758,7 @@ class FakeBatch:
             self._set_node(node, "running")
         task.nodes = [n["id"] for n in chosen]
         task.generation += 1
+        task.starts += 1
         task.state, task.started, task.running_since = "running", True, self._tick
         task.stdout, task.attempt, task.finished = b"", None, threading.Event()
         now = _iso(self.now())
@@ -778,8 +791,8 @@ class FakeBatch:
         the command lines for real. The result counts only for the attempt it was started for."""
         generation, done = task.generation, task.finished
         if self.executor is None:
-            script = self._script_for(task.body["id"])
-            attempt = script[min(task.retry, len(script) - 1)]
+            script = self._script_for(task.body["id"])  # one entry per start, the last repeats
+            attempt = script[min(task.starts - 1, len(script) - 1)]
             task.attempt, task.stdout = attempt, attempt.stdout.encode()
             threading.Timer(attempt.seconds, done.set).start()
             return
