@@ -484,7 +484,7 @@ def test_kept_pool_with_another_image_or_password_is_recreated(
     refuse = azure_config(tmp_path, f"pool.id={config.pool.id}", "pool.recreate_on_change=false")
     other = make_cluster(refuse)
     other.image = old
-    with pytest.raises(PoolError, match="container_image_names.*recreate_on_change is false"):
+    with pytest.raises(PoolError, match=r"container_image_names.*recreate_on_change is false"):
         other.ensure_pool()
 
 
@@ -611,7 +611,7 @@ def test_throttled_requests_are_retried_after_the_advised_delay(
     fake_azure_account, tmp_path: Path
 ) -> None:
     batch = fake_azure_account.batch
-    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
+    _config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
     batch.throttle_every, batch.retry_after = 5, 0
     batch.scripts["score-"] = [Attempt(0, "", {"outputs/score.json": b"{}"})]
     result = cluster.run_task(scoring_task("score-t", "runs/t/model.pt", "runs/t"))

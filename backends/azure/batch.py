@@ -370,10 +370,10 @@ class BatchCluster:
         try:
             self.client.create_task(job_id, body)
         except ResourceExistsError as exc:
-            code = _batch_code(exc)
-            if code == "TaskExists":
+            error_code = _batch_code(exc)
+            if error_code == "TaskExists":
                 on_line(f"task {spec.id} already submitted: following it")
-            elif code == "JobCompleted":
+            elif error_code == "JobCompleted":
                 on_line(f"job {job_id} has already completed: following its task {spec.id}")
             else:
                 raise
@@ -408,7 +408,8 @@ class BatchCluster:
             return task, parsedate_to_datetime(header) if header else datetime.now(UTC)
 
         try:
-            task, now = self.client.get_task(job_id, spec.id, cls=with_date)
+            found: Any = self.client.get_task(job_id, spec.id, cls=with_date)
+            task, now = found
         except ResourceNotFoundError:
             raise TaskFailedError(
                 f"task {spec.id} does not exist in job {job_id}: the job completed before the "

@@ -62,7 +62,8 @@ def wire(model: Any) -> dict[str, Any]:
 
 
 class HasIdentity(Protocol):
-    identity: str | None
+    @property
+    def identity(self) -> str | None: ...
 
 
 def _identity(access: HasIdentity) -> batch_models.BatchNodeIdentityReference | None:

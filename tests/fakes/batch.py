@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs
 
 import requests
 
@@ -349,9 +349,9 @@ class FakeBatch:
         for job in self.jobs.values():
             self._advance_job(job)
         for task in self.tasks.values():
-            if task.state == "running" and task.finished.is_set():
-                if self._tick - task.running_since >= self.run_ticks:
-                    self._end_attempt(task)
+            ended = task.state == "running" and task.finished.is_set()
+            if ended and self._tick - task.running_since >= self.run_ticks:
+                self._end_attempt(task)
         for task in sorted(self.tasks.values(), key=lambda t: t.created):
             if task.state == "active":
                 self._schedule(task)
@@ -380,10 +380,9 @@ class FakeBatch:
                 self._set_node(node, self.node_state)
                 if self.node_state in ("unusable", "starttaskfailed") and self.node_errors:
                     node["errors"] = [dict(e) for e in self.node_errors]
-            elif node["state"] == "preempted" and node.get("_recover") is not None:
-                if age >= node["_recover"]:
-                    node.pop("_recover")
-                    self._set_node(node, "starting")
+            elif node["state"] == "preempted" and age >= node.get("_recover", float("inf")):
+                node.pop("_recover")
+                self._set_node(node, "starting")
 
     def _allocate(self, pool: dict[str, Any]) -> None:
         """The resize completes: as many nodes as quota and capacity give, errors for the rest."""
@@ -399,12 +398,14 @@ class FakeBatch:
                 (
                     self.quota[kind],
                     QUOTA_CODES[kind],
-                    f"The specified account has reached its {'dedicated' if dedicated else 'Spot/low-priority'} core quota.",
+                    "The specified account has reached its "
+                    f"{'dedicated' if dedicated else 'Spot/low-priority'} core quota.",
                 ),
                 (
                     self.capacity[kind],
                     "AllocationTimedOut",
-                    "Desired number of nodes could not be allocated as the resize timeout was reached.",
+                    "Desired number of nodes could not be allocated as the resize timeout was "
+                    "reached.",
                 ),
             ):
                 if limit is not None and got > limit:
@@ -601,7 +602,7 @@ class FakeBatch:
                             "completed",
                             (
                                 "TaskEnded",
-                                "The task was terminated because its node was removed from the pool.",
+                                "The task was terminated: its node left the pool.",
                             ),
                         )
 
@@ -631,7 +632,7 @@ class FakeBatch:
             ]
             node = next(n for n in spot if node_id in (None, n["id"]))
             self._set_node(node, "preempted")
-            node["_recover"] = recover_after
+            node["_recover"] = float("inf") if recover_after is None else recover_after
             for task in self.tasks.values():
                 if node["id"] in task.nodes and task.state == "running":
                     self._abandon(task, "active")
@@ -929,7 +930,8 @@ class FakeBatch:
         expiry = parse_qs(sas).get("se", [None])[0]
         if expiry and datetime.fromisoformat(expiry.replace("Z", "+00:00")) < self.now():
             raise RuntimeError(
-                f"AuthenticationFailed: the SAS expired at {expiry} (service time {_iso(self.now())})"
+                f"AuthenticationFailed: the SAS expired at {expiry} "
+                f"(service time {_iso(self.now())})"
             )
         reply = requests.put(
             f"{base}/{blob}?{sas}",
@@ -951,7 +953,9 @@ class FakeBatch:
             "ocp-creation-time": _http_date(task.state_changed or task.created),
             "Last-Modified": _http_date(self.now()),
             "ocp-batch-file-isdirectory": "false",
-            "ocp-batch-file-url": f"{self.url}/jobs/{task.job_id}/tasks/{task.body['id']}/files/{name}",
+            "ocp-batch-file-url": (
+                f"{self.url}/jobs/{task.job_id}/tasks/{task.body['id']}/files/{name}"
+            ),
             "ocp-batch-file-mode": "0100644",
         }
         if method == "HEAD":

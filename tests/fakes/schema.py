@@ -185,16 +185,17 @@ class Schema:
                         f"{name} has no property {key!r} (known: {known})",
                     )
                 )
-        if self.id_pattern and name in self.id_definitions and isinstance(value.get("id"), str):
-            if not self.id_pattern.match(value["id"]):
-                out.append(
-                    Problem(
-                        "InvalidPropertyValue",
-                        prefix + "id",
-                        value["id"],
-                        "ids are 1-64 letters, digits, hyphens or underscores",
-                    )
+        given_id = value.get("id")
+        checked = self.id_pattern is not None and name in self.id_definitions
+        if checked and isinstance(given_id, str) and not self.id_pattern.match(given_id):  # type: ignore[union-attr]
+            out.append(
+                Problem(
+                    "InvalidPropertyValue",
+                    prefix + "id",
+                    given_id,
+                    "ids are 1-64 letters, digits, hyphens or underscores",
                 )
+            )
 
     def _documented_limits(
         self, name: str | None, key: str, value: Any, path: str, out: list[Problem]
@@ -255,6 +256,5 @@ class Schema:
         elif kind == "number":
             if isinstance(value, bool) or not isinstance(value, int | float):
                 bad("expected a number")
-        elif kind == "boolean":
-            if not isinstance(value, bool):
-                bad("expected true or false")
+        elif kind == "boolean" and not isinstance(value, bool):
+            bad("expected true or false")
