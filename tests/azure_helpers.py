@@ -62,6 +62,7 @@ def fake_azure() -> Iterator[FakeAzure]:
     # purpose.
     refused = fakes.batch.refused
     assert fakes.batch.allow_refusals or not refused, f"Batch refused by the spec: {refused}"
+    assert not fakes.acr.refused or fakes.acr.allow_refusals, f"ACR refused: {fakes.acr.refused}"
 
 
 def _identity_upload(credential: Any) -> Any:

@@ -101,6 +101,7 @@ def test_run_log_is_followed_while_the_build_runs(fake_azure_account, tmp_path: 
 def test_schedule_run_body_is_checked_against_the_spec(fake_azure_account, tmp_path: Path) -> None:
     from azure.core.exceptions import HttpResponseError
 
+    fake_azure_account.acr.allow_refusals = True
     builder = _builder(tmp_path)
     builder.timeout_seconds = 60  # the spec's minimum run timeout is 300 s
     with pytest.raises(HttpResponseError) as err:

@@ -47,7 +47,8 @@ class FakeAcr:
         self.runs: dict[str, dict[str, Any]] = {}
         self.fail_builds = False
         self.polls_per_state = 1
-        self.refused: list[Any] = []
+        self.refused: list[Any] = []  # spec problems of the scheduleRun bodies refused
+        self.allow_refusals = False  # a test that sends non-conforming bodies on purpose
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 

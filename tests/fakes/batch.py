@@ -857,14 +857,14 @@ class FakeBatch:
         now = _iso(self.now())
         code = attempt.exit_code
         self._release_nodes(task, code == 0)
-        for sub in task.subtasks:
+        for sub in task.subtasks:  # secondaries ran the coordination command only
             sub.update(
                 {
                     "state": "completed",
                     "previousState": "running",
                     "endTime": now,
-                    "exitCode": code if code != 0 else 0,
-                    "result": "success" if code == 0 else "failure",
+                    "exitCode": 0,
+                    "result": "success",
                 }
             )
         limit = task.body.get("constraints", {}).get("maxTaskRetryCount")
