@@ -170,3 +170,14 @@ def test_plan_bodies_pass_the_batch_spec(overrides: list[str]) -> None:
         assert problems == [], f"{request['step']} {path}: {[str(p) for p in problems]}"
         checked += 1
     assert checked >= 11  # pool, resize, 3 x (job, task, job update), release
+
+
+def test_a_task_that_could_outlive_the_token_cap_is_refused_before_submission() -> None:
+    from backends.azure.access import AccessError, AccessIssuer
+    from backends.taskspec import training_task
+
+    config = load_config(EXAMPLE, ["azure.sas_hours=12"])  # training: 3 x 6 h + 30 min
+    spec = training_task(config, "train-r", "k", "runs/r")
+    with pytest.raises(AccessError, match=r"azure\.sas_hours=12"):
+        AccessIssuer(config).lifetime(spec)
+    assert AccessIssuer(load_config(EXAMPLE)).lifetime(spec).total_seconds() / 3600 > 18.5
