@@ -240,9 +240,9 @@ class LocalCluster:
     def _upload_outputs(self, outputs: list[OutputSpec], wd: Path, success: bool) -> list[str]:
         uploaded = []
         for spec in outputs:
-            if spec.condition == "taskSuccess" and not success:
+            if spec.condition == "tasksuccess" and not success:
                 continue
-            if spec.condition == "taskFailure" and success:
+            if spec.condition == "taskfailure" and success:
                 continue
             base, pattern = _split_pattern(spec.pattern)
             if pattern is None:

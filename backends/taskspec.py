@@ -33,7 +33,9 @@ class OutputSpec:
 
     pattern: str  # relative to the task working dir
     destination: str
-    condition: str = "taskSuccess"  # or taskCompletion: logs are wanted from failures too
+    # Batch's uploadCondition, spelled as the service spells it: tasksuccess, taskfailure or
+    # taskcompletion (logs are wanted from failures too).
+    condition: str = "tasksuccess"
 
 
 @dataclass
@@ -132,7 +134,7 @@ def training_task(
         },
         outputs=[
             OutputSpec(f"{OUTPUT_DIR}/**/*", output_prefix),
-            OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskCompletion"),
+            OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskcompletion"),
         ],
         max_retries=config.retries.training_attempts - 1,
     )
@@ -161,7 +163,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
         environment={"PYTHONUNBUFFERED": "1"},
         outputs=[
             OutputSpec(f"{OUTPUT_DIR}/staging.json", f"{output_prefix}/staging.json"),
-            OutputSpec("../std*.txt", f"{output_prefix}/logs-staging", "taskCompletion"),
+            OutputSpec("../std*.txt", f"{output_prefix}/logs-staging", "taskcompletion"),
         ],
         max_wall_clock_seconds=4 * 3600,
         max_retries=config.retries.storage_retries,

@@ -109,7 +109,13 @@ class PoolConfig(_Section):
     id: str = "retrain-pool"
     vm_size: str = "local"
     dedicated_nodes: int = Field(1, ge=0)
-    low_priority_nodes: int = Field(0, ge=0)
+    low_priority_nodes: int = Field(
+        0,
+        ge=0,
+        description="Spot nodes (Batch's targetLowPriorityNodes; needs a Batch account in "
+        "user-subscription pool allocation mode); a preempted node requeues the whole "
+        "multi-node task, which resumes from its last checkpoint",
+    )
     processes_per_node: int = Field(2, ge=1, description="GPUs per node on Azure")
     release: Literal["resize_to_zero", "delete"] = "resize_to_zero"
     image_publisher: str = "microsoft-dsvm"
@@ -125,7 +131,31 @@ class PoolConfig(_Section):
     infiniband: Literal["auto", "on", "off"] = Field(
         "auto", description="NCCL over InfiniBand: auto means by the VM size (H-, ND-series)"
     )
-    start_timeout_minutes: int = Field(30, ge=1, description="how long nodes may take to start")
+    start_timeout_minutes: int = Field(
+        30,
+        ge=5,
+        description="how long nodes may take to be allocated and start (Batch's resizeTimeout: "
+        "at least 5 minutes); also the time a submitted task may wait for nodes before the run "
+        "gives up on it",
+    )
+    recreate_on_change: bool = Field(
+        True,
+        description="an existing pool this pipeline created, whose container image, registry "
+        "credentials or other settings Batch cannot change differ from this run's, is deleted "
+        "and created again while it is idle; false refuses to use it instead",
+    )
+    nccl_topo_file: str | None = Field(
+        "auto",
+        description="the host's NCCL topology file mounted into the training container and "
+        "named by NCCL_TOPO_FILE on InfiniBand sizes: auto picks the Azure HPC image's file for "
+        "the ND size (/opt/microsoft/ndv4-topo.xml, ndv5-topo.xml); null mounts none",
+    )
+    os_disk_gb: int | None = Field(
+        None,
+        ge=30,
+        description="OS disk size of each node in GB; Docker keeps images on it, and a CUDA "
+        "training image needs tens of GB (default: the VM image's own size)",
+    )
 
     @property
     def nodes(self) -> int:
@@ -192,7 +222,13 @@ class AzureConfig(_Section):
         None, description="that identity's client id, for DefaultAzureCredential on the nodes"
     )
     sas_hours: float = Field(
-        12, gt=0, le=168, description="lifetime of SAS tokens given to the nodes"
+        168,
+        gt=0,
+        le=168,
+        description="the longest a node's SAS token may live (a user delegation key lasts at "
+        "most 7 days); each task's token lives as long as that task can (its attempts x its "
+        "maximum run time + pool.start_timeout_minutes), and a task that could outlive this "
+        "bound is refused before it is submitted",
     )
 
 

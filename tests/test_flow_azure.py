@@ -55,7 +55,7 @@ def _config(tmp_path: Path, *overrides: str) -> Any:
 def _node(fakes: Any, config: Any, tmp_path: Path) -> LocalNode:
     node = LocalNode(tmp_path / "node", fakes.files, config.share.name, tmp_path / "nfs")
     fakes.batch.executor = node
-    fakes.batch.allocation_polls = 1
+    fakes.batch.allocation_ticks = 1
     return node
 
 
