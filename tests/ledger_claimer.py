@@ -1,10 +1,10 @@
 """One reporter of data versions, run as its own process by tests/test_ledger.py.
 
 ``python -m tests.ledger_claimer OUT.json GO_FILE CONTAINER VERSIONS FAIL_MOD FAIL_REM``
-reports versions ``v0000``.. of ``CONTAINER/datasets/cifar10/daily`` through ``deployments.events.emit``
-against the Prefect API named by PREFECT_API_URL, as the relay or the sensor would, the way
-they retry: a version that raised, or that another reporter was sending, is tried again on
-the next pass (Event Grid's redelivery, the sensor's next poll).
+reports versions ``v0000``.. of ``CONTAINER/datasets/cifar10/daily`` through
+``deployments.events.emit`` against the Prefect API named by PREFECT_API_URL, as the relay or
+the sensor would, and the way they retry: a version that raised, or that another reporter was
+sending, is tried again on the next pass (Event Grid's redelivery, the sensor's next poll).
 
 Events never reach the server's trigger (the test would otherwise start a thousand flow
 runs): this process's HTTP transport answers ``POST /events`` itself, failing the first send
