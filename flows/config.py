@@ -246,7 +246,7 @@ class ConfigError(ValueError):
 
 MAX_CONFIG_BYTES = 1 << 20  # a pipeline config is a few KB; anything this large is another file
 _NULLS = ("", "~", "null", "Null", "NULL")  # YAML's spellings of "no value"
-_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$|^[0-9]{1,6}$")  # names, list indices
 
 
 def _is_text(annotation: Any) -> bool:
@@ -334,7 +334,7 @@ def _where(exc: yaml.YAMLError) -> str:
 
 def _field_name(loc: tuple[Any, ...]) -> str:
     # A key comes from the file; when the file is not a config (a credentials file, a hashed
-    # password list), its "keys" are its content, so only plain names are shown.
+    # password list), its "keys" are its content, so only what could be a field name is shown.
     parts = [
         str(p) if _PLAIN_KEY.match(str(p)) else "<a key that is not a field name>" for p in loc
     ]

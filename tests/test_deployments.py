@@ -21,7 +21,7 @@ import yaml
 
 from backends.blob import container_client
 from deployments.relay import RelaySettings, Watch, create_app
-from deployments.sensor import watch_new_data
+from deployments.sensor import find_versions, watch_new_data
 from flows.config import BlobLocation
 from tests.conftest import ROOT
 
@@ -61,6 +61,9 @@ def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     settings = getattr(request, "param", None) or RelaySettings(
         watches=[Watch("landing", "images")], shared_secret=SECRET
     )
+    if settings.marker is None:  # quiet-period mode lists the watched prefix: on Azurite
+        azurite = request.getfixturevalue("azurite")
+        request.getfixturevalue("monkeypatch").setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
     app = create_app(settings)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -245,11 +248,17 @@ def test_quiet_period_mode_reports_a_burst_once(
     deployed: dict[str, Any], relay: tuple[str, Any]
 ) -> None:
     url, _ = relay
+    container = container_client(BlobLocation(container="quiet-landing"), create=True)
     for start in range(0, 200, 50):
-        events = [_eg_event("quiet-landing", f"batch/{i}.png") for i in range(start, start + 50)]
+        events = []
+        for i in range(start, start + 50):
+            etag = container.upload_blob(f"batch/{i}.png", b"png").get_blob_properties().etag
+            events.append(_eg_event("quiet-landing", f"batch/{i}.png", etag))
         assert set(_post(url, events).json()["outcomes"]) == {"waiting for quiet"}
     (run,) = _wait_for_runs(deployed["retrain/on-new-data"].id, "quiet-landing", 1)
-    assert run.parameters["data_prefix"] == "" and len(run.parameters["data_version"]) == 16
+    (sensed,) = find_versions(container, "", None, quiet_seconds=0)
+    assert run.parameters["data_prefix"] == ""
+    assert run.parameters["data_version"] == sensed.data_version  # the sensor's version
 
 
 def test_entra_token_is_accepted_and_a_wrong_audience_refused(tmp_path: Path) -> None:
