@@ -37,6 +37,7 @@ from deployments.events import BUSY, DataReady, emit, normalize_etag, quiet_vers
 log = logging.getLogger("retrain.relay")
 BLOB_CREATED = "Microsoft.Storage.BlobCreated"
 VALIDATION = "Microsoft.EventGrid.SubscriptionValidationEvent"
+NOT_REPORTED = "not reported (the Prefect API failed); retry"
 
 
 class RelayConfigError(ValueError):
@@ -316,7 +317,7 @@ def _hide_key(app: Any) -> Any:
     from urllib.parse import parse_qsl, urlencode
 
     async def hidden(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and b"key" in scope.get("query_string", b""):
+        if scope["type"] == "http" and scope.get("query_string"):
             pairs = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
             given = [v for k, v in pairs if k == "key"]
             if given:
@@ -371,7 +372,7 @@ def create_app(
             message = str(exc) if not isinstance(exc, RecursionError) else "nested too deeply"
             return JSONResponse({"error": message}, status_code=400)
         outcomes = await asyncio.to_thread(lambda: [_outcome(debouncer, e) for e in events])
-        if any(o == BUSY or o.startswith("not reported") for o in outcomes):
+        if any(o in (BUSY, NOT_REPORTED) for o in outcomes):
             # Event Grid retries a failed delivery; the events already handled are answered
             # from the delivery ids (or the ledger) when it does.
             return JSONResponse(
@@ -417,7 +418,7 @@ def _outcome(debouncer: Debouncer, event: BlobCreated) -> str:
         return debouncer.accept(event)
     except Exception as exc:
         log.warning("could not report %s/%s: %s", event.container, event.name, exc)
-        return "not reported (the server could not be reached); retry"
+        return NOT_REPORTED
 
 
 def main(argv: list[str] | None = None) -> int:

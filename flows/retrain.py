@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="SECTION.FIELD=VALUE",
-        help="override one config value (repeatable)",
+        help="override one config value (repeatable); a text field takes the value as typed, "
+        "numbers, booleans and lists are read as YAML, null clears an optional field",
     )
     p.add_argument(
         "--plan",
