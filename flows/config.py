@@ -320,7 +320,9 @@ def _assign(tree: dict[str, Any], parts: list[str], value: Any, origin: str) -> 
     *parents, leaf = parts
     node = tree
     for part in parents:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an empty section (`training:` in the file)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"{origin}: {part} is not a section")
     node[leaf] = value
