@@ -2,7 +2,9 @@
 
 Creates (idempotently) the process work pool the deployments use and, for each config given,
 a global concurrency limit of 1 named for its Batch pool, which the retrain flow occupies, so
-two runs (manual, nightly, new data) never fight over one pool: the second waits.
+two runs (manual, nightly, new data) never fight over one pool: the second waits. A data
+version ledger kept by an older release (one Variable listing every version) becomes one record
+per version, so an upgrade reports no old version again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ def ensure(configs: list[str]) -> list[str]:
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+    from deployments.events import LEGACY_LEDGER, migrate_legacy_ledger
     from flows.config import load_config
     from flows.retrain import pool_slot
 
@@ -40,6 +43,9 @@ def ensure(configs: list[str]) -> list[str]:
                     done.append(f"concurrency limit {name} = 1 created")
                 except ObjectAlreadyExists:
                     pass
+    migrated = migrate_legacy_ledger()
+    if migrated:
+        done.append(f"{migrated} data versions moved from {LEGACY_LEDGER} to one record each")
     return done
 
 

@@ -111,3 +111,119 @@ def test_no_secret_in_logs_artifacts_parameters_or_files(
         output_blobs=len(list(outputs.list_blobs())),
         hits=0,
     )
+
+
+def test_relay_secret_is_in_no_log_and_no_event(tmp_path: Path) -> None:
+    """The relay as documented (`python -m deployments.relay`, uvicorn's access log on): Event
+    Grid puts the shared secret in the endpoint's query string (`?key=`). Deliveries, the
+    validation handshake and wrong guesses must leave it out of the relay's output, and out of
+    the events and flow runs it causes."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    import requests
+
+    from tests.conftest import ROOT, child_env, prefect_api_env
+
+    secret = f"relay-{uuid.uuid4().hex}"
+    guesses = [f"guess-{uuid.uuid4().hex}" for _ in range(3)] + [secret[:-1]]
+    container = f"relaysecret{uuid.uuid4().hex[:8]}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **child_env(),
+        **prefect_api_env(),
+        "RETRAIN_RELAY_WATCH": f"{container}/images",
+        "RETRAIN_RELAY_SECRET": secret,
+    }
+    log_path = tmp_path / "relay.log"
+    with log_path.open("w") as log_file:
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "deployments.relay", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}/events"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                    break
+                except requests.ConnectionError:
+                    assert relay.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.2)
+            marker = {
+                "id": str(uuid.uuid4()),
+                "eventType": "Microsoft.Storage.BlobCreated",
+                "subject": f"/blobServices/default/containers/{container}/blobs/images/v1/_SUCCESS",
+                "data": {"eTag": '"0x8DCSECRET"'},
+            }
+            validation = {
+                "id": str(uuid.uuid4()),
+                "eventType": "Microsoft.EventGrid.SubscriptionValidationEvent",
+                "data": {"validationCode": "code"},
+            }
+            answers = [
+                requests.post(url, params={"key": secret}, json=[validation], timeout=30),
+                requests.options(url, params={"key": secret}, timeout=30),
+                requests.post(url, params={"key": secret}, json=[marker], timeout=30),
+                requests.post(url, params={"key": secret}, json=[marker], timeout=30),
+                requests.post(url, headers={"X-Relay-Key": secret}, json=[marker], timeout=30),
+                requests.post(url, params={"key": secret, "x": "1"}, json="not events", timeout=30),
+            ]
+            refused = [
+                requests.post(url, params={"key": g}, json=[marker], timeout=30) for g in guesses
+            ]
+        finally:
+            relay.terminate()
+            relay.wait(timeout=30)
+    assert [a.status_code for a in answers] == [200, 200, 200, 200, 200, 400]
+    assert answers[2].json()["outcomes"] == ["started"]
+    assert {r.status_code for r in refused} == {401}
+
+    relay_log = log_path.read_text()
+
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    async def events() -> str:
+        async with get_client() as client:
+            reply = await client.request(
+                "POST",
+                "/events/filter",
+                json={
+                    "filter": EventFilter(
+                        event=EventNameFilter(name=["retrain.data.ready"])
+                    ).model_dump(mode="json"),
+                    "limit": 50,
+                },
+            )
+        return reply.text
+
+    deadline = time.monotonic() + 60  # the server stores events in batches
+    while container not in (stored := asyncio.run(events())):
+        assert time.monotonic() < deadline, "the delivery's event never reached the server"
+        time.sleep(1)
+    places = {"relay log": relay_log, "Prefect events": stored}
+    hits = {
+        (where, what)
+        for where, text in places.items()
+        for what in [secret, *guesses]
+        if what in text
+    }
+    assert hits == set()
+    assert "POST /events?key=REDACTED" in relay_log  # the access log is on, and was scanned
+    report.record(
+        "secrets",
+        "relay shared secret (?key=) over 6 deliveries and 4 wrong guesses",
+        "0 hits",
+        places_scanned=", ".join(places),
+        hits=0,
+    )
