@@ -1,0 +1,64 @@
+"""Helpers for tests on emulated Batch nodes: availability, the scripts share, task bodies."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.share import collect_files
+from backends.taskspec import TaskSpec
+from tests.conftest import ROOT
+from tests.fakes.hosts import unavailable_reason
+
+# CI sets this: there the multi-node tests must run, so a machine that cannot emulate nodes fails
+# them instead of skipping them.
+REQUIRED = "RETRAIN_REQUIRE_EMULATED_NODES"
+_checked: list[str | None] = []
+
+
+def require_emulated_nodes() -> None:
+    """Skip (or, under CI, fail) with the reason when nodes cannot be emulated here."""
+    if not _checked:
+        _checked.append(unavailable_reason())
+    reason = _checked[0]
+    if reason is None:
+        return
+    if os.environ.get(REQUIRED):
+        pytest.fail(f"{REQUIRED} is set but {reason}")
+    print(f"\nskipping emulated-node test: {reason}")
+    pytest.skip(reason)
+
+
+def copy_scripts(target: Path) -> None:
+    """The scripts share as upload-scripts fills it (the node-side package)."""
+    for rel, source in collect_files(ROOT, ["training"]).items():
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+
+
+def task_body(spec: TaskSpec, **environment: str) -> dict[str, Any]:
+    """The parts of a Batch task body a node uses, from the project's own task spec."""
+    env = {**spec.environment, "RETRAIN_PYTHON": "python", **environment}
+    body: dict[str, Any] = {
+        "id": spec.id,
+        "commandLine": spec.command_line,
+        "environmentSettings": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "constraints": {"maxWallClockTime": f"PT{spec.max_wall_clock_seconds}S"},
+    }
+    if spec.coordination_command:
+        body["multiInstanceSettings"] = {
+            "numberOfInstances": spec.instances,
+            "coordinationCommandLine": spec.coordination_command,
+        }
+    return body
+
+
+def bash(script: str) -> str:
+    """A command line Batch runs without a shell, as the task specs write them."""
+    return f"/bin/bash -c {shlex.quote(script)}"
