@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import os
-import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from backends.share import collect_files
-from backends.taskspec import TaskSpec
+from backends.taskspec import TaskSpec, training_task
+from flows.config import load_config
 from tests.conftest import ROOT
 from tests.fakes.hosts import unavailable_reason
+from tests.fakes.node import PoolNodes, TaskRun
 
 # CI sets this: there the multi-node tests must run, so a machine that cannot emulate nodes fails
 # them instead of skipping them.
@@ -59,6 +61,33 @@ def task_body(spec: TaskSpec, **environment: str) -> dict[str, Any]:
     return body
 
 
-def bash(script: str) -> str:
-    """A command line Batch runs without a shell, as the task specs write them."""
-    return f"/bin/bash -c {shlex.quote(script)}"
+NODES = [("tvmps_0000", "10.211.0.4"), ("tvmps_0001", "10.211.0.5")]
+JOB = "retrain-pool-train-test"
+
+
+def training_spec(nodes: int, ppn: int, *overrides: str) -> TaskSpec:
+    """The task spec the pipeline sends to Batch for this many nodes and processes per node."""
+    config = load_config(
+        ROOT / "configs" / "local.yaml",
+        [
+            f"pool.dedicated_nodes={nodes}",
+            f"pool.processes_per_node={ppn}",
+            "training.epochs=3",
+            "training.batch_size=16",
+            "training.lr=0.05",
+            "training.seed=3",
+            "training.timeline=false",
+            *overrides,
+        ],
+    )
+    return training_task(config, f"train-{nodes}x{ppn}", "key", "runs/test")
+
+
+def run_task(pool: PoolNodes, spec: TaskSpec, job: str = JOB, **env: str) -> TaskRun:
+    run = pool.start(task_body(spec, **env), job)
+    run.wait(timeout=600)
+    return run
+
+
+def metrics(run: TaskRun) -> dict[str, Any]:
+    return json.loads((run.primary.wd / "outputs" / "metrics.json").read_text())
