@@ -32,7 +32,7 @@ from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("horovodrun")
 
-EPOCHS = 3
+EPOCHS = 4
 RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")
 HOLD_PORT = """
 import socket, sys, time
@@ -46,7 +46,8 @@ time.sleep(600)
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolNodes]:
     require_emulated_nodes()
     root = tmp_path_factory.mktemp("pool")
-    write_digits(root / "nfs" / "data", test_fraction=0.25, seed=0, per_class=None)
+    # Few images: epochs of a second or two are enough to kill one midway and resume.
+    write_digits(root / "nfs" / "data", test_fraction=0.25, seed=0, per_class=40)
     with PoolNodes(root, NODES, root / "nfs", copy_scripts) as nodes:
         yield nodes
 

@@ -196,6 +196,9 @@ class Trainer:
     schedule: Schedule
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
+    # Wall-clock time of this process's first optimizer step: with the time a launcher started,
+    # it gives the launch overhead (bench.nodes).
+    first_step_time: float | None = None
 
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor
@@ -274,6 +277,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad()
+        if self.first_step_time is None:
+            self.first_step_time = time.time()
 
     def _check_finite(self, epoch: int, batch: int, loss_sum: torch.Tensor, seen: int) -> None:
         """Agree across ranks whether the loss is still finite, so all stop together."""
@@ -495,6 +500,7 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         "images_per_sec_per_worker": images / seconds / world.size if seconds else None,
         "world_size": world.size,
         "wall_seconds": time.perf_counter() - wall_start,
+        "first_step_time": trainer.first_step_time,
         "model": args.model,
         "input_size": image_size,
         "class_names": info.class_names,

@@ -182,6 +182,8 @@ class TaskRun:
     command: str
     exit_code: int | None = None
     failed_node: str | None = None  # the node whose coordination command failed
+    started: float = 0.0  # wall-clock times: the attempt, and its application command
+    application_started: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -198,15 +200,16 @@ class TaskRun:
 class PoolNodes:
     """A pool's nodes as emulated hosts, running tasks as Batch runs them.
 
-    ``nodes`` are (node id, address) pairs; the first is where a single-instance task runs.
-    ``scripts`` fills a node's scripts mount (the Files share as it is when the task starts).
-    ``root`` holds each node's Batch root; every node sees its own at ``root/batch``.
+    ``nodes`` are (node id, address) pairs, the first being where a single-instance task runs;
+    without them, the nodes are those of the attached fake service's pool when its first task
+    starts. ``scripts`` fills a node's scripts mount (the Files share as it is when the task
+    starts). ``root`` holds each node's Batch root; every node sees its own at ``root/batch``.
     """
 
     def __init__(
         self,
         root: Path,
-        nodes: list[tuple[str, str]],
+        nodes: list[tuple[str, str]] | None,
         nfs_dir: Path,
         scripts: Callable[[Path], None],
         hosts_file: HostsFile = "loopback",
@@ -214,26 +217,39 @@ class PoolNodes:
     ) -> None:
         self.root, self.nfs_dir, self.scripts = root, nfs_dir, scripts
         self.batch_root = root / "batch"  # the same path on every node
-        self.hosts = Hosts(
-            root / "nodes", nodes, self.batch_root, hosts_file, read_only_hosts=read_only_hosts
-        )
-        self.ids = [node_id for node_id, _ in nodes]
+        self.hosts_file, self.read_only_hosts = hosts_file, read_only_hosts
+        self.hosts: Hosts | None = None
+        self.ids: list[str] = []
         self.commands: list[tuple[str, str]] = []  # (node id, command line) in the order run
         self.runs: list[TaskRun] = []
         self._lock = threading.Lock()  # one task at a time: a node has one task slot
         self.batch: FakeBatch | None = None  # the service whose tasks these run (see attach)
+        if nodes is not None:
+            self._boot(nodes)
+
+    def _boot(self, nodes: list[tuple[str, str]]) -> None:
+        hosts = Hosts(
+            self.root / "nodes",
+            nodes,
+            self.batch_root,
+            self.hosts_file,
+            read_only_hosts=self.read_only_hosts,
+        )
+        hosts.__enter__()
+        self.hosts, self.ids = hosts, [node_id for node_id, _ in nodes]
 
     def __enter__(self) -> PoolNodes:
-        self.hosts.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.hosts.__exit__(*exc)
+        if self.hosts is not None:
+            self.hosts.close()
 
     def __iter__(self) -> Iterator[Node]:
-        return iter(self.hosts)
+        return iter(self.hosts or [])
 
     def node(self, node_id: str) -> Node:
+        assert self.hosts is not None, "no nodes yet"
         return self.hosts[self.ids.index(node_id)]
 
     def host_path(self, node_id: str, path: str) -> Path:
@@ -325,11 +341,13 @@ class PoolNodes:
     def _run(self, run: TaskRun, envs: list[dict[str, str]], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._lock:
+            run.started = time.time()
             try:
                 for sub in run.subtasks:
                     sub.set("running")
                 code = self._coordinate(run, envs, deadline) if run.coordination else 0
                 if code == 0:
+                    run.application_started = time.time()
                     primary = self._popen(run.primary, envs[0], run.command)
                     code = self._wait([primary], deadline, run.subtasks)[0][0]
             except Exception as exc:  # the agent reports what broke as a failed task
@@ -401,7 +419,11 @@ class PoolNodes:
         batch.executor = self
 
     def __call__(self, task: dict[str, Any], env: dict[str, str]) -> Attempt:
-        by_address = {n["ipAddress"]: n["id"] for n in self._pool_nodes(env["AZ_BATCH_POOL_ID"])}
+        pool_nodes = self._pool_nodes(env["AZ_BATCH_POOL_ID"])
+        with self._lock:
+            if self.hosts is None:
+                self._boot([(n["id"], n["ipAddress"]) for n in pool_nodes])
+        by_address = {n["ipAddress"]: n["id"] for n in pool_nodes}
         hosts = env.get("AZ_BATCH_HOST_LIST", "").split(",")
         node_ids = [by_address[a] for a in hosts if a in by_address] or None
         self._forward_urls(task, node_ids)
