@@ -6,22 +6,17 @@ working directory, the task's environment settings plus the variables Batch sets
 command lines run without a shell. The container image is not run (no engine here): commands run
 with this checkout's virtualenv, which has what the image has.
 
-Two kinds:
-
-- :class:`LocalNode`: one node, this machine itself (host list ``localhost``).
-- :class:`PoolNodes`: every node of the pool an emulated host (:mod:`tests.fakes.hosts`), and a
-  multi-instance task run as Batch runs it: the coordination command on every node, all of which
-  must exit 0 before the application command runs on the primary only; a failing subtask fails
-  the task (the service then retries it up to ``maxTaskRetryCount``); at the end of an attempt
-  every process the task started on any node is stopped, as the task's container would be.
-  Subtask states are kept for ``list_subtasks``, and each node keeps the task's ``stdout.txt``
-  and ``stderr.txt`` in its task directory, where Batch keeps them.
+Every node of the pool is an emulated host (:mod:`tests.fakes.hosts`), and a multi-instance task
+runs as Batch runs it: the coordination command on every node, all of which must exit 0 before
+the application command runs on the primary only; a failing subtask fails the task (the service
+then retries it up to ``maxTaskRetryCount``); at the end of an attempt every process the task
+started on any node is stopped, as the task's container would be. Subtask states are kept for
+``list_subtasks``, and each node keeps the task's ``stdout.txt`` and ``stderr.txt`` in its task
+directory, where Batch keeps them.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import re
 import shlex
 import shutil
@@ -39,10 +34,8 @@ from urllib.parse import urlsplit
 import requests
 
 from tests.fakes.batch import Attempt, FakeBatch
-from tests.fakes.files import FakeFiles
 from tests.fakes.hosts import Hosts, HostsFile, Node
 
-SECRET_NAME = re.compile(r"CONNECTION_STRING|ACCOUNT_KEY|SAS|SECRET|TOKEN|PASSWORD", re.I)
 BIN = str(Path(sys.executable).parent)
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MASTER_PORT = 6000  # Batch's own port in AZ_BATCH_MASTER_NODE; the tasks must not use it
@@ -75,62 +68,6 @@ def _seconds(duration: str | None, default: float = 600) -> float:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
-
-class LocalNode:
-    """One node: this machine. Host list ``localhost``; no SSH between nodes."""
-
-    def __init__(self, root: Path, files: FakeFiles, share: str, nfs_dir: Path) -> None:
-        self.root, self.files, self.share, self.nfs_dir = root, files, share, nfs_dir
-        self.commands: list[str] = []  # every command line this node ran
-        self._ids = itertools.count(1)
-
-    def __call__(self, task: dict[str, Any], env: dict[str, str]) -> Attempt:
-        mounts = self.root / "mounts"
-        scripts = mounts / "scripts"
-        shutil.rmtree(scripts, ignore_errors=True)
-        self.files.materialize(self.share, scripts)
-        self.nfs_dir.mkdir(parents=True, exist_ok=True)
-        if not (mounts / "nfs").exists():
-            (mounts / "nfs").symlink_to(self.nfs_dir.resolve(), target_is_directory=True)
-        task_dir = self.root / "tasks" / f"{task['id']}-{next(self._ids)}"
-        wd = task_dir / "wd"
-        for sub in ("wd", "shared"):
-            (task_dir / sub).mkdir(parents=True)
-        fetch_resources(task, wd)
-        node_env = {k: v for k, v in os.environ.items() if not SECRET_NAME.search(k)}
-        node_env.update(env)
-        node_env.update(
-            {
-                "PATH": f"{BIN}{os.pathsep}{node_env.get('PATH', '')}",
-                "AZ_BATCH_HOST_LIST": "localhost",
-                "AZ_BATCH_NODE_MOUNTS_DIR": str(mounts.resolve()),
-                "AZ_BATCH_TASK_DIR": str(task_dir.resolve()),
-                "AZ_BATCH_TASK_WORKING_DIR": str(wd.resolve()),
-                "AZ_BATCH_TASK_SHARED_DIR": str((task_dir / "shared").resolve()),
-            }
-        )
-        output: list[str] = []
-        code = 0
-        commands = [task.get("multiInstanceSettings", {}).get("coordinationCommandLine")]
-        for command in [*commands, task["commandLine"]]:
-            if not command:
-                continue
-            self.commands.append(command)
-            proc = subprocess.run(
-                shlex.split(command),
-                cwd=wd,
-                env=node_env,
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=600,
-            )
-            output.append(proc.stdout + proc.stderr)
-            code = proc.returncode
-            if code != 0:
-                break
-        return Attempt(code, "".join(output), working_files(wd))
 
 
 @dataclass
