@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from backends.share import collect_files
 from backends.taskspec import TaskSpec, training_task
 from flows.config import load_config
 from tests.conftest import ROOT
-from tests.fakes.hosts import unavailable_reason
+from tests.fakes.hosts import Node, unavailable_reason
 from tests.fakes.node import PoolNodes, TaskRun
 
 # CI sets this: there the multi-node tests must run, so a machine that cannot emulate nodes fails
@@ -91,3 +93,18 @@ def run_task(pool: PoolNodes, spec: TaskSpec, job: str = JOB, **env: str) -> Tas
 
 def metrics(run: TaskRun) -> dict[str, Any]:
     return json.loads((run.primary.wd / "outputs" / "metrics.json").read_text())
+
+
+_LISTEN = """
+import socket, sys, time
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+def listen_on(node: Node, port: int) -> subprocess.Popen[str]:
+    """A process on ``node`` holding ``port`` (it accepts nothing); returns once it listens."""
+    proc = node.popen([sys.executable, "-c", _LISTEN, str(port)], {}, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+    return proc

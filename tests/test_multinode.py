@@ -11,7 +11,6 @@ which Horovod's ranks told their peers to connect to loopback (rank 1 died with
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -22,6 +21,7 @@ from tests.nodes_helpers import (
     JOB,
     NODES,
     copy_scripts,
+    listen_on,
     metrics,
     require_emulated_nodes,
     run_task,
@@ -110,18 +110,9 @@ def test_a_node_without_the_interface_fails_preparation_naming_itself(pool: Pool
     assert "launch:" not in run.primary.stdout()  # the application command never ran
 
 
-_HOLD_PORT = """
-import socket, sys, time
-s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-print("listening", flush=True)
-time.sleep(600)
-"""
-
-
 def test_sockets_reach_across_nodes_only_through_eth0(pool: PoolNodes) -> None:
     first, second = pool
-    server = second.popen([sys.executable, "-c", _HOLD_PORT, "5999"], {}, stdout=subprocess.PIPE)
-    assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+    server = listen_on(second, 5999)
     try:
         probe = "import socket,sys; socket.create_connection((sys.argv[1], 5999), 3); print('ok')"
         assert first.run([sys.executable, "-c", probe, second.address]).stdout.strip() == "ok"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import random
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +18,7 @@ from tests.nodes_helpers import (
     JOB,
     NODES,
     copy_scripts,
+    listen_on,
     metrics,
     require_emulated_nodes,
     run_task,
@@ -34,12 +33,6 @@ pytestmark = pytest.mark.usefixtures("horovodrun")
 
 EPOCHS = 4
 RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")
-HOLD_PORT = """
-import socket, sys, time
-s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-print("listening", flush=True)
-time.sleep(600)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +105,7 @@ def test_rank_killed_on_the_second_node_fails_the_task_and_the_retry_resumes(
 
 def test_a_taken_ssh_port_fails_preparation_naming_the_node(pool: PoolNodes) -> None:
     second = pool.node("tvmps_0001")
-    holder = second.popen([sys.executable, "-c", HOLD_PORT, "2222"], {}, stdout=subprocess.PIPE)
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "listening"
+    holder = listen_on(second, 2222)
     started = time.monotonic()
     run = run_task(pool, training_spec(2, 1))
     seconds = time.monotonic() - started
