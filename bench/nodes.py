@@ -65,7 +65,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "method": f"cnn at 32 px, {args.images} synthetic images, batch {args.batch_size} per "
         f"process, {args.epochs} epochs, world size 2, {args.repeats} runs of each shape "
-        "alternating (medians)",
+        "alternating (medians); the 1-node shape on a node with all cores, the 2-node shape on "
+        "nodes with half of them each",
     }
     reason = unavailable_reason()
     if reason is not None:
@@ -84,11 +85,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         test_fraction=0.2,
         seed=0,
     )
+    # The same cores in both shapes: one node with all of them, or two nodes with half each
+    # (emulated nodes otherwise share every core, and each rank would size its threads to all).
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2 or 1
+    split = [cores[:half], cores[half:] or cores[:half]]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SHAPES}
-    with PoolNodes(args.work / "pool", NODES, args.work / "nfs", copy_scripts) as pool:
+    nfs = args.work / "nfs"
+    with (
+        PoolNodes(args.work / "one", NODES[:1], nfs, copy_scripts, cpus=[cores]) as one,
+        PoolNodes(args.work / "two", NODES, nfs, copy_scripts, cpus=split) as two,
+    ):
+        pools = {"1 node x 2 processes": one, "2 nodes x 1 process": two}
         for repeat in range(args.repeats):  # alternate, so drift on a shared machine hits both
             for name, (nodes, ppn) in SHAPES.items():
-                runs[name].append(_run(pool, nodes, ppn, args, repeat))
+                runs[name].append(_run(pools[name], nodes, ppn, args, repeat))
+    load = os.getloadavg()[1]  # the last 5 minutes: other work on a shared machine
     shapes = {
         name: {
             key: statistics.median(r[key] for r in results)
@@ -102,6 +114,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         **report,
         "shapes": shapes,
         "runs": runs,
+        "load_average_5min": round(load, 2),
         "two_nodes_over_one_images_per_sec": round(
             two["images_per_sec"] / one["images_per_sec"], 3
         ),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -118,7 +117,7 @@ def _loader_workers(requested: int, world: World, split: SplitData) -> int:
         return 0  # small decoded rows: a copy is cheaper than passing it between processes
     if len(split) < 2048:
         return 0  # starting worker processes costs more than decoding a few images
-    per_rank = (os.cpu_count() or 1) // world.local_size
+    per_rank = dist.usable_cpus() // world.local_size
     return max(0, min(8, per_rank - 1))
 
 

@@ -127,6 +127,7 @@ class Node:
     root: Path
     hosts_file: Path
     netns: str
+    cpus: tuple[int, ...] = ()  # the node's cores (all of this machine's when empty)
     init: subprocess.Popen[str] | None = None
     pid: int = 0  # the node's first process, as this machine sees it
     _namespace: str | None = None
@@ -139,7 +140,10 @@ class Node:
         # nsenter's --wd resolves the path before entering the node's mounts: change directory
         # inside instead.
         chdir = ["env", f"--chdir={cwd}"] if cwd is not None else []
-        return [*enter, *chdir, *argv]
+        # CPU affinity is no namespace: every process entering the node takes the node's cores
+        # (and passes them on to what it starts, sshd's sessions included).
+        pin = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
+        return [*enter, *pin, *chdir, *argv]
 
     def popen(
         self,
@@ -286,7 +290,8 @@ class Hosts:
     """Emulated hosts on one bridge, created on enter and removed on exit (also on errors).
 
     ``mountpoint`` is the path every node sees its own Batch root at (an empty directory on this
-    machine); ``base`` holds each node's root and hosts file.
+    machine); ``base`` holds each node's root and hosts file. ``cpus`` gives each node cores of
+    its own (for measurements: nodes otherwise share this machine's).
     """
 
     def __init__(
@@ -296,9 +301,11 @@ class Hosts:
         mountpoint: Path,
         hosts_file: HostsFile = "loopback",
         read_only_hosts: bool = False,
+        cpus: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.base, self.mountpoint = base, mountpoint
         self.specs = list(nodes)
+        self.cpus = [tuple(c) for c in cpus] if cpus else [() for _ in self.specs]
         self.hosts_style, self.read_only_hosts = hosts_file, read_only_hosts
         tag = f"{os.getpid():06x}{next(_counter) % 16:x}"
         self.bridge = f"rtb{tag}"
@@ -338,6 +345,7 @@ class Hosts:
                 root=node_dir / "root",
                 hosts_file=node_dir / "hosts",
                 netns=f"retrain-{self._tag}-{i}",
+                cpus=self.cpus[i],
             )
             node.root.mkdir(parents=True, exist_ok=True)
             node.hosts_file.write_text(hosts_text(name, address, self.hosts_style))

@@ -151,10 +151,11 @@ class PoolNodes:
         scripts: Callable[[Path], None],
         hosts_file: HostsFile = "loopback",
         read_only_hosts: bool = False,
+        cpus: list[list[int]] | None = None,
     ) -> None:
         self.root, self.nfs_dir, self.scripts = root, nfs_dir, scripts
         self.batch_root = root / "batch"  # the same path on every node
-        self.hosts_file, self.read_only_hosts = hosts_file, read_only_hosts
+        self.hosts_file, self.read_only_hosts, self.cpus = hosts_file, read_only_hosts, cpus
         self.hosts: Hosts | None = None
         self.ids: list[str] = []
         self.commands: list[tuple[str, str]] = []  # (node id, command line) in the order run
@@ -171,6 +172,7 @@ class PoolNodes:
             self.batch_root,
             self.hosts_file,
             read_only_hosts=self.read_only_hosts,
+            cpus=self.cpus,
         )
         hosts.__enter__()
         self.hosts, self.ids = hosts, [node_id for node_id, _ in nodes]
