@@ -133,6 +133,12 @@ class PoolConfig(_Section):
     infiniband: Literal["auto", "on", "off"] = Field(
         "auto", description="NCCL over InfiniBand: auto means by the VM size (H-, ND-series)"
     )
+    network_interface: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,14}$",
+        description="the interface the ranks of a multi-node job talk over (Horovod, Gloo, "
+        "NCCL's bootstrap, OpenMPI); default ib0 where the VM size has InfiniBand, else eth0",
+    )
     start_timeout_minutes: int = Field(
         30,
         ge=5,

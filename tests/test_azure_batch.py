@@ -109,7 +109,7 @@ def test_missing_pool_is_created_with_what_multi_instance_tasks_need(
 
 def test_autoscale_formula_replaces_fixed_counts(fake_azure_account, tmp_path: Path) -> None:
     formula = "$TargetDedicatedNodes = $PendingTasks.GetSample(1) > 0 ? 2 : 0;"
-    config = azure_config(tmp_path, f"pool.autoscale_formula='{formula}'")
+    config = azure_config(tmp_path, f"pool.autoscale_formula={formula}")
     body = wire(pool_body(config, "img", make_cluster(config).access, "k", None))
     assert body["enableAutoScale"] is True and body["autoScaleFormula"] == formula
     assert body["autoScaleEvaluationInterval"] == "PT05M00S"

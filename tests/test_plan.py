@@ -141,7 +141,7 @@ IDENTITY = (
     "overrides",
     [
         ["pool.vm_size=Standard_ND96isr_H100_v5", "pool.dedicated_nodes=4"],
-        ["pool.autoscale_formula='$TargetDedicatedNodes = 2;'", "pool.release=delete"],
+        ["pool.autoscale_formula=$TargetDedicatedNodes = 2;", "pool.release=delete"],
         ["pool.dedicated_nodes=0", "pool.low_priority_nodes=3", "pool.os_disk_gb=256"],
         [
             f"azure.identity_resource_id={IDENTITY}",

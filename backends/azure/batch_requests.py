@@ -186,6 +186,12 @@ def job_completion_body() -> batch_models.BatchJobUpdateOptions:
     return m.BatchJobUpdateOptions(all_tasks_complete_mode="terminatejob")
 
 
+def network_interface(config: PipelineConfig) -> str:
+    """The interface a multi-node job's ranks talk over (launch.sh pins Horovod, Gloo, NCCL's
+    bootstrap and OpenMPI to it): the same name on every node of the pool."""
+    return config.pool.network_interface or ("ib0" if has_infiniband(config) else "eth0")
+
+
 def _nccl_environment(config: PipelineConfig) -> dict[str, str]:
     if has_infiniband(config):
         env = {"NCCL_IB_DISABLE": "0", "NCCL_IB_PCI_RELAXED_ORDERING": "1", "UCX_TLS": "rc"}
@@ -215,6 +221,7 @@ def task_body(
 
     identity = _identity(access)
     environment = {**spec.environment, **_nccl_environment(config), "RETRAIN_PYTHON": "python"}
+    environment["RETRAIN_NETWORK_INTERFACE"] = network_interface(config)
     if spec.reads_training_data:
         environment["RETRAIN_DATA_URL"] = access.data_url
         if access.identity_client_id:

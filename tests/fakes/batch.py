@@ -330,7 +330,10 @@ class FakeBatch:
                 if len(p) == 4 and m == "GET":
                     return Response(200, self._checked(self._task_json(task), "BatchTask"))
                 if p[4:] == ["subtasksinfo"] and m == "GET":
-                    subs = {"value": [dict(s) for s in task.subtasks]}
+                    # Nodes that really ran the subtasks know their states; else the model's.
+                    listing = getattr(self.executor, "subtasks", None)
+                    found = listing(job["id"], p[3]) if listing is not None else task.subtasks
+                    subs = {"value": [dict(s) for s in found]}
                     return Response(200, self._checked(subs, "BatchTaskListSubtasksResult"))
                 if p[4:5] == ["files"] and m in ("GET", "HEAD"):
                     return self._file(task, "/".join(p[5:]), m, req.headers.get("ocp-range"))
