@@ -25,7 +25,7 @@ if [ "${#hosts[@]}" -gt 1 ]; then
   for _ in $(seq 120); do [ -f "$keys/ready" ] && break; sleep 1; done
   mkdir -p ~/.ssh /run/sshd && chmod 700 ~/.ssh
   cp "$keys/id_ed25519.pub" ~/.ssh/authorized_keys
-  printf 'Host *\n  Port %s\n  IdentityFile %s\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n' \
+  printf 'Host *\n  Port %s\n  IdentityFile "%s"\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n' \
     "$port" "$keys/id_ed25519" > ~/.ssh/config
   [ -f /etc/ssh/ssh_host_ed25519_key ] || ssh-keygen -A
   /usr/sbin/sshd -p "$port"

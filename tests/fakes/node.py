@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -23,10 +22,9 @@ from typing import Any
 
 import requests
 
+from backends.taskspec import node_environment
 from tests.fakes.batch import Attempt
 from tests.fakes.files import FakeFiles
-
-SECRET_NAME = re.compile(r"CONNECTION_STRING|ACCOUNT_KEY|SAS|SECRET|TOKEN|PASSWORD", re.I)
 
 
 class LocalNode:
@@ -52,7 +50,7 @@ class LocalNode:
             reply.raise_for_status()  # a SAS without read permission fails here
             (wd / resource["filePath"]).write_bytes(reply.content)
         bindir = str(Path(sys.executable).parent)
-        node_env = {k: v for k, v in os.environ.items() if not SECRET_NAME.search(k)}
+        node_env = node_environment(os.environ)  # what a node has, none of our secrets
         node_env.update(env)
         node_env.update(
             {

@@ -1,0 +1,133 @@
+"""One run per pool at a time: a lock on this machine, and a Prefect global concurrency limit.
+
+Two runs that share a pool must not overlap: the first one's release stops the second one's
+tasks. Two mechanisms, because each covers what the other cannot:
+
+- a file lock (``flock``) beside the local pool's state, ``work_dir/pools/<id>.lock``. It needs
+  no server (two ``python -m flows.retrain`` in two shells, each with its own ephemeral API,
+  share nothing else), and the kernel drops it the moment its holder dies, however it dies, so
+  a killed run never leaves a lock behind to wait out or to clean up by hand;
+- the global concurrency limit ``retrain-pool-<id>`` on the Prefect server, created with one
+  slot when it is missing (``concurrency()`` on a missing limit does nothing, silently). It
+  serializes runs on different machines that share one Batch pool through one server. A holder
+  that dies keeps its slot until its lease runs out (``LEASE_SECONDS``). Without a configured
+  server (``PREFECT_API_URL`` unset: each process starts its own ephemeral API) no other
+  machine can share the slot, and the file lock alone serializes.
+
+The file lock is always taken first, so runs on one machine never contend for the slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import IO
+
+from flows.config import PipelineConfig
+
+LEASE_SECONDS = 300
+
+
+def pool_slot(pool_id: str) -> str:
+    """The name of the pool's global concurrency limit."""
+    return f"retrain-pool-{pool_id}"
+
+
+def ensure_limit(name: str) -> bool:
+    """Create the global concurrency limit ``name`` with one slot unless it exists; True when
+    this call created it. An existing limit is left as its owner set it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            return False
+        except ObjectNotFound:
+            pass
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:  # created concurrently: the same result
+            return False
+        return True
+
+
+def _lock(fh: IO[str], wait: bool, say: Callable[[str], None], pool_id: str) -> bool:
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        if not wait:
+            return False
+    fh.seek(0)
+    say(f"pool {pool_id} is in use by {fh.read().strip() or 'another run'}; waiting for it")
+    fcntl.flock(fh, fcntl.LOCK_EX)
+    return True
+
+
+def _server_configured() -> bool:
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
+
+
+def _slot_busy(exc: BaseException) -> bool:
+    """The server answered 'all slots taken' (HTTP 423), rather than failing."""
+    cause = exc.__cause__
+    response = getattr(cause, "response", None)
+    return getattr(response, "status_code", None) == 423
+
+
+@contextlib.contextmanager
+def hold_pool(
+    config: PipelineConfig,
+    holder: str,
+    wait: bool = True,
+    say: Callable[[str], None] = lambda _: None,
+) -> Iterator[bool]:
+    """Hold the config's pool for the block: yields True once this run alone may use it.
+
+    With ``wait=False`` it does not queue: it yields False at once when another run holds the
+    pool (a crash hook must not release a pool that another run is using).
+    """
+    from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
+    from prefect.concurrency.sync import concurrency
+
+    pool_id = config.pool.id
+    path = config.work_dir / "pools" / f"{pool_id}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        fh = stack.enter_context(open(path, "a+"))
+        if not _lock(fh, wait, say, pool_id):
+            yield False
+            return
+        fh.truncate(0)
+        fh.write(json.dumps({"run": holder, "pid": os.getpid(), "since": round(time.time())}))
+        fh.flush()
+        if not _server_configured():
+            yield True
+            return
+        name = pool_slot(pool_id)
+        ensure_limit(name)
+        try:
+            stack.enter_context(
+                concurrency(
+                    name,
+                    occupy=1,
+                    max_retries=None if wait else 0,
+                    lease_duration=LEASE_SECONDS,
+                    strict=True,
+                    raise_on_lease_renewal_failure=False,  # a server blip must not kill training
+                )
+            )
+        except ConcurrencySlotAcquisitionError as exc:
+            if wait or not _slot_busy(exc):
+                raise
+            yield False
+            return
+        yield True
