@@ -4,9 +4,9 @@ Two runs that share a pool must not overlap: the first one's release stops the s
 tasks. Two mechanisms, because each covers what the other cannot:
 
 - a file lock (``flock``) beside the local pool's state, ``work_dir/pools/<id>.lock``. It needs
-  no server (two ``python -m flows.retrain`` in two shells, each with its own ephemeral API,
-  share nothing else), and the kernel drops it the moment its holder dies, however it dies, so
-  a killed run never leaves a lock behind to wait out or to clean up by hand;
+  no server (two ``python -m flows.retrain`` in two shells, without ``PREFECT_API_URL``, each
+  start an ephemeral API of their own), and the kernel drops it the moment its holder dies,
+  however it dies, so a killed run never leaves a lock behind to wait out or to remove by hand;
 - the global concurrency limit ``retrain-pool-<id>`` on the Prefect server, created with one
   slot when it is missing (``concurrency()`` on a missing limit does nothing, silently). It
   serializes runs on different machines that share one Batch pool through one server. A holder
@@ -76,58 +76,52 @@ def _server_configured() -> bool:
     return bool(PREFECT_API_URL.value())
 
 
-def _slot_busy(exc: BaseException) -> bool:
-    """The server answered 'all slots taken' (HTTP 423), rather than failing."""
-    cause = exc.__cause__
-    response = getattr(cause, "response", None)
-    return getattr(response, "status_code", None) == 423
-
-
 @contextlib.contextmanager
-def hold_pool(
+def local_pool_lock(
     config: PipelineConfig,
     holder: str,
     wait: bool = True,
     say: Callable[[str], None] = lambda _: None,
 ) -> Iterator[bool]:
-    """Hold the config's pool for the block: yields True once this run alone may use it.
+    """The file lock alone: yields True while held. With ``wait=False`` it does not queue and
+    yields False when another run on this machine holds the pool.
 
-    With ``wait=False`` it does not queue: it yields False at once when another run holds the
-    pool (a crash hook must not release a pool that another run is using).
+    The crash and cancellation hook takes only this one before releasing: a run that died keeps
+    its server slot until the lease runs out, and that stale slot of its own must not stop its
+    own release. A run elsewhere cannot take the pool before that lease has run out.
     """
-    from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
-    from prefect.concurrency.sync import concurrency
-
     pool_id = config.pool.id
     path = config.work_dir / "pools" / f"{pool_id}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
-        fh = stack.enter_context(open(path, "a+"))
+    with open(path, "a+") as fh:
         if not _lock(fh, wait, say, pool_id):
             yield False
             return
         fh.truncate(0)
         fh.write(json.dumps({"run": holder, "pid": os.getpid(), "since": round(time.time())}))
         fh.flush()
-        if not _server_configured():
-            yield True
-            return
-        name = pool_slot(pool_id)
-        ensure_limit(name)
-        try:
-            stack.enter_context(
-                concurrency(
-                    name,
-                    occupy=1,
-                    max_retries=None if wait else 0,
-                    lease_duration=LEASE_SECONDS,
-                    strict=True,
-                    raise_on_lease_renewal_failure=False,  # a server blip must not kill training
-                )
-            )
-        except ConcurrencySlotAcquisitionError as exc:
-            if wait or not _slot_busy(exc):
-                raise
-            yield False
-            return
         yield True
+
+
+@contextlib.contextmanager
+def hold_pool(
+    config: PipelineConfig, holder: str, say: Callable[[str], None] = lambda _: None
+) -> Iterator[None]:
+    """Hold the config's pool for the block, waiting for the run that holds it now: the file
+    lock, then (with a server configured) one slot of the pool's global concurrency limit."""
+    from prefect.concurrency.sync import concurrency
+
+    with local_pool_lock(config, holder, say=say):
+        if not _server_configured():
+            yield
+            return
+        name = pool_slot(config.pool.id)
+        ensure_limit(name)
+        with concurrency(
+            name,
+            occupy=1,
+            lease_duration=LEASE_SECONDS,
+            strict=True,
+            raise_on_lease_renewal_failure=False,  # a server blip must not stop training
+        ):
+            yield

@@ -19,7 +19,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
-from flows.pool_lock import hold_pool
+from flows.pool_lock import hold_pool, local_pool_lock
 
 
 def resolve_config(
@@ -59,8 +59,8 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
         params.get("data_container"),
         params.get("data_prefix"),
     )
-    with hold_pool(config, f"flow run {flow_run.id} (releasing)", wait=False) as held:
-        if held:
+    with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
+        if free:
             factory.cluster(config).release()
 
 

@@ -337,3 +337,38 @@ def test_pid_records_identify_the_process(tmp_path: Path) -> None:
     assert not is_alive(record)
     (tmp_path / "bare.pid").write_text(str(os.getpid()))  # a PID alone proves nothing
     assert read_record(tmp_path / "bare.pid") is None
+
+
+@pytest.mark.usefixtures("storage", "horovodrun")
+def test_abort_hook_leaves_alone_a_pool_another_run_holds(tmp_path: Path) -> None:
+    """The crash/cancellation hook of one run must not release the pool while another run holds
+    it (it would stop that run's tasks); once the pool is free, it releases it."""
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Cancelled
+
+    from backends import factory
+    from flows.pool_lock import local_pool_lock
+    from flows.retrain import _release_after_abort, retrain
+
+    config = make_config(tmp_path)
+    cluster = factory.cluster(config)
+    cluster.ensure_pool()
+    box: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: box.update(result=cluster.run_task(TaskSpec("other", "sleep 300")))
+    )
+    worker.start()
+    while not cluster.running_tasks():
+        assert worker.is_alive()
+        time.sleep(0.02)
+    aborted = FlowRun(flow_id=uuid4(), parameters={"config": config.model_dump(mode="json")})
+
+    with local_pool_lock(config, "the run that uses the pool now") as held:
+        assert held
+        _release_after_abort(retrain, aborted, Cancelled())
+        assert cluster.state() == "steady" and set(cluster.running_tasks()) == {"other"}
+    _release_after_abort(retrain, aborted, Cancelled())
+    worker.join()
+    assert cluster.state() == "released" and box["result"].exit_code == -signal.SIGKILL

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import unquote
 
 import pytest
 import yaml
@@ -66,7 +66,7 @@ def private_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
 
 def _sas_connection_string(account_connection_string: str, key: str) -> tuple[str, str]:
     """A connection string holding an account SAS (read, write, list, create, delete) for the
-    private account, and the signature in it."""
+    private account, and the signature in it as it appears in a URL (percent-encoded)."""
     from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
 
     parts = dict(p.split("=", 1) for p in account_connection_string.split(";") if "=" in p)
@@ -79,7 +79,7 @@ def _sas_connection_string(account_connection_string: str, key: str) -> tuple[st
         expiry=now + timedelta(hours=2),
         start=now - timedelta(minutes=5),
     )
-    signature = parse_qs(sas)["sig"][0]
+    (signature,) = [v for k, _, v in (p.partition("=") for p in sas.split("&")) if k == "sig"]
     return f"BlobEndpoint={parts['BlobEndpoint']};SharedAccessSignature={sas}", signature
 
 
