@@ -7,14 +7,17 @@ tasks. Two mechanisms, because each covers what the other cannot:
   no server (two ``python -m flows.retrain`` in two shells, without ``PREFECT_API_URL``, each
   start an ephemeral API of their own), and the kernel drops it the moment its holder dies,
   however it dies, so a killed run never leaves a lock behind to wait out or to remove by hand;
-- the global concurrency limit ``retrain-pool-<id>`` on the Prefect server, created with one
-  slot when it is missing (``concurrency()`` on a missing limit does nothing, silently). It
-  serializes runs on different machines that share one Batch pool through one server. A holder
-  that dies keeps its slot until its lease runs out (``LEASE_SECONDS``). Without a configured
-  server (``PREFECT_API_URL`` unset: each process starts its own ephemeral API) no other
-  machine can share the slot, and the file lock alone serializes.
+- for a Batch pool (target azure), the global concurrency limit ``retrain-pool-<id>`` on the
+  Prefect server, created with one slot when it is missing (``concurrency()`` on a missing
+  limit does nothing, silently). It serializes runs on different machines that share one Batch
+  pool through one server. A holder that dies keeps its slot until its lease runs out
+  (``LEASE_SECONDS``), so a re-run after a killed orchestrator waits that long.
 
-The file lock is always taken first, so runs on one machine never contend for the slot.
+The local target's pool is a folder on this machine: only processes here can use it, and the
+file lock alone serializes them (no lease to wait out after a crash). Without a configured
+server (``PREFECT_API_URL`` unset: each process starts an ephemeral API of its own) no other
+machine could share a slot either. The file lock is always taken first, so runs on one machine
+never contend for the slot.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from typing import IO
 
 from flows.config import PipelineConfig
 
-LEASE_SECONDS = 300
+# Renewed every 90 s while the run holds the slot (Prefect renews at 3/4 of the lease); Prefect's
+# default is 300 s, its minimum 60 s. Shorter: a re-run after a crash waits less; longer: a busy
+# orchestrator has more time to renew.
+LEASE_SECONDS = 120
 
 
 def pool_slot(pool_id: str) -> str:
@@ -108,11 +114,12 @@ def hold_pool(
     config: PipelineConfig, holder: str, say: Callable[[str], None] = lambda _: None
 ) -> Iterator[None]:
     """Hold the config's pool for the block, waiting for the run that holds it now: the file
-    lock, then (with a server configured) one slot of the pool's global concurrency limit."""
+    lock, then (a Batch pool, with a server configured) one slot of the pool's global
+    concurrency limit."""
     from prefect.concurrency.sync import concurrency
 
     with local_pool_lock(config, holder, say=say):
-        if not _server_configured():
+        if config.target != "azure" or not _server_configured():
             yield
             return
         name = pool_slot(config.pool.id)

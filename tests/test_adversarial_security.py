@@ -372,3 +372,36 @@ def test_abort_hook_leaves_alone_a_pool_another_run_holds(tmp_path: Path) -> Non
     _release_after_abort(retrain, aborted, Cancelled())
     worker.join()
     assert cluster.state() == "released" and box["result"].exit_code == -signal.SIGKILL
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) -> None:
+    """Two orchestrators with work dirs of their own (two machines: no file lock in common)
+    and one Batch pool: the pool's global concurrency limit, created on first use, lets one
+    run hold the pool at a time."""
+    from prefect.client.orchestration import get_client
+
+    from flows.pool_lock import hold_pool, pool_slot
+    from tests.azure_helpers import azure_config
+
+    first = azure_config(tmp_path / "machine-a")
+    second = first.model_copy(update={"work_dir": tmp_path / "machine-b" / "work"})
+    events: list[str] = []
+    entered = threading.Event()
+
+    def other_machine() -> None:
+        with hold_pool(second, "run on machine b"):
+            events.append("b holds")
+            entered.set()
+
+    with hold_pool(first, "run on machine a"):
+        events.append("a holds")
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(pool_slot(first.pool.id))
+        assert (limit.limit, limit.active_slots) == (1, 1)
+        thread = threading.Thread(target=other_machine)
+        thread.start()
+        assert not entered.wait(5), "the second run got the pool while the first held it"
+        events.append("a releases")
+    thread.join(timeout=300)
+    assert events == ["a holds", "a releases", "b holds"]
