@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
+_POOL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # Batch REST spec, Pool.id
 
 
 class _Section(BaseModel):
@@ -108,7 +109,9 @@ class ImageConfig(_Section):
 
 
 class PoolConfig(_Section):
-    id: str = "retrain-pool"
+    id: str = Field(
+        "retrain-pool", description="the Batch pool id: letters, digits, '-' and '_', at most 64"
+    )
     vm_size: str = "local"
     dedicated_nodes: int = Field(1, ge=0)
     low_priority_nodes: int = Field(
@@ -168,6 +171,18 @@ class PoolConfig(_Section):
     @property
     def nodes(self) -> int:
         return self.dedicated_nodes + self.low_priority_nodes
+
+    @field_validator("id")
+    @classmethod
+    def _pool_id(cls, value: str) -> str:
+        """Batch's own rule for ids; the id also names the local pool's folder, so nothing else
+        (a '/', a '..') may reach a path."""
+        if not _POOL_ID.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid pool id (1-64 letters, digits, '-' and '_', as Batch "
+                "requires)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _some_nodes(self) -> PoolConfig:

@@ -17,10 +17,10 @@ from typing import Any
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
-from prefect.concurrency.sync import concurrency
 from prefect.runtime import deployment, flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
+from flows.pool_lock import hold_pool, local_pool_lock
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,9 @@ def deployment_config_path(deployment_id: Any) -> str | None:
     return str(value) if value is not None else None
 
 
-def pool_slot(pool_id: str) -> str:
-    return f"retrain-pool-{pool_id}"
-
-
 def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """Crash and cancellation hook: the pool is released even when the flow body cannot."""
+    """Crash and cancellation hook: the pool is released even when the flow body cannot, unless
+    another run holds it by now (that run releases it; releasing here would stop its tasks)."""
     from backends import factory
 
     params = flow_run.parameters
@@ -120,7 +117,9 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
         params.get("data_prefix"),
         deployment_config_path(flow_run.deployment_id),
     )
-    factory.cluster(config).release()
+    with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
+        if free:
+            factory.cluster(config).release()
 
 
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
@@ -135,6 +134,7 @@ def retrain(
     """One retrain. The ``data_*`` parameters are filled in by the new-data trigger; a manual
     or nightly run leaves them empty and trains on the config's data location."""
     from backends import factory
+    from backends.blob import blob_link
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
     from tasks.report import report
@@ -165,9 +165,8 @@ def retrain(
     run_dir = cfg.work_dir / "runs" / run_id
     cluster = factory.cluster(cfg)
     steps: list[dict[str, Any]] = []
-    # One run per pool at a time, across deployments: a global concurrency limit named for the
-    # pool (created by deployments/setup.py; without it, runs are not limited).
-    with concurrency(pool_slot(cfg.pool.id), occupy=1, strict=False):
+    # One run per pool at a time, across deployments, shells and machines (flows/pool_lock.py).
+    with hold_pool(cfg, f"flow run {flow_run.get_id() or run_id}", say=logger.info):
         try:
             steps.append(validate_data(cfg, run_dir, output_prefix))
             scripts_f = upload_scripts.submit(cfg)
@@ -201,7 +200,7 @@ def retrain(
             steps.append(record_only(promotion))
         finally:
             steps.append(release_pool(cluster))
-    outputs_url = f"{cluster.outputs.url}/{output_prefix}"
+    outputs_url = blob_link(cluster.outputs, output_prefix)  # no credential in it
     report(
         run_id,
         steps,

@@ -24,7 +24,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from backends.blob import container_client, folder, upload_directory
+from backends.blob import blob_link, container_client, folder, upload_directory
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 from training.atomic import atomic_write
@@ -263,7 +263,7 @@ def _examples(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
 def _upload_docs(config: PipelineConfig, docs: Path, output_prefix: str) -> str:
     container = container_client(config.output, config.retries.storage_retries, create=True)
     upload_directory(container, docs, f"{output_prefix}/data_docs", workers=8)
-    return f"{container.url}/{output_prefix}/data_docs/index.html"
+    return blob_link(container, f"{output_prefix}/data_docs/index.html")
 
 
 @task(name="validate-data", cache_policy=NONE)

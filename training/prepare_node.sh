@@ -64,7 +64,7 @@ ssh_bin=$(command -v ssh) || fail "no ssh client in the image (openssh-client)"
 cat > "$state/ssh_config" <<EOF
 Host *
   Port $port
-  IdentityFile $state/id_ed25519
+  IdentityFile "$state/id_ed25519"
   IdentitiesOnly yes
   BatchMode yes
   StrictHostKeyChecking no
