@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
-SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh package.json package-lock.json
+SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
+	package.json package-lock.json
 
 .PHONY: setup demo test reliability lint bench clean
 
@@ -19,6 +20,8 @@ $(STAMP): $(SETUP_INPUTS)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	bash scripts/install_horovod.sh $(PY)
+	@# sshd for the emulated Batch nodes of the multi-node tests (root only; see the script).
+	bash scripts/install_sshd.sh
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 

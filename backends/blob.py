@@ -108,6 +108,20 @@ def container_client(
     return client
 
 
+def blob_link(container: ContainerClient, name: str = "") -> str:
+    """The address of a blob (of the container itself for ``name=""``), with no credential in it.
+
+    A client made from a SAS connection string carries the token in its ``url``; links end up in
+    logs, artifacts and the Prefect database, so they are built from the account URL, the
+    container and the blob path alone (and a path appended to a URL with a query is broken).
+    """
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    parts = urlsplit(container.url)
+    path = parts.path.rstrip("/") + (f"/{quote(name.strip('/'))}" if name.strip("/") else "")
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
 def folder(prefix: str) -> str | None:
     """The ``name_starts_with`` that lists what lies below ``prefix`` (everything for "")."""
     return f"{prefix.strip('/')}/" if prefix.strip("/") else None

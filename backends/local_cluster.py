@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -23,16 +22,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, OutputSpec, TaskResult, TaskSpec
+from backends.processes import (
+    ProcessRecord,
+    is_alive,
+    kill_group,
+    read_record,
+    record_of,
+    write_record,
+)
+from backends.taskspec import (
+    NFS_MOUNT,
+    SHARE_MOUNT,
+    OutputSpec,
+    TaskResult,
+    TaskSpec,
+    node_environment,
+)
 from training.atomic import atomic_write_json
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
-
-
-SECRET_NAME = re.compile(
-    r"CONNECTION_STRING|ACCOUNT_KEY|SAS|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.IGNORECASE
-)
 
 
 class ClusterError(RuntimeError):
@@ -61,7 +70,15 @@ class LocalCluster:
         outputs: ContainerClient,
         python: str = sys.executable,
     ) -> None:
-        self.root = work_dir / "pools" / pool_id
+        pools = (work_dir / "pools").resolve()
+        self.root = (pools / pool_id).resolve()
+        # release() deletes below the root: whatever the id (config validation is the first
+        # line), the root is one folder directly inside work_dir/pools, never a path elsewhere.
+        if self.root.parent != pools:
+            raise ClusterError(
+                f"pool id {pool_id!r} names a folder outside {pools}: use letters, digits, "
+                "'-' and '_'"
+            )
         self.pool_id, self.nodes = pool_id, nodes
         self.nfs_dir, self.share_dir = nfs_dir, share_dir
         self.outputs, self.python = outputs, python
@@ -109,8 +126,8 @@ class LocalCluster:
 
     def _environment(self, spec: TaskSpec, task_dir: Path) -> dict[str, str]:
         bindir = str(Path(self.python).parent)
-        # A Batch node never sees the orchestrator's credentials; neither does a local task.
-        env = {k: v for k, v in os.environ.items() if not SECRET_NAME.search(k)}
+        # A Batch node never sees the orchestrator's environment; neither does a local task.
+        env = node_environment(os.environ)
         env.update(spec.environment)
         env.update(
             {
@@ -156,7 +173,9 @@ class LocalCluster:
             self._running[key] = proc
         pidfile = self.root / "running" / f"{key}.pid"
         pidfile.parent.mkdir(parents=True, exist_ok=True)
-        pidfile.write_text(str(proc.pid))  # lets release() from another process stop it
+        record = record_of(proc.pid)  # None: it already ended, nothing to stop
+        if record is not None:
+            write_record(record, pidfile)  # lets release() from another process stop it
         timer = threading.Timer(timeout, self._kill, args=(key,))
         timer.start()
         try:
@@ -240,9 +259,9 @@ class LocalCluster:
     def _upload_outputs(self, outputs: list[OutputSpec], wd: Path, success: bool) -> list[str]:
         uploaded = []
         for spec in outputs:
-            if spec.condition == "taskSuccess" and not success:
+            if spec.condition == "tasksuccess" and not success:
                 continue
-            if spec.condition == "taskFailure" and success:
+            if spec.condition == "taskfailure" and success:
                 continue
             base, pattern = _split_pattern(spec.pattern)
             if pattern is None:
@@ -261,27 +280,29 @@ class LocalCluster:
         return uploaded
 
     def running_tasks(self) -> dict[str, int]:
-        """Task id -> process group of every task still running, from any process."""
+        """Task id -> process group of every task still running, from any process.
+
+        A pid file counts only while the process it records (PID, start time, boot) still
+        runs: one left by a killed orchestrator whose PID now names another process is stale.
+        """
+        return {key: record.pid for key, record in self._running_records().items()}
+
+    def _running_records(self) -> dict[str, ProcessRecord]:
         found = {}
         for pidfile in (self.root / "running").glob("*.pid"):
-            try:
-                pid = int(pidfile.read_text())
-                os.killpg(pid, 0)
-            except (ValueError, ProcessLookupError, PermissionError, FileNotFoundError):
-                continue
-            found[pidfile.stem] = pid
+            record = read_record(pidfile)
+            if record is not None and is_alive(record):
+                found[pidfile.stem] = record
         return found
 
     def release(self) -> dict[str, object]:
-        """Stop whatever still runs and mark the pool released (scaled to zero).
+        """Stop the tasks this pool started and mark it released (scaled to zero).
 
         Works from any process (a cancellation hook, a new flow run), like resizing a Batch pool.
+        Only process groups whose leader is verified against its pid file are signalled.
         """
-        running = self.running_tasks()
-        for pid in running.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        keys = list(running)
+        running = self._running_records()
+        keys = [key for key, record in running.items() if kill_group(record)]
         was = self.state()
         if was != "absent":
             self._set_state("released")

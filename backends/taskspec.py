@@ -3,17 +3,19 @@
 A spec holds exactly what Batch needs (command lines, environment, output-file patterns, limits),
 so the local cluster executes the very command lines that would go to Azure. Commands refer to
 storage only through Batch's own variables (``$AZ_BATCH_NODE_MOUNTS_DIR``,
-``$AZ_BATCH_TASK_WORKING_DIR``), which each cluster sets for its nodes. No secret is ever placed
-in a command line or in the plain environment.
+``$AZ_BATCH_TASK_WORKING_DIR``), which each cluster sets for its nodes. Those fixed variables are
+the only thing the node's shell expands: every value that comes from a config is quoted, so a
+``$(...)`` or a space in it reaches the program as the characters the user wrote. No secret is
+ever placed in a command line or in the plain environment.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from backends.listing import listing_blob
 from flows.config import PipelineConfig
@@ -35,7 +37,9 @@ class OutputSpec:
 
     pattern: str  # relative to the task working dir
     destination: str
-    condition: str = "taskSuccess"  # or taskCompletion: logs are wanted from failures too
+    # Batch's uploadCondition, spelled as the service spells it: tasksuccess, taskfailure or
+    # taskcompletion (logs are wanted from failures too).
+    condition: str = "tasksuccess"
 
 
 @dataclass
@@ -80,9 +84,57 @@ class Cluster(Protocol):
     def release(self) -> dict[str, Any]: ...
 
 
+# What a task process inherits from the machine it runs on, besides the spec's environment and
+# Batch's AZ_BATCH_* variables: what a Batch node's shell (or the training image) has, nothing of
+# the orchestrator's. An allow-list, because credentials come under any name (STORAGE_CONN,
+# DATABASE_URL, PREFECT_API_KEY, a proxy URL with a password in it).
+NODE_VARIABLES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "TERM",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "LD_LIBRARY_PATH",  # CUDA and NCCL libraries on GPU machines
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+    }
+)
+NODE_VARIABLE_PREFIXES = ("LC_", "HOROVOD_", "NCCL_", "GLOO_")  # locale and collective tuning
+
+
+def node_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``environ`` a task on a node may see (the allow-list above)."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if k in NODE_VARIABLES or k.startswith(NODE_VARIABLE_PREFIXES)
+    }
+
+
+BatchDirectory = Literal["AZ_BATCH_NODE_MOUNTS_DIR", "AZ_BATCH_TASK_WORKING_DIR"]
+MOUNTS_DIR: BatchDirectory = "AZ_BATCH_NODE_MOUNTS_DIR"
+WORKING_DIR: BatchDirectory = "AZ_BATCH_TASK_WORKING_DIR"
+
+
+def node_path(variable: BatchDirectory, *parts: str) -> str:
+    """One shell word for a path below a directory Batch gives each node.
+
+    The variable is double-quoted (its value may hold spaces, as a local work_dir may) and is the
+    only part the shell expands; the rest is quoted literally, whatever characters it holds.
+    """
+    return f'"${variable}"' + shlex.quote("/" + "/".join(parts))
+
+
 # Batch does not expand variables in environment settings, so the scripts' import path is set
 # inside the command, where the node's shell expands it.
-PYTHONPATH = f'export PYTHONPATH="$AZ_BATCH_NODE_MOUNTS_DIR/{SHARE_MOUNT}"'
+PYTHONPATH = f"export PYTHONPATH={node_path(MOUNTS_DIR, SHARE_MOUNT)}"
 
 
 def _bash(script: str) -> str:
@@ -90,22 +142,20 @@ def _bash(script: str) -> str:
     return f"/bin/bash -c {shlex.quote(script)}"
 
 
-def mounts(name: str) -> str:
-    return f"$AZ_BATCH_NODE_MOUNTS_DIR/{name}"
-
-
 def training_task(
     config: PipelineConfig, task_id: str, training_key: str, output_prefix: str
 ) -> TaskSpec:
     """Horovod across nodes x processes, on data and checkpoints in NFS (retries resume)."""
     t = config.training
-    args = [
+    paths = [
         "--data-dir",
-        f"{mounts(NFS_MOUNT)}/data",
+        node_path(MOUNTS_DIR, NFS_MOUNT, "data"),
         "--output-dir",
-        f"$AZ_BATCH_TASK_WORKING_DIR/{OUTPUT_DIR}",
+        node_path(WORKING_DIR, OUTPUT_DIR),
         "--checkpoint-dir",
-        f"{mounts(NFS_MOUNT)}/checkpoints/{training_key}",
+        node_path(MOUNTS_DIR, NFS_MOUNT, "checkpoints", training_key),
+    ]
+    values = [
         "--epochs",
         str(t.epochs),
         "--batch-size",
@@ -120,21 +170,22 @@ def training_task(
         *(["--timeline"] if t.timeline else []),
         *t.extra_args,
     ]
-    # Quote everything except the variable references, which the node's shell must expand.
-    quoted = " ".join(a if a.startswith("$") else shlex.quote(a) for a in args)
-    script = f'{PYTHONPATH}; bash "{mounts(SHARE_MOUNT)}/training/launch.sh" {quoted}'
+    # Every config value is quoted, extra_args included: only the paths above expand.
+    words = [*paths, *(shlex.quote(v) for v in values)]
+    launch = node_path(MOUNTS_DIR, SHARE_MOUNT, "training", "launch.sh")
+    prepare = node_path(MOUNTS_DIR, SHARE_MOUNT, "training", "prepare_node.sh")
     return TaskSpec(
         id=task_id,
-        command_line=_bash(script),
+        command_line=_bash(f"{PYTHONPATH}; bash {launch} {' '.join(words)}"),
         instances=config.pool.nodes,
-        coordination_command=_bash(f'bash "{mounts(SHARE_MOUNT)}/training/prepare_node.sh"'),
+        coordination_command=_bash(f"bash {prepare}"),
         environment={
             "RETRAIN_PROCESSES_PER_NODE": str(config.pool.processes_per_node),
             "PYTHONUNBUFFERED": "1",
         },
         outputs=[
             OutputSpec(f"{OUTPUT_DIR}/**/*", output_prefix),
-            OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskCompletion"),
+            OutputSpec("../std*.txt", f"{output_prefix}/logs", "taskcompletion"),
         ],
         max_retries=config.retries.training_attempts - 1,
     )
@@ -159,7 +210,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m backends.stage_task "
         f"--prefix {shlex.quote(config.data.prefix or '')} "
-        f'--dest "{mounts(NFS_MOUNT)}/data" --report {OUTPUT_DIR}/staging.json '
+        f"--dest {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --report {OUTPUT_DIR}/staging.json "
         f"--listing {STAGING_LISTING} --shards-size {shard_size(config)}"
     )
     return TaskSpec(
@@ -171,7 +222,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
             OutputSpec(
                 f"{OUTPUT_DIR}/staging.json", f"{output_prefix}/staging.json", "taskcompletion"
             ),
-            OutputSpec("../std*.txt", f"{output_prefix}/logs-staging", "taskCompletion"),
+            OutputSpec("../std*.txt", f"{output_prefix}/logs-staging", "taskcompletion"),
         ],
         max_wall_clock_seconds=4 * 3600,
         max_retries=config.retries.storage_retries,
@@ -186,7 +237,7 @@ def scoring_task(
     on success; ``<name>.error.json`` (the reason) when the scorer refuses the model or data."""
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m training.score --model model.pt "
-        f'--data-dir "{mounts(NFS_MOUNT)}/data" --split test '
+        f"--data-dir {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --split test "
         f"--output {OUTPUT_DIR}/{shlex.quote(name)}.json "
         f"--error-output {OUTPUT_DIR}/{shlex.quote(name)}.error.json"
     )

@@ -25,6 +25,7 @@ FULL: dict[str, list[str]] = {
     "trainer": [],
     "pipeline": [],
     "train_throughput": [],
+    "nodes": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": ["--small", "300", "--large", "2", "--large-mb", "4"],
@@ -32,6 +33,7 @@ QUICK: dict[str, list[str]] = {
     "trainer": ["--images", "600", "--epochs", "1"],
     "pipeline": ["--repeats", "1"],
     "train_throughput": ["--images", "400", "--epochs", "1"],
+    "nodes": ["--images", "400", "--epochs", "1", "--repeats", "1"],
 }
 
 
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         name: ["--source", str(args.scratch / "source"), "--work", str(args.scratch / name)]
         for name in ("staging", "loading", "trainer")
     }
+    where["nodes"] = ["--work", str(args.scratch / "nodes")]
     for name in args.only or plan:
         _run(name, [*plan[name], *where.get(name, [])], args.results / f"{name}.json")
     gpus = _gpus()

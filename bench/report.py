@@ -273,6 +273,46 @@ def train_throughput(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def nodes(r: dict[str, Any]) -> list[str]:
+    heading = ["## Training across hosts (`bench/nodes.py`)", ""]
+    if "not_run" in r:
+        return [*heading, f"Not measured on this machine: {r['not_run']}.", ""]
+    rows = [
+        "| shape | training images/s | launch overhead | coordination command | wall (trainer) "
+        "| test accuracy |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in r["shapes"].items():
+        rows.append(
+            f"| {name} | {v['images_per_sec']:,.0f} | {v['launch_overhead_seconds']:.2f} s "
+            f"| {v['coordination_seconds']:.2f} s | {v['wall_seconds']:.1f} s "
+            f"| {v['test_accuracy']:.3f} |"
+        )
+    overhead = r["launch_overhead_seconds"]
+    load = r.get("load_average_5min")
+    busy = f" Load average at the end: {load} (other work on the machine)." if load else ""
+    return [
+        *heading,
+        f"Machine: {r['machine']}.{busy} Method: {r['method']}.",
+        "Emulated Batch nodes: each a network namespace with its own eth0 on a shared bridge,",
+        "host name, process tree and cores; the",
+        "training task the pipeline sends to Batch, prepared by `prepare_node.sh` on every node",
+        "and started by `launch.sh` on the first. Launch overhead: from the application command's",
+        "start to rank 0's first optimizer step (interpreter and library start-up, SSH to the",
+        "other node, Horovod's rendezvous, data loading). The coordination command (checks, the",
+        "sshd) runs before it on every node.",
+        "",
+        *rows,
+        "",
+        f"2 nodes x 1 process train at {r['two_nodes_over_one_images_per_sec']}x the images/s of "
+        "1 node x 2 processes on the same cores: the allreduce crosses the network stack (Gloo "
+        "over TCP on eth0 and the bridge) instead of loopback. The bridge adds no wire latency, "
+        "so between real nodes the gap is wider. Launch overhead: "
+        f"{overhead['1 node']:.2f} s on 1 node, {overhead['2 nodes']:.2f} s on 2.",
+        "",
+    ]
+
+
 def render(results: Path) -> str:
     def load(name: str) -> dict[str, Any] | None:
         path = results / f"{name}.json"
@@ -305,6 +345,8 @@ def render(results: Path) -> str:
         lines += pipeline(r)
     if (r := load("train_throughput")) is not None:
         lines += ["## Training throughput (`bench/train_throughput.py`)", "", *train_throughput(r)]
+    if (r := load("nodes")) is not None:
+        lines += nodes(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [

@@ -22,22 +22,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import hmac
-import json
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.events import DataReady, emit
+from deployments.events import BUSY, DataReady, emit, normalize_etag, quiet_version
 
 log = logging.getLogger("retrain.relay")
 BLOB_CREATED = "Microsoft.Storage.BlobCreated"
 VALIDATION = "Microsoft.EventGrid.SubscriptionValidationEvent"
+NOT_REPORTED = "not reported (the Prefect API failed); retry"
 
 
 class RelayConfigError(ValueError):
@@ -59,12 +59,17 @@ class RelaySettings:
     entra_audience: str | None = None
     entra_tenant: str | None = None
     jwks_url: str | None = None
+    # Quiet-period mode lists the watched prefix when it goes quiet (see events.quiet_version).
+    account_url: str | None = None
+    connection_string_env: str | None = "AZURE_STORAGE_CONNECTION_STRING"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RelaySettings:
         """RETRAIN_RELAY_WATCH="container/prefix,..." RETRAIN_RELAY_MARKER (empty: quiet period)
         RETRAIN_RELAY_QUIET_SECONDS RETRAIN_RELAY_SECRET RETRAIN_RELAY_ENTRA_AUDIENCE
-        RETRAIN_RELAY_ENTRA_TENANT RETRAIN_RELAY_JWKS_URL."""
+        RETRAIN_RELAY_ENTRA_TENANT RETRAIN_RELAY_JWKS_URL; in quiet-period mode, read access
+        to the watched containers: RETRAIN_RELAY_ACCOUNT_URL (DefaultAzureCredential) or a
+        connection string in AZURE_STORAGE_CONNECTION_STRING."""
         env = dict(os.environ if env is None else env)
         watches = []
         for item in filter(
@@ -86,11 +91,15 @@ class RelaySettings:
                 if tenant
                 else None
             ),
+            account_url=env.get("RETRAIN_RELAY_ACCOUNT_URL") or None,
         )
-        settings.check()
+        settings.check(env)
         return settings
 
-    def check(self) -> None:
+    def check(self, env: dict[str, str] | None = None, storage: bool = True) -> None:
+        """Refuse settings that cannot work; ``storage``: whether the relay lists containers
+        itself (quiet-period mode), rather than through a lister it was given."""
+        env = dict(os.environ if env is None else env)
         if not self.watches:
             raise RelayConfigError("RETRAIN_RELAY_WATCH names no container/prefix to watch")
         if not self.shared_secret and not self.entra_audience:
@@ -100,11 +109,29 @@ class RelaySettings:
             )
         if self.entra_audience and not (self.entra_tenant and self.jwks_url):
             raise RelayConfigError("RETRAIN_RELAY_ENTRA_AUDIENCE needs RETRAIN_RELAY_ENTRA_TENANT")
+        readable = self.account_url or env.get(self.connection_string_env or "")
+        if storage and not self.marker and not readable:
+            raise RelayConfigError(
+                "quiet-period mode versions the whole listing of the watched prefix: set "
+                f"RETRAIN_RELAY_ACCOUNT_URL or {self.connection_string_env}"
+            )
+
+    def container(self, name: str) -> Any:
+        from backends.blob import container_client
+        from flows.config import BlobLocation
+
+        return container_client(
+            BlobLocation(
+                container=name,
+                account_url=self.account_url,
+                connection_string_env=self.connection_string_env,
+            )
+        )
 
 
 @dataclass(frozen=True)
 class BlobCreated:
-    id: str
+    id: str | None  # None: an event without one, which no other delivery can be told apart from
     container: str
     name: str
     etag: str
@@ -121,12 +148,26 @@ def parse_subject(subject: str) -> tuple[str, str] | None:
 
 
 class Debouncer:
-    """Turns accepted blob events into data versions, per the marker or quiet-period rule."""
+    """Turns accepted blob events into data versions, per the marker or quiet-period rule.
 
-    def __init__(self, settings: RelaySettings, send: Callable[[DataReady], bool]) -> None:
+    Nothing is taken as handled before it was: a delivery's id is remembered (to answer Event
+    Grid's retries without asking the ledger) only once its outcome is final, and a quiet
+    group is dropped only once its version was sent. Requests are served on several threads,
+    so the state is guarded by a lock; sends happen outside it."""
+
+    def __init__(
+        self,
+        settings: RelaySettings,
+        send: Callable[[DataReady], str],
+        list_version: Callable[[Watch], tuple[str, Any] | None] | None = None,
+    ) -> None:
         self.settings, self.send = settings, send
+        self.list_version = list_version or (
+            lambda w: quiet_version(settings.container(w.container), w.prefix)
+        )
         self.pending: dict[Watch, dict[str, Any]] = {}
         self.seen_ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def watch_for(self, container: str, name: str) -> Watch | None:
         for watch in self.settings.watches:
@@ -137,11 +178,20 @@ class Debouncer:
         return None
 
     def accept(self, event: BlobCreated) -> str:
-        if event.id in self.seen_ids:
-            return "duplicate delivery"
-        self.seen_ids[event.id] = None
-        while len(self.seen_ids) > 10_000:
-            self.seen_ids.popitem(last=False)
+        """The event's outcome; raises when its version could not be sent (nothing recorded:
+        Event Grid's retry of the same delivery is handled afresh)."""
+        with self._lock:
+            if event.id is not None and event.id in self.seen_ids:
+                return "duplicate delivery"
+        outcome = self._handle(event)
+        if event.id is not None and outcome != BUSY:
+            with self._lock:
+                self.seen_ids[event.id] = None
+                while len(self.seen_ids) > 10_000:
+                    self.seen_ids.popitem(last=False)
+        return outcome
+
+    def _handle(self, event: BlobCreated) -> str:
         watch = self.watch_for(event.container, event.name)
         if watch is None:
             return "not watched"
@@ -150,27 +200,36 @@ class Debouncer:
             folder, _, base = event.name.rpartition("/")
             if base != marker:
                 return "waiting for the marker"
-            ready = DataReady(event.container, folder, event.etag, event.schema, event.name)
-            return "started" if self.send(ready) else "version already started"
-        group = self.pending.setdefault(watch, {"blobs": {}, "last": 0.0, "schema": event.schema})
-        group["blobs"][event.name] = event.etag
-        group["last"] = time.monotonic()
+            return self.send(
+                DataReady(event.container, folder, event.etag, event.schema, event.name)
+            )
+        with self._lock:
+            group = self.pending.setdefault(watch, {"schema": event.schema})
+            group["last"] = time.monotonic()
         return "waiting for quiet"
 
     def flush(self, now: float | None = None) -> list[DataReady]:
-        """Versions whose quiet period has passed; called periodically."""
+        """Versions whose quiet period has passed; called periodically. A group whose version
+        could not be sent stays, and the next flush tries again."""
         now = time.monotonic() if now is None else now
+        with self._lock:
+            due = [
+                (watch, dict(group))
+                for watch, group in self.pending.items()
+                if now - group["last"] >= self.settings.quiet_seconds
+            ]
         sent = []
-        for watch, group in list(self.pending.items()):
-            if now - group["last"] < self.settings.quiet_seconds:
-                continue
-            del self.pending[watch]
-            digest = hashlib.sha256(json.dumps(sorted(group["blobs"].items())).encode())
-            ready = DataReady(
-                watch.container, watch.prefix, digest.hexdigest()[:16], group["schema"]
-            )
-            if self.send(ready):
+        for watch, group in due:
+            found = self.list_version(watch)
+            ready = None
+            if found is not None:
+                ready = DataReady(watch.container, watch.prefix, found[0], group["schema"])
+                if self.send(ready) == BUSY:
+                    continue
                 sent.append(ready)
+            with self._lock:  # done, unless a blob arrived meanwhile: that is newer data
+                if self.pending.get(watch, {}).get("last") == group["last"]:
+                    del self.pending[watch]
         return sent
 
 
@@ -222,31 +281,72 @@ def _events(body: Any, content_type: str) -> tuple[str, list[dict[str, Any]]]:
     return ("cloudevents" if cloud else "event-grid"), items
 
 
+def _data(item: dict[str, Any]) -> dict[str, Any]:
+    data = item.get("data")
+    if not isinstance(data, dict):
+        raise ValueError(f"event {_event_id(item)}: data must be an object")
+    return data
+
+
+def _event_id(item: dict[str, Any]) -> str | None:
+    value = item.get("id")
+    return str(value)[:200] if isinstance(value, (str, int)) and str(value) else None
+
+
 def _blob_created(item: dict[str, Any], schema: str) -> BlobCreated | None:
     kind = item.get("type") if schema == "cloudevents" else item.get("eventType")
     if kind != BLOB_CREATED:
         return None
-    where = parse_subject(str(item.get("subject", "")))
+    subject = item.get("subject")
+    where = parse_subject(subject) if isinstance(subject, str) else None
     if where is None:
-        raise ValueError(f"event {item.get('id')}: subject {item.get('subject')!r} is not a blob")
-    data = item.get("data") or {}
-    etag = str(data.get("eTag") or data.get("etag") or "").strip('"')
-    return BlobCreated(str(item.get("id")), where[0], where[1], etag, schema)
+        raise ValueError(f"event {_event_id(item)}: subject is not a blob")
+    etag = _data(item).get("eTag") or _data(item).get("etag")
+    if not isinstance(etag, str) or not normalize_etag(etag):
+        raise ValueError(f"event {_event_id(item)}: data.eTag must be a non-empty string")
+    return BlobCreated(_event_id(item), where[0], where[1], normalize_etag(etag), schema)
 
 
-def create_app(settings: RelaySettings, send: Callable[[DataReady], bool] = emit) -> Any:
+def _hide_key(app: Any) -> Any:
+    """Take the shared secret out of the request's query string before anything sees it.
+
+    Access logs (uvicorn's, and any server's that logs the request line from the ASGI scope)
+    print the path with its query; Event Grid puts the secret there (``?key=``), so every
+    delivery and every wrong guess would write it to the log. The value moves to the scope's
+    ``state`` for the authenticator, and the query keeps ``key=REDACTED``."""
+    from urllib.parse import parse_qsl, urlencode
+
+    async def hidden(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("query_string"):
+            pairs = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+            given = [v for k, v in pairs if k == "key"]
+            if given:
+                scope.setdefault("state", {})["relay_key"] = given[-1]
+                pairs = [(k, "REDACTED" if k == "key" else v) for k, v in pairs]
+                scope["query_string"] = urlencode(pairs).encode("latin-1")
+        await app(scope, receive, send)
+
+    return hidden
+
+
+def create_app(
+    settings: RelaySettings,
+    send: Callable[[DataReady], str] = emit,
+    list_version: Callable[[Watch], tuple[str, Any] | None] | None = None,
+) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    settings.check()
-    debouncer = Debouncer(settings, send)
+    settings.check(storage=list_version is None)
+    debouncer = Debouncer(settings, send, list_version)
     authenticate = Authenticator(settings)
 
     def allowed(request: Request) -> bool:
         headers = {k.lower(): v for k, v in request.headers.items()}
-        return authenticate(dict(request.query_params), headers)
+        key = request.scope.get("state", {}).get("relay_key")
+        return authenticate({"key": key} if key else {}, headers)
 
     async def options(request: Request) -> Response:
         # CloudEvents webhook validation: echo the origin to allow its deliveries.
@@ -263,14 +363,23 @@ def create_app(settings: RelaySettings, send: Callable[[DataReady], bool] = emit
         try:
             schema, items = _events(await request.json(), request.headers.get("content-type", ""))
             if schema == "event-grid" and items and items[0].get("eventType") == VALIDATION:
-                code = (items[0].get("data") or {}).get("validationCode")
-                if not code:
+                code = _data(items[0]).get("validationCode")
+                if not code or not isinstance(code, str):
                     raise ValueError("validation event without data.validationCode")
                 return JSONResponse({"validationResponse": code})
             events = [e for e in (_blob_created(i, schema) for i in items) if e]
-        except (ValueError, json.JSONDecodeError) as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
-        outcomes = await asyncio.to_thread(lambda: [debouncer.accept(e) for e in events])
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            message = str(exc) if not isinstance(exc, RecursionError) else "nested too deeply"
+            return JSONResponse({"error": message}, status_code=400)
+        outcomes = await asyncio.to_thread(lambda: [_outcome(debouncer, e) for e in events])
+        if any(o in (BUSY, NOT_REPORTED) for o in outcomes):
+            # Event Grid retries a failed delivery; the events already handled are answered
+            # from the delivery ids (or the ledger) when it does.
+            return JSONResponse(
+                {"accepted": len(events), "outcomes": outcomes},
+                status_code=503,
+                headers={"Retry-After": "30"},
+            )
         return JSONResponse({"accepted": len(events), "outcomes": outcomes})
 
     async def quiet_loop() -> None:
@@ -290,7 +399,7 @@ def create_app(settings: RelaySettings, send: Callable[[DataReady], bool] = emit
         if task:
             task.cancel()
 
-    app = Starlette(
+    app: Any = Starlette(
         routes=[
             Route("/events", post, methods=["POST"]),
             Route("/events", options, methods=["OPTIONS"]),
@@ -299,7 +408,17 @@ def create_app(settings: RelaySettings, send: Callable[[DataReady], bool] = emit
         lifespan=lifespan,
     )
     app.state.debouncer = debouncer
-    return app
+    hidden = _hide_key(app)
+    hidden.state = app.state
+    return hidden
+
+
+def _outcome(debouncer: Debouncer, event: BlobCreated) -> str:
+    try:
+        return debouncer.accept(event)
+    except Exception as exc:
+        log.warning("could not report %s/%s: %s", event.container, event.name, exc)
+        return NOT_REPORTED
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
 Creates (idempotently) the process work pool the deployments use and, for each config given,
 a global concurrency limit of 1 named for its Batch pool, which the retrain flow occupies, so
-two runs (manual, nightly, new data) never fight over one pool: the second waits.
+two runs (manual, nightly, new data) never fight over one pool: the second waits. A data
+version ledger kept by an older release (one Variable listing every version) becomes one record
+per version, so an upgrade reports no old version again.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ WORK_POOL = "retrain-workers"
 
 def ensure(configs: list[str]) -> list[str]:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
 
+    from deployments.events import LEGACY_LEDGER, migrate_legacy_ledger
     from flows.config import load_config
-    from flows.retrain import pool_slot
+    from flows.pool_lock import ensure_limit, pool_slot
 
     done = []
     with get_client(sync_client=True) as client:
@@ -28,18 +31,13 @@ def ensure(configs: list[str]) -> list[str]:
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=WORK_POOL, type="process"))
             done.append(f"work pool {WORK_POOL} (process) created")
-        for path in configs:
-            name = pool_slot(load_config(path).pool.id)
-            try:
-                client.read_global_concurrency_limit_by_name(name)
-            except ObjectNotFound:
-                try:
-                    client.create_global_concurrency_limit(
-                        GlobalConcurrencyLimitCreate(name=name, limit=1)
-                    )
-                    done.append(f"concurrency limit {name} = 1 created")
-                except ObjectAlreadyExists:
-                    pass
+    for path in configs:
+        name = pool_slot(load_config(path).pool.id)
+        if ensure_limit(name):
+            done.append(f"concurrency limit {name} = 1 created")
+    migrated = migrate_legacy_ledger()
+    if migrated:
+        done.append(f"{migrated} data versions moved from {LEGACY_LEDGER} to one record each")
     return done
 
 

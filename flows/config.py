@@ -8,14 +8,17 @@ environment variable or a Prefect block, and resolved inside the tasks that need
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
+_POOL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # Batch REST spec, Pool.id
 
 
 class _Section(BaseModel):
@@ -106,10 +109,18 @@ class ImageConfig(_Section):
 
 
 class PoolConfig(_Section):
-    id: str = "retrain-pool"
+    id: str = Field(
+        "retrain-pool", description="the Batch pool id: letters, digits, '-' and '_', at most 64"
+    )
     vm_size: str = "local"
     dedicated_nodes: int = Field(1, ge=0)
-    low_priority_nodes: int = Field(0, ge=0)
+    low_priority_nodes: int = Field(
+        0,
+        ge=0,
+        description="Spot nodes (Batch's targetLowPriorityNodes; needs a Batch account in "
+        "user-subscription pool allocation mode); a preempted node requeues the whole "
+        "multi-node task, which resumes from its last checkpoint",
+    )
     processes_per_node: int = Field(2, ge=1, description="GPUs per node on Azure")
     release: Literal["resize_to_zero", "delete"] = "resize_to_zero"
     image_publisher: str = "microsoft-dsvm"
@@ -125,11 +136,53 @@ class PoolConfig(_Section):
     infiniband: Literal["auto", "on", "off"] = Field(
         "auto", description="NCCL over InfiniBand: auto means by the VM size (H-, ND-series)"
     )
-    start_timeout_minutes: int = Field(30, ge=1, description="how long nodes may take to start")
+    network_interface: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,14}$",
+        description="the interface the ranks of a multi-node job talk over (Horovod, Gloo, "
+        "NCCL's bootstrap, OpenMPI); default ib0 where the VM size has InfiniBand, else eth0",
+    )
+    start_timeout_minutes: int = Field(
+        30,
+        ge=5,
+        description="how long nodes may take to be allocated and start (Batch's resizeTimeout: "
+        "at least 5 minutes); also the time a submitted task may wait for nodes before the run "
+        "gives up on it",
+    )
+    recreate_on_change: bool = Field(
+        True,
+        description="an existing pool this pipeline created, whose container image, registry "
+        "credentials or other settings Batch cannot change differ from this run's, is deleted "
+        "and created again while it is idle; false refuses to use it instead",
+    )
+    nccl_topo_file: str | None = Field(
+        "auto",
+        description="the host's NCCL topology file mounted into the training container and "
+        "named by NCCL_TOPO_FILE on InfiniBand sizes: auto picks the Azure HPC image's file for "
+        "the ND size (/opt/microsoft/ndv4-topo.xml, ndv5-topo.xml); null mounts none",
+    )
+    os_disk_gb: int | None = Field(
+        None,
+        ge=30,
+        description="OS disk size of each node in GB; Docker keeps images on it, and a CUDA "
+        "training image needs tens of GB (default: the VM image's own size)",
+    )
 
     @property
     def nodes(self) -> int:
         return self.dedicated_nodes + self.low_priority_nodes
+
+    @field_validator("id")
+    @classmethod
+    def _pool_id(cls, value: str) -> str:
+        """Batch's own rule for ids; the id also names the local pool's folder, so nothing else
+        (a '/', a '..') may reach a path."""
+        if not _POOL_ID.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid pool id (1-64 letters, digits, '-' and '_', as Batch "
+                "requires)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _some_nodes(self) -> PoolConfig:
@@ -222,7 +275,13 @@ class AzureConfig(_Section):
         None, description="that identity's client id, for DefaultAzureCredential on the nodes"
     )
     sas_hours: float = Field(
-        12, gt=0, le=168, description="lifetime of SAS tokens given to the nodes"
+        168,
+        gt=0,
+        le=168,
+        description="the longest a node's SAS token may live (a user delegation key lasts at "
+        "most 7 days); each task's token lives as long as that task can (its attempts x its "
+        "maximum run time + pool.start_timeout_minutes), and a task that could outlive this "
+        "bound is refused before it is submitted",
     )
 
 
@@ -272,50 +331,171 @@ class ConfigError(ValueError):
     """A config file or override is unusable; the message names the file and field."""
 
 
-def _set(tree: dict[str, Any], dotted: str) -> None:
+MAX_CONFIG_BYTES = 1 << 20  # a pipeline config is a few KB; anything this large is another file
+_NULLS = ("", "~", "null", "Null", "NULL")  # YAML's spellings of "no value"
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$|^[0-9]{1,6}$")  # names, list indices
+
+
+def _is_text(annotation: Any) -> bool:
+    if annotation in (str, Path):
+        return True
+    return get_origin(annotation) is Literal and all(
+        isinstance(a, str) for a in get_args(annotation)
+    )
+
+
+def _field_type(dotted: list[str]) -> tuple[str, bool]:
+    """How ``--set`` reads a value for this field: ("text" | "text-list" | "yaml", optional).
+
+    A string field takes the characters typed, as they are: YAML would turn ``2024`` into a
+    number, ``images/v1 #note`` into ``images/v1`` and ``!!binary ...`` into bytes. A list of
+    strings is read as a YAML sequence whose items all stay strings. Numbers, booleans and
+    sections are read as YAML. An optional field is cleared with ``null`` (or nothing). A path
+    the schema does not know is kept as text, and validation then names it.
+    """
+    model: Any = PipelineConfig
+    annotation: Any = None
+    for part in dotted:
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(fields, dict) or part not in fields:
+            return "text", False
+        annotation = fields[part].annotation
+        members = [a for a in get_args(annotation) or (annotation,) if a is not type(None)]
+        model = members[0] if len(members) == 1 else None
+    union = get_origin(annotation) in (Union, UnionType)
+    members = list(get_args(annotation)) if union else [annotation]
+    optional = type(None) in members
+    members = [m for m in members if m is not type(None)]
+    if all(_is_text(m) for m in members):
+        return "text", optional
+    if all(get_origin(m) is list and all(_is_text(a) for a in get_args(m)) for m in members):
+        return "text-list", optional
+    return "yaml", optional
+
+
+def _parse_set(key: str, raw: str, dotted: list[str]) -> Any:
+    kind, optional = _field_type(dotted)
+    if optional and raw.strip() in _NULLS:
+        return None  # `--set data.account_url=null` (or empty) clears an optional field
+    if kind == "text":
+        return raw
+    if raw == "":
+        return [] if kind == "text-list" else raw
+    try:
+        if kind == "text-list":
+            return yaml.load(raw, Loader=yaml.BaseLoader)  # every scalar stays a string
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        shown = raw if len(raw) <= 60 else f"{raw[:57]}..."
+        problem = f"the value is not valid YAML{_where(exc)}"
+        raise ConfigError(f"--set {key}={shown}: {problem}") from None
+
+
+def _set(tree: dict[str, Any], dotted: str) -> str:
+    """Apply one ``section.field=value``; returns the field's dotted name."""
     if "=" not in dotted:
         raise ConfigError(f"--set {dotted!r}: expected section.field=value")
     key, raw = dotted.split("=", 1)
-    value = yaml.safe_load(raw) if raw else ""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {key!r}: expected section.field=value")
+    _assign(tree, parts, _parse_set(key, raw, parts), f"--set {key}")
+    return ".".join(parts)
+
+
+def _assign(tree: dict[str, Any], parts: list[str], value: Any, origin: str) -> None:
+    *parents, leaf = parts
     node = tree
-    *parents, leaf = key.split(".")
     for part in parents:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an empty section (`training:` in the file)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: {part} is not a section")
+            raise ConfigError(f"{origin}: {part} is not a section")
     node[leaf] = value
 
 
-def _describe(exc: ValidationError, source: str) -> str:
+def _where(exc: yaml.YAMLError) -> str:
+    """Where a YAML error is, without the text around it (which may be another file's secret)."""
+    mark = getattr(exc, "problem_mark", None)
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+
+def _field_name(loc: tuple[Any, ...]) -> str:
+    # A key comes from the file; when the file is not a config (a credentials file, a hashed
+    # password list), its "keys" are its content, so only what could be a field name is shown.
+    parts = [
+        str(p) if _PLAIN_KEY.match(str(p)) else "<a key that is not a field name>" for p in loc
+    ]
+    return ".".join(parts) or "(top level)"
+
+
+def _describe(exc: ValidationError, source: str, origins: dict[str, str]) -> str:
     lines = [f"invalid config {source}:"]
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        lines.append(f"  {field}: {err['msg']}")
+        field = _field_name(err["loc"])
+        origin = next(
+            (o for k, o in origins.items() if field == k or field.startswith(f"{k}.")), None
+        )
+        lines.append(f"  {field}: {err['msg']}{f' ({origin})' if origin else ''}")
     return "\n".join(lines)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in ``path``; ConfigError says what is wrong without quoting the file.
+
+    A mistyped ``--config`` may point at any file a user can read (a ``.env``, a key file), so
+    no error repeats its content: problems are named by line and column only.
+    """
+    file = Path(path)
+    try:
+        if file.is_dir():
+            raise ConfigError(f"config file {path} is a folder, not a YAML file")
+        if file.exists() and not file.is_file():
+            raise ConfigError(f"config file {path} is not a regular file")
+        with file.open("rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} cannot be read (permission denied)") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not a UTF-8 text file") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML{_where(exc)}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return loaded
 
 
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     base: dict[str, Any] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> PipelineConfig:
-    """Read YAML, apply ``section.field=value`` overrides, validate; ConfigError names the field."""
-    tree: dict[str, Any] = dict(base or {})
-    source = "(parameters)"
-    if path is not None:
-        source = str(path)
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {path} does not exist") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
-        tree.update(loaded)
-    for item in overrides or []:
-        _set(tree, item)
+    """A validated config from a YAML file or, without one, from ``base`` (a config given as
+    a parameter); then ``section.field=value`` overrides, then ``fields``: typed values (a
+    flow's own parameters) set on their dotted fields as they are, never parsed. ConfigError
+    names the field, and where its value came from. A file and a base together is an error:
+    which one's values are meant is not knowable."""
+    if path is not None and base is not None:
+        raise ConfigError("give a config file or a config, not both")
+    source = str(path) if path is not None else "(parameters)"
+    tree = read_config_file(path) if path is not None else copy.deepcopy(base or {})
+    origins = {_set(tree, item): "from --set" for item in overrides or []}
+    for dotted, value in (fields or {}).items():
+        _assign(tree, dotted.split("."), value, dotted)
+        origins[dotted] = "from the run's parameters"
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, source)) from None
+        raise ConfigError(_describe(exc, source, origins)) from None

@@ -10,16 +10,72 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
-from prefect.concurrency.sync import concurrency
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
+from flows.pool_lock import hold_pool, local_pool_lock
+
+
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """The config a run trains with, and where its values came from (the run's summary shows
+    both, so nobody has to guess which of the form, the file or an override won)."""
+
+    config: PipelineConfig
+    source: str
+
+
+def effective_config(
+    config: PipelineConfig | dict[str, Any] | None,
+    config_path: str | None,
+    overrides: list[str] | None,
+    data_container: str | None = None,
+    data_prefix: str | None = None,
+    default_path: str | None = None,
+) -> EffectiveConfig:
+    """The flow's parameters to one validated config, with one precedence:
+
+    - a ``config`` (the run form, or a model from code) is used whole, and the deployment's
+      default ``config_path`` (``default_path``, which every run of a deployment inherits
+      whether or not the person starting it saw it) does not replace it;
+    - a ``config`` together with a ``config_path`` chosen for this run is an error: which of
+      the two the person meant is not knowable, and silently picking one trains the other;
+    - otherwise the YAML file at ``config_path``;
+    then ``overrides`` (``section.field=value``), then ``data_container``/``data_prefix``
+    (what a new-data trigger fills in from its event), set on their fields as given.
+    """
+    if config is not None and config_path is not None and config_path != default_path:
+        raise ConfigError(
+            f"the run has both a config and config_path {config_path}: give one of them "
+            "(the config form, or a file)"
+        )
+    fields: dict[str, Any] = {}
+    if data_container:
+        fields["data.container"] = data_container
+    if data_prefix is not None:
+        fields["data.prefix"] = data_prefix
+    notes = [f"--set {o}" for o in overrides or []] + [f"{k}={v}" for k, v in fields.items()]
+    if config is not None:
+        source = "the run's config parameter (the form)"
+        if config_path is not None:
+            source += f"; the deployment's default config_path {config_path} is not used"
+        if isinstance(config, PipelineConfig) and not notes:
+            return EffectiveConfig(config, source)
+        base = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
+        cfg = load_config(None, overrides, base=base, fields=fields)
+    elif config_path is not None:
+        source = f"the config file {config_path}"
+        cfg = load_config(config_path, overrides, fields=fields)
+    else:
+        raise ConfigError("retrain needs a config or a config_path")
+    return EffectiveConfig(cfg, "; ".join([source, *notes]))
 
 
 def resolve_config(
@@ -28,30 +84,28 @@ def resolve_config(
     overrides: list[str] | None,
     data_container: str | None = None,
     data_prefix: str | None = None,
+    default_path: str | None = None,
 ) -> PipelineConfig:
-    """The flow's parameters to one validated config: a model, or a YAML path, plus overrides.
-
-    ``data_container``/``data_prefix`` are what a new-data trigger fills in from its event.
-    """
-    overrides = list(overrides or [])
-    if data_container:
-        overrides.append(f"data.container={data_container}")
-    if data_prefix is not None:
-        overrides.append(f"data.prefix={data_prefix}")
-    if isinstance(config, PipelineConfig) and not config_path and not overrides:
-        return config
-    base = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
-    if base is None and config_path is None:
-        raise ConfigError("retrain needs a config or a config_path")
-    return load_config(config_path, overrides, base=base)
+    return effective_config(
+        config, config_path, overrides, data_container, data_prefix, default_path
+    ).config
 
 
-def pool_slot(pool_id: str) -> str:
-    return f"retrain-pool-{pool_id}"
+def deployment_config_path(deployment_id: Any) -> str | None:
+    """The ``config_path`` a deployment gives every run it starts (None outside deployments).
+    Prefect merges it into each run's parameters, so only this tells it from a chosen one."""
+    if not deployment_id:
+        return None
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        value = client.read_deployment(deployment_id).parameters.get("config_path")
+    return str(value) if value is not None else None
 
 
 def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """Crash and cancellation hook: the pool is released even when the flow body cannot."""
+    """Crash and cancellation hook: the pool is released even when the flow body cannot, unless
+    another run holds it by now (that run releases it; releasing here would stop its tasks)."""
     from backends import factory
 
     params = flow_run.parameters
@@ -61,8 +115,11 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
         params.get("overrides"),
         params.get("data_container"),
         params.get("data_prefix"),
+        deployment_config_path(flow_run.deployment_id),
     )
-    factory.cluster(config).release()
+    with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
+        if free:
+            factory.cluster(config).release()
 
 
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
@@ -77,6 +134,7 @@ def retrain(
     """One retrain. The ``data_*`` parameters are filled in by the new-data trigger; a manual
     or nightly run leaves them empty and trains on the config's data location."""
     from backends import factory
+    from backends.blob import blob_link
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
     from tasks.report import report
@@ -85,7 +143,16 @@ def retrain(
     from tasks.validate import validate_data
 
     logger = get_run_logger()
-    cfg = resolve_config(config, config_path, overrides, data_container, data_prefix)
+    effective = effective_config(
+        config,
+        config_path,
+        overrides,
+        data_container,
+        data_prefix,
+        deployment_config_path(deployment.id),
+    )
+    cfg = effective.config
+    logger.info("config: %s", effective.source)
     if data_version:
         logger.info(
             "started for new data: %s/%s, version %s",
@@ -98,9 +165,8 @@ def retrain(
     run_dir = cfg.work_dir / "runs" / run_id
     cluster = factory.cluster(cfg)
     steps: list[dict[str, Any]] = []
-    # One run per pool at a time, across deployments: a global concurrency limit named for the
-    # pool (created by deployments/setup.py; without it, runs are not limited).
-    with concurrency(pool_slot(cfg.pool.id), occupy=1, strict=False):
+    # One run per pool at a time, across deployments, shells and machines (flows/pool_lock.py).
+    with hold_pool(cfg, f"flow run {flow_run.get_id() or run_id}", say=logger.info):
         try:
             steps.append(validate_data(cfg, run_dir, output_prefix))
             scripts_f = upload_scripts.submit(cfg)
@@ -141,7 +207,7 @@ def retrain(
             steps.append(record_only(promotion))
         finally:
             steps.append(release_pool(cluster))
-    outputs_url = f"{cluster.outputs.url}/{output_prefix}"
+    outputs_url = blob_link(cluster.outputs, output_prefix)  # no credential in it
     report(
         run_id,
         steps,
@@ -150,6 +216,8 @@ def retrain(
         promotion["decision"],
         staged["details"],
         outputs_url,
+        cfg,
+        effective.source,
     )
     logger.info(
         "run %s: accuracy %.4f, %s",
@@ -178,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="SECTION.FIELD=VALUE",
-        help="override one config value (repeatable)",
+        help="override one config value (repeatable); a text field takes the value as typed, "
+        "numbers, booleans and lists are read as YAML, null clears an optional field",
     )
     p.add_argument(
         "--plan",
@@ -204,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(build_plan(config, PROJECT_ROOT), indent=2))
         return 0
-    state = retrain(config=config, return_state=True)
+    # The flow reads the file again (the run's parameters then say which file and overrides,
+    # and its summary shows them); loading it above only checked it before anything starts.
+    state = retrain(config_path=str(args.config), overrides=args.set, return_state=True)
     if not state.is_completed():
         print(f"retrain failed: {state.message}", file=sys.stderr)
         return 1

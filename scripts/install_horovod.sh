@@ -7,6 +7,16 @@
 # A second patch: horovodrun's argument parser accepts abbreviated options and so rejects
 # options of the launched program that are prefixes of its own (the trainer's --timeline is
 # "ambiguous" with --timeline-filename); allow_abbrev=False leaves the command line alone.
+# A third: across hosts, the Gloo context Horovod builds for the global process set
+# (GlooContext::InitializeForProcessSet in horovod/common/gloo/gloo_context.cc) creates its
+# device from its own interface field, which nothing ever sets, instead of the interface the
+# global context was given (HOROVOD_GLOO_IFACE, from --network-interfaces). An empty interface
+# makes Gloo bind whatever the host name resolves to: loopback wherever /etc/hosts maps the
+# name to 127.0.x (Ubuntu's default), so a remote rank is told to connect to 127.0.x and the
+# job dies with "connect [127.0.1.1]:<port>: Connection refused". The patch hands the global
+# context's interface to the process set's context.
+# The version becomes 0.28.1+retrain.<patch level>, so an installed build says which patches
+# it has (`horovodrun --version`).
 # The built wheel is kept in a cache keyed by the torch and Python versions, so a second setup
 # on the same machine takes seconds.
 set -euo pipefail
@@ -22,14 +32,14 @@ case "$FLAVOR" in
   *) echo "HOROVOD_FLAVOR must be cpu or gpu, not '$FLAVOR'" >&2; exit 2 ;;
 esac
 HVD_VERSION=0.28.1
-PATCH_LEVEL=p2  # bump when the patches below change, so cached wheels are rebuilt
+PATCH_LEVEL=p3  # bump when the patches below change, so cached wheels are rebuilt
 CACHE_DIR=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/retrain-horovod-wheels}
 
-if FLAVOR=$FLAVOR "$PY" - <<'PYEOF' 2>/dev/null; then
-import inspect, os
+if FLAVOR=$FLAVOR PATCH_LEVEL=$PATCH_LEVEL "$PY" - <<'PYEOF' 2>/dev/null; then
+import os
+import horovod
 import horovod.torch as hvd
-import horovod.runner.launch as launch
-ok = hvd.gloo_built() and "allow_abbrev=False" in inspect.getsource(launch)
+ok = hvd.gloo_built() and horovod.__version__.endswith("+retrain." + os.environ["PATCH_LEVEL"])
 if os.environ["FLAVOR"] == "gpu":
     ok = ok and hvd.nccl_built() and hvd.mpi_built()
 raise SystemExit(0 if ok else 1)
@@ -52,6 +62,11 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   sed -i "s/argparse.ArgumentParser(description='Horovod Runner')/argparse.ArgumentParser(description='Horovod Runner', allow_abbrev=False)/" \
     "$src/horovod/runner/launch.py"
   grep -q "allow_abbrev=False" "$src/horovod/runner/launch.py"
+  sed -i '/^void GlooContext::InitializeForProcessSet/,/device_attr.iface = gloo_iface_;/ s/^\( *\)device_attr.iface = gloo_iface_;/\1gloo_iface_ = global_context.gloo_iface_;\n\1device_attr.iface = gloo_iface_;/' \
+    "$src/horovod/common/gloo/gloo_context.cc"
+  grep -q "gloo_iface_ = global_context.gloo_iface_;" "$src/horovod/common/gloo/gloo_context.cc"
+  sed -i "s/^__version__ = '$HVD_VERSION'$/__version__ = '$HVD_VERSION+retrain.$PATCH_LEVEL'/" "$src/horovod/__init__.py"
+  grep -q "+retrain.$PATCH_LEVEL'" "$src/horovod/__init__.py"
   "$PY" -m pip install --quiet cloudpickle psutil pyyaml packaging setuptools wheel cmake
   mkdir -p "$work/out"
   # Newer toolchains: GCC 13 no longer pulls <string>, <stdexcept> and <cstdint> in through

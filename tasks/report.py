@@ -8,6 +8,20 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
+from flows.config import PipelineConfig
+
+
+def config_markdown(config: PipelineConfig, source: str) -> list[str]:
+    """The config the run used, whole, and where it came from. It holds no secret: credentials
+    are named (an environment variable, a Prefect block), never given; a SAS pasted into a URL
+    field by mistake is still shown without its signature."""
+    import yaml
+
+    from backends.azure.access import redact
+
+    text = redact(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, width=100))
+    return ["## Config", "", f"From {source}.", "", "```yaml", text.rstrip(), "```"]
+
 
 def summary_markdown(
     run_id: str,
@@ -16,6 +30,8 @@ def summary_markdown(
     score: dict[str, Any],
     decision: dict[str, Any],
     data: dict[str, Any],
+    config: PipelineConfig | None = None,
+    config_source: str = "",
 ) -> str:
     lines = [
         f"# Retrain {run_id}",
@@ -56,6 +72,8 @@ def summary_markdown(
         f"{metrics['world_size']} Horovod workers, {metrics['images_per_sec']:.0f} "
         f"images/s in total, {metrics['images_per_sec_per_worker']:.0f} per worker.",
     ]
+    if config is not None:
+        lines += ["", *config_markdown(config, config_source)]
     return "\n".join(lines)
 
 
@@ -68,9 +86,11 @@ def report(
     decision: dict[str, Any],
     data: dict[str, Any],
     outputs_url: str,
+    config: PipelineConfig,
+    config_source: str,
 ) -> str:
     create_markdown_artifact(
-        summary_markdown(run_id, steps, metrics, score, decision, data),
+        summary_markdown(run_id, steps, metrics, score, decision, data, config, config_source),
         key="retrain-summary",
         description=f"retrain {run_id}",
     )

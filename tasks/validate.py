@@ -28,7 +28,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from backends.blob import container_client, folder, upload_directory
+from backends.blob import blob_link, container_client, folder, upload_directory
 from backends.listing import listing_blob, listing_json, pin
 from flows.config import PipelineConfig
 from tasks.steps import step_record
@@ -289,7 +289,7 @@ def _examples(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
 def _upload_docs(config: PipelineConfig, docs: Path, output_prefix: str) -> str:
     container = container_client(config.output, config.retries.storage_retries, create=True)
     upload_directory(container, docs, f"{output_prefix}/data_docs", workers=8)
-    return f"{container.url}/{output_prefix}/data_docs/index.html"
+    return blob_link(container, f"{output_prefix}/data_docs/index.html")
 
 
 @task(name="validate-data", cache_policy=NONE)

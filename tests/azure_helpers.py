@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from backends.azure.clients import Route, route_through
 from backends.blob import container_client
@@ -47,6 +48,7 @@ def fake_azure() -> Iterator[FakeAzure]:
         expiry=datetime.now(UTC) + timedelta(hours=1),
     )
     fakes = FakeAzure(FakeBatch(), FakeFiles(), FakeAcr(registry_store, sas))
+    fakes.batch.identity_upload = _identity_upload(registry_store.credential)
     services = {
         fakes.batch.host: fakes.batch,
         fakes.files.host: fakes.files,
@@ -56,6 +58,23 @@ def fake_azure() -> Iterator[FakeAzure]:
     route = Route(transport_factory(services), FakeCredential(), f"https://{ARM_HOST}")
     with route_through(route):
         yield fakes
+    # Every request the suite sends must pass the spec check, unless a test sends bad ones on
+    # purpose.
+    refused = fakes.batch.refused
+    assert fakes.batch.allow_refusals or not refused, f"Batch refused by the spec: {refused}"
+    assert not fakes.acr.refused or fakes.acr.allow_refusals, f"ACR refused: {fakes.acr.refused}"
+
+
+def _identity_upload(credential: Any) -> Any:
+    """A node uploading as the pool's managed identity: the fake has no identity provider, so it
+    writes with the storage account's own key (the identity's role assignment, in effect)."""
+
+    def upload(url: str, data: bytes) -> None:
+        from azure.storage.blob import BlobClient
+
+        BlobClient.from_blob_url(url, credential=credential).upload_blob(data, overwrite=True)
+
+    return upload
 
 
 def azure_config(tmp_path: Path, *overrides: str) -> PipelineConfig:

@@ -79,3 +79,31 @@ def test_context_archive_is_reproducible() -> None:
     from backends.image import context_archive
 
     assert context_archive(ROOT) == context_archive(ROOT)
+
+
+def test_run_log_is_followed_while_the_build_runs(fake_azure_account, tmp_path: Path) -> None:
+    """A QuickBuild goes Queued -> Started -> Running -> Succeeded and appends to its log blob
+    as it runs; the builder streams each line once, in order."""
+    acr = fake_azure_account.acr
+    acr.polls_per_state = 3
+    lines: list[str] = []
+    result = _builder(tmp_path).build(ROOT, "retrain/horovod", "cafe0001", lines.append)
+    assert result.built
+    steps = [line for line in lines if line.startswith("Step ")]
+    assert steps[0].startswith("Step 1/20") and steps[-1] == "Step 20/20 : done"
+    assert len(steps) == len(set(steps)) > 3  # appended while running, none read twice
+    (run,) = acr.runs.values()
+    assert run["properties"]["runType"] == "QuickBuild"
+    assert {"createTime", "startTime", "finishTime"} <= set(run["properties"])
+    assert acr.refused == []
+
+
+def test_schedule_run_body_is_checked_against_the_spec(fake_azure_account, tmp_path: Path) -> None:
+    from azure.core.exceptions import HttpResponseError
+
+    fake_azure_account.acr.allow_refusals = True
+    builder = _builder(tmp_path)
+    builder.timeout_seconds = 60  # the spec's minimum run timeout is 300 s
+    with pytest.raises(HttpResponseError) as err:
+        builder.build(ROOT, "retrain/horovod", "cafe0002", lambda _: None)
+    assert err.value.status_code == 400 and "timeout" in str(err.value)

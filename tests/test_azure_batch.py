@@ -11,36 +11,40 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 
 from backends.azure.access import node_access
-from backends.azure.batch import BatchCluster, Polling, PoolError
+from backends.azure.batch import BatchCluster, Polling, PoolError, TaskFailedError
 from backends.azure.batch_requests import pool_body, wire
 from backends.azure.clients import batch_client
 from backends.blob import container_client
 from backends.factory import image_reference
-from backends.taskspec import scoring_task, training_task
+from backends.taskspec import TaskSpec, scoring_task, training_task
 from flows.config import PipelineConfig
 from tests.azure_helpers import azure_config
-from tests.fakes.batch import Attempt
+from tests.fakes.batch import Attempt, wait_until
 
 FAST = Polling(first=0.01, factor=1.0, cap=0.01, lro_seconds=0)
 SHARE_KEY, REGISTRY_PASSWORD = "ZmlsZXMta2V5LXZhbHVl", "acr-token-password-value"
 
 
 def make_cluster(config: PipelineConfig) -> BatchCluster:
+    """The cluster the factory builds, with the pool secrets the Secret blocks would hold."""
     outputs = container_client(config.output, create=True)
     data = container_client(config.data, create=True)
+    password = REGISTRY_PASSWORD if config.image.registry_password_secret else None
     return BatchCluster(
         config,
         batch_client(config),
         outputs,
         node_access(config, data, outputs),
         image_reference(config),
-        lambda: (SHARE_KEY, REGISTRY_PASSWORD),
+        lambda: (SHARE_KEY, password),
         FAST,
     )
 
@@ -105,7 +109,7 @@ def test_missing_pool_is_created_with_what_multi_instance_tasks_need(
 
 def test_autoscale_formula_replaces_fixed_counts(fake_azure_account, tmp_path: Path) -> None:
     formula = "$TargetDedicatedNodes = $PendingTasks.GetSample(1) > 0 ? 2 : 0;"
-    config = azure_config(tmp_path, f"pool.autoscale_formula='{formula}'")
+    config = azure_config(tmp_path, f"pool.autoscale_formula={formula}")
     body = wire(pool_body(config, "img", make_cluster(config).access, "k", None))
     assert body["enableAutoScale"] is True and body["autoScaleFormula"] == formula
     assert body["autoScaleEvaluationInterval"] == "PT05M00S"
@@ -116,7 +120,7 @@ def test_existing_pool_is_reused_or_grown_never_shrunk(fake_azure_account, tmp_p
     batch = fake_azure_account.batch
     config = azure_config(tmp_path, "pool.dedicated_nodes=2")
     cluster = make_cluster(config)
-    small = wire(pool_body(config, cluster.image, cluster.access, "k", None))
+    small = wire(pool_body(config, cluster.image, cluster.access, SHARE_KEY, REGISTRY_PASSWORD))
     batch.add_pool({**small, "targetDedicatedNodes": 1})
 
     grown = cluster.ensure_pool()
@@ -136,7 +140,8 @@ def test_pool_with_different_immutable_settings_is_refused(
     batch = fake_azure_account.batch
     config = azure_config(tmp_path)
     cluster = make_cluster(config)
-    existing = wire(pool_body(config, cluster.image, cluster.access, "k", None))
+    existing = wire(pool_body(config, cluster.image, cluster.access, SHARE_KEY, None))
+    existing["metadata"] = []  # made by hand, not by this pipeline: never deleted by it
     batch.add_pool(
         {**existing, "vmSize": "Standard_NC6s_v3", "enableInterNodeCommunication": False}
     )
@@ -146,6 +151,7 @@ def test_pool_with_different_immutable_settings_is_refused(
     message = str(err.value)
     assert config.pool.id in message and "vm_size" in message and "standard_nc6s_v3" in message
     assert "enable_inter_node_communication" in message
+    assert "not created by this pipeline" in message
     assert batch.bodies("POST", "/pools") == []
     assert batch.bodies("POST", f"/pools/{config.pool.id}/resize") == []
 
@@ -159,7 +165,7 @@ def test_nodes_that_fail_to_start_fail_the_step_with_their_errors(
     config = azure_config(tmp_path)
     with pytest.raises(PoolError) as err:
         make_cluster(config).ensure_pool()
-    assert "tvmps_0000 unusable" in str(err.value)
+    assert "tvmps_0000d unusable" in str(err.value)
     assert "NfsMountFailed: mount.nfs: Connection timed out" in str(err.value)
 
 
@@ -186,7 +192,7 @@ def test_training_task_request_streaming_and_outputs(fake_azure_account, tmp_pat
     job_id = f"{config.pool.id}-train-run1"
     (job,) = batch.bodies("POST", "/jobs")
     assert job["id"] == job_id and job["poolInfo"] == {"poolId": config.pool.id}
-    assert job["onAllTasksComplete"] == "terminatejob"
+    assert job["onAllTasksComplete"] == "noaction"  # terminatejob only once the task is in
     (task,) = batch.bodies("POST", f"/jobs/{job_id}/tasks")
     assert task["multiInstanceSettings"]["numberOfInstances"] == 2
     assert "prepare_node.sh" in task["multiInstanceSettings"]["coordinationCommandLine"]
@@ -204,7 +210,9 @@ def test_training_task_request_streaming_and_outputs(fake_azure_account, tmp_pat
     assert "RETRAIN_DATA_URL" not in env  # the trainer reads NFS, not Blob
     outputs = {o["filePattern"]: o for o in task["outputFiles"]}
     assert set(outputs) == {"outputs/**/*", "../std*.txt"}
-    assert outputs["../std*.txt"]["uploadOptions"]["uploadCondition"] == "taskCompletion"
+    # Spelled as the spec spells them (the service refuses taskCompletion with a 400).
+    assert outputs["../std*.txt"]["uploadOptions"]["uploadCondition"] == "taskcompletion"
+    assert outputs["outputs/**/*"]["uploadOptions"]["uploadCondition"] == "tasksuccess"
     destination = outputs["outputs/**/*"]["destination"]["container"]
     assert destination["path"] == "runs/run1"
     assert _sas_permissions(destination["containerUrl"]) == "rcwl"
@@ -247,7 +255,7 @@ def test_task_that_keeps_failing_returns_its_exit_code(fake_azure_account, tmp_p
     result = cluster.run_task(training_task(config, "train-x", "k", "runs/x"), lines.append)
     assert result.exit_code == 3 and result.attempts == 2
     assert any("FailureExitCode" in line for line in lines)
-    # Logs are uploaded on failure too (taskCompletion); the model is not (taskSuccess).
+    # Logs are uploaded on failure too (taskcompletion); the model is not (tasksuccess).
     assert result.uploaded == ["runs/x/logs/stderr.txt", "runs/x/logs/stdout.txt"]
 
 
@@ -268,36 +276,66 @@ def test_scoring_task_reads_the_model_through_a_resource_file(
     assert result.uploaded == ["runs/r/score.json"]
 
 
-def test_identity_mode_sends_no_token_anywhere(fake_azure_account, tmp_path: Path) -> None:
-    identity = (
-        "/subscriptions/s/resourceGroups/g/providers/Microsoft.ManagedIdentity/"
-        "userAssignedIdentities/retrain"
-    )
-    config = azure_config(
+IDENTITY = (
+    "/subscriptions/s/resourceGroups/g/providers/Microsoft.ManagedIdentity/"
+    "userAssignedIdentities/retrain"
+)
+
+
+def _identity_config(tmp_path: Path) -> PipelineConfig:
+    return azure_config(
         tmp_path,
-        f"azure.identity_resource_id={identity}",
+        f"azure.identity_resource_id={IDENTITY}",
         "azure.identity_client_id=11111111-2222-3333-4444-555555555555",
         "image.registry_username=null",
         "image.registry_password_secret=null",
+        "pool.dedicated_nodes=1",
     )
+
+
+def test_identity_pool_made_through_arm_is_used_and_no_token_is_sent(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    batch = fake_azure_account.batch
+    config = _identity_config(tmp_path)
     cluster = make_cluster(config)
-    assert "?" not in cluster.access.data_url and "?" not in cluster.access.output_url
-    from backends.azure.batch_requests import task_body
+    # Created through Azure Resource Manager with the identity, as docs/azure.md says.
+    batch.add_pool(
+        wire(pool_body(config, cluster.image, cluster.access, SHARE_KEY, None)), identity=IDENTITY
+    )
+    assert cluster.ensure_pool()["action"] == "reused"
+    batch.scripts["stage-"] = [Attempt(0, "staged\n", {"outputs/staging.json": b"{}"})]
     from backends.taskspec import staging_task
 
-    body = wire(
-        task_body(config, staging_task(config, "stage-r-1", "runs/r"), "img", cluster.access)
-    )
+    result = cluster.run_task(staging_task(config, "stage-r-1", "runs/r"))
+    assert result.exit_code == 0 and "runs/r/staging.json" in result.uploaded
+    (body,) = batch.bodies("POST", f"/jobs/{config.pool.id}-stage-r-1/tasks")
     env = {e["name"]: e["value"] for e in body["environmentSettings"]}
-    assert env["RETRAIN_DATA_URL"] == cluster.access.data_url
+    assert "?" not in env["RETRAIN_DATA_URL"]
     assert env["AZURE_CLIENT_ID"] == "11111111-2222-3333-4444-555555555555"
     for out in body["outputFiles"]:
-        assert out["destination"]["container"]["identityReference"] == {"resourceId": identity}
-    pool = wire(pool_body(config, "img", cluster.access, "k", None))
-    registry = pool["virtualMachineConfiguration"]["containerConfiguration"]["containerRegistries"]
-    assert registry == [
-        {"registryServer": "retrainacr.azurecr.io", "identityReference": {"resourceId": identity}}
-    ]
+        assert out["destination"]["container"]["identityReference"] == {"resourceId": IDENTITY}
+    assert not any("sig=" in r.body.decode() for r in batch.requests.all() if r.body)
+
+
+def test_identity_without_a_pool_fails_with_the_arm_explanation(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The Batch API cannot attach an identity: no data-plane body the service would refuse."""
+    batch = fake_azure_account.batch
+    config = _identity_config(tmp_path)
+    with pytest.raises(PoolError) as err:
+        make_cluster(config).ensure_pool()
+    assert "Azure Resource Manager" in str(err.value) and "azure.identity_resource_id" in str(
+        err.value
+    )
+    assert batch.bodies("POST", "/pools") == []
+    # A pool made without the identity (by the data plane) is refused the same way.
+    cluster = make_cluster(config)
+    plain = azure_config(tmp_path, "pool.dedicated_nodes=1", f"pool.id={config.pool.id}")
+    batch.add_pool(wire(pool_body(plain, cluster.image, make_cluster(plain).access, "k", "p")))
+    with pytest.raises(PoolError, match="exists without that identity"):
+        cluster.ensure_pool()
 
 
 def test_cancellation_terminates_the_job_and_release_resizes_to_zero(
@@ -342,16 +380,239 @@ def test_release_can_delete_the_pool(fake_azure_account, tmp_path: Path) -> None
     assert cluster.release()["was"] == "absent"
 
 
-def test_a_rerun_follows_the_task_it_already_submitted(fake_azure_account, tmp_path: Path) -> None:
-    """After an orchestrator crash the same step finds its task and follows it (no duplicate)."""
+def _start(cluster: BatchCluster, spec: TaskSpec, lines: list[str]) -> tuple[Any, list[Any]]:
+    """run_task in a thread, as the flow's task would; (thread, [result or exception])."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(cluster.run_task(spec, lines.append))
+        except Exception as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _task(batch: Any, config: PipelineConfig, task_id: str) -> Any:
+    return batch.tasks.get((f"{config.pool.id}-{task_id}", task_id))
+
+
+def test_job_ends_with_its_task_not_before_it(fake_azure_account, tmp_path: Path) -> None:
+    """Batch may complete an empty job with terminatejob at once; adding its task then fails
+    (409). Jobs start with noaction and are set to terminatejob once their task exists."""
     batch = fake_azure_account.batch
     config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
-    batch.scripts["train-"] = [Attempt(0, "done\n", _training_outputs())]
+    batch.scripts["score-"] = [Attempt(0, "", {"outputs/score.json": b"{}"})]
+    result = cluster.run_task(scoring_task("score-q", "runs/q/model.pt", "runs/q"))
+    assert result.exit_code == 0 and result.uploaded == ["runs/q/score.json"]
+    job_id = f"{config.pool.id}-score-q"
+    (job,) = batch.bodies("POST", "/jobs")
+    assert job["onAllTasksComplete"] == "noaction"
+    assert batch.bodies("PATCH", f"/jobs/{job_id}") == [{"onAllTasksComplete": "terminatejob"}]
+    wait_until(lambda: cluster.client.get_job(job_id).state == "completed")
+
+
+def test_a_rerun_after_an_orchestrator_crash_follows_its_task(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The same step, started again while its task runs or after it ended, finds the task and
+    follows it: no duplicate, and the job still ends with the task."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
+    batch.scripts["train-"] = [Attempt(0, "done\n", _training_outputs(), seconds=1.0)]
     spec = training_task(config, "train-again", "k", "runs/a")
-    cluster.run_task(spec)
+    first: list[str] = []
+    crashed, _ = _start(cluster, spec, first)  # the orchestrator that will "crash"
+    wait_until(lambda: getattr(_task(batch, config, "train-again"), "state", "") == "running")
     lines: list[str] = []
-    result = cluster.run_task(spec, lines.append)
+    result = make_cluster(config).run_task(spec, lines.append)
     assert result.exit_code == 0
     assert "task train-again already submitted: following it" in lines
-    assert len(batch.bodies("POST", f"/jobs/{config.pool.id}-train-again/tasks")) == 2
     assert len(batch.tasks) == 1
+    later: list[str] = []
+    again = make_cluster(config).run_task(spec, later.append)  # after the job completed
+    assert again.exit_code == 0 and any("has already completed" in line for line in later)
+    crashed.join(timeout=20)
+
+
+def test_outputs_outlive_every_attempt_of_a_long_task(fake_azure_account, tmp_path: Path) -> None:
+    """Three 6-hour attempts: the last one uploads the model 18 h after submission. The SAS
+    must still be valid then (Batch does not retry an upload; the model would be lost)."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
+    hours6 = 6 * 3600
+    batch.scripts["train-"] = [
+        Attempt(1, "out of memory\n", service_seconds=hours6),
+        Attempt(1, "out of memory\n", service_seconds=hours6),
+        Attempt(0, "done\n", _training_outputs(), service_seconds=hours6),
+    ]
+    result = cluster.run_task(training_task(config, "train-long", "k", "runs/l"))
+    task = _task(batch, config, "train-long")
+    assert "failureInfo" not in task.execution, task.execution.get("failureInfo")
+    assert result.exit_code == 0 and result.attempts == 3
+    assert "runs/l/model.pt" in result.uploaded
+    (body,) = batch.bodies("POST", f"/jobs/{config.pool.id}-train-long/tasks")
+    url = body["outputFiles"][0]["destination"]["container"]["containerUrl"]
+    expiry = datetime.fromisoformat(parse_qs(urlparse(url).query)["se"][0].replace("Z", "+00:00"))
+    assert expiry - datetime.now(UTC) > timedelta(hours=18)
+
+
+def test_kept_pool_with_another_image_or_password_is_recreated(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    batch = fake_azure_account.batch
+    config = azure_config(tmp_path, "pool.dedicated_nodes=1")
+    cluster = make_cluster(config)
+    old = "retrainacr.azurecr.io/retrain/horovod:0123456789ab"
+    batch.add_pool(wire(pool_body(config, old, cluster.access, SHARE_KEY, REGISTRY_PASSWORD)))
+
+    info = cluster.ensure_pool()
+
+    assert info["action"] == "recreated" and info["nodes"] == 1
+    assert batch.requests.find("DELETE", f"/pools/{config.pool.id}")
+    (created,) = batch.bodies("POST", "/pools")
+    names = created["virtualMachineConfiguration"]["containerConfiguration"]["containerImageNames"]
+    assert names == [cluster.image]
+    assert cluster.ensure_pool()["action"] == "reused"
+    # A rotated registry password: the service never returns it, the pool's digest tells.
+    rotated = make_cluster(config)
+    rotated._secrets = lambda: (SHARE_KEY, "rotated-password-value")
+    assert rotated.ensure_pool()["action"] == "recreated"
+    # With recreation switched off, the differences are reported instead.
+    refuse = azure_config(tmp_path, f"pool.id={config.pool.id}", "pool.recreate_on_change=false")
+    other = make_cluster(refuse)
+    other.image = old
+    with pytest.raises(PoolError, match=r"container_image_names.*recreate_on_change is false"):
+        other.ensure_pool()
+
+
+def test_pool_in_use_is_not_recreated_under_a_running_task(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
+    batch.scripts["train-"] = [Attempt(0, "epoch 1\n", _training_outputs(), seconds=30)]
+    runner, _ = _start(cluster, training_task(config, "train-busy", "k", "p"), [])
+    wait_until(lambda: getattr(_task(batch, config, "train-busy"), "state", "") == "running")
+    other = make_cluster(config)
+    other.image = "retrainacr.azurecr.io/retrain/horovod:fedcba987654"
+    with pytest.raises(PoolError, match="is in use"):
+        other.ensure_pool()
+    assert not batch.requests.find("DELETE", f"/pools/{config.pool.id}")
+    make_cluster(config).release()
+    runner.join(timeout=20)
+
+
+def test_preempted_spot_node_requeues_the_task_and_its_log_restarts(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=0", "pool.low_priority_nodes=1")
+    long_log = "".join(f"epoch {i} loss 0.{i}\n" for i in range(1, 40))
+    batch.scripts["train-"] = [
+        Attempt(0, long_log, seconds=30),  # preempted before it ends
+        Attempt(0, "resuming from checkpoint-3.pt\n", _training_outputs()),
+    ]
+    lines: list[str] = []
+    runner, out = _start(cluster, training_task(config, "train-spot", "k", "runs/s"), lines)
+    wait_until(lambda: "epoch 39 loss 0.39" in lines)
+    batch.preempt(config.pool.id, recover_after=1)
+    runner.join(timeout=30)
+    assert out and not isinstance(out[0], Exception), out
+    assert out[0].exit_code == 0 and out[0].attempts == 1  # a requeue is not a retry
+    assert any("was requeued" in line for line in lines)
+    assert "resuming from checkpoint-3.pt" in lines
+    assert _task(batch, config, "train-spot").execution["retryCount"] == 0
+
+
+def test_task_that_never_gets_nodes_fails_at_its_deadline(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """Spot capacity gone: the task stays queued. Past its longest possible life (on the
+    service's clock) the run stops it and says why, instead of waiting forever."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=0", "pool.low_priority_nodes=1")
+    batch.preempt(config.pool.id, recover_after=None)
+    spec = scoring_task("score-never", "runs/n/model.pt", "runs/n")
+    runner, out = _start(cluster, spec, [])
+    wait_until(lambda: _task(batch, config, "score-never") is not None)
+    batch.clock_offset += timedelta(hours=3)  # scoring: 1 h x 1 attempt + 30 min start timeout
+    runner.join(timeout=20)
+    assert not runner.is_alive(), "the run kept waiting for a task that cannot start"
+    assert isinstance(out[0], TaskFailedError), out
+    assert "did not finish within" in str(out[0]) and "preempted" in str(out[0])
+    assert batch.requests.find("POST", f"/jobs/{config.pool.id}-score-never/terminate")
+
+
+def test_stale_resize_errors_do_not_fail_the_retry(fake_azure_account, tmp_path: Path) -> None:
+    batch = fake_azure_account.batch
+    config = azure_config(tmp_path, "pool.dedicated_nodes=2")
+    batch.capacity["dedicated"] = 1  # the region has one VM of the size right now
+    with pytest.raises(PoolError, match="AllocationTimedOut"):
+        make_cluster(config).ensure_pool()
+    batch.capacity["dedicated"] = None  # capacity is back when the step is retried
+    info = make_cluster(config).ensure_pool()
+    assert info["action"] == "resized" and info["nodes"] == 2
+
+
+def test_quota_error_fails_fast_and_gives_back_what_was_allocated(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    batch = fake_azure_account.batch
+    batch.quota["dedicated"] = 1
+    config = azure_config(tmp_path, "pool.dedicated_nodes=2")
+    with pytest.raises(PoolError) as err:
+        make_cluster(config).ensure_pool()
+    assert "AccountCoreQuotaReached" in str(err.value) and "quota" in str(err.value)
+    resizes = batch.bodies("POST", f"/pools/{config.pool.id}/resize")
+    assert resizes and resizes[-1]["targetDedicatedNodes"] == 0
+    wait_until(
+        lambda: (
+            batch.pools[config.pool.id]["currentDedicatedNodes"] == 0
+            or bool(cluster_get(config).current_dedicated_nodes == 0)
+        )
+    )
+
+
+def cluster_get(config: PipelineConfig) -> Any:
+    return make_cluster(config).client.get_pool(config.pool.id)
+
+
+@pytest.mark.parametrize(
+    ("size", "overrides", "topology"),
+    [
+        ("Standard_ND96asr_v4", [], "/opt/microsoft/ndv4-topo.xml"),
+        ("Standard_ND96isr_H100_v5", [], "/opt/microsoft/ndv5-topo.xml"),
+        ("Standard_ND96isr_H100_v5", ["pool.nccl_topo_file=null"], None),
+        ("Standard_NC24ads_A100_v4", [], None),
+    ],
+)
+def test_infiniband_sizes_get_the_hosts_nccl_topology(
+    fake_azure_account, tmp_path: Path, size: str, overrides: list[str], topology: str | None
+) -> None:
+    config, cluster = ready_cluster(
+        tmp_path, f"pool.vm_size={size}", "pool.dedicated_nodes=2", *overrides
+    )
+    cluster.run_task(training_task(config, "train-ib", "k", "runs/ib"))
+    (task,) = fake_azure_account.batch.bodies("POST", f"/jobs/{config.pool.id}-train-ib/tasks")
+    env = {e["name"]: e["value"] for e in task["environmentSettings"]}
+    options = task["containerSettings"]["containerRunOptions"]
+    assert env.get("NCCL_TOPO_FILE") == topology
+    if topology:
+        assert "-v /etc/nccl.conf:/etc/nccl.conf:ro" in options
+        assert "-v /opt/microsoft:/opt/microsoft:ro" in options
+    else:
+        assert "/opt/microsoft" not in options
+
+
+def test_throttled_requests_are_retried_after_the_advised_delay(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    batch = fake_azure_account.batch
+    _config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
+    batch.throttle_every, batch.retry_after = 5, 0
+    batch.scripts["score-"] = [Attempt(0, "", {"outputs/score.json": b"{}"})]
+    result = cluster.run_task(scoring_task("score-t", "runs/t/model.pt", "runs/t"))
+    assert result.exit_code == 0 and batch.throttled > 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from backends.azure.clients import share_service
 from backends.azure.files import HASH_KEY, AzureFilesShare
 from backends.share import collect_files, file_sha256
@@ -99,3 +101,29 @@ def test_real_scripts_upload_with_an_account_key(fake_azure_account, tmp_path: P
         r.headers["Authorization"].split(":")[0] for r in fake_azure_account.files.requests.all()
     }
     assert auth == {"SharedKey retrainfiles"}
+
+
+def test_paths_are_case_insensitive_on_the_share(fake_azure_account, tmp_path: Path) -> None:
+    """A directory that differs only in case is the same directory; two files that differ only
+    in case would be one file, so the upload refuses them before sending anything."""
+    from backends.azure.files import ShareError
+
+    config = _entra_config(tmp_path)
+    share = AzureFilesShare(share_service(config), config.share.name)
+    files = _tree(tmp_path / "src")
+    share.upload(files)
+    other = tmp_path / "other" / "Training" / "extra.py"
+    other.parent.mkdir(parents=True)
+    other.write_text("Z = 3\n")
+    share.upload({"Training/extra.py": other})
+    fake = fake_azure_account.files
+    assert "Training/extra.py" in fake.file_paths(config.share.name)
+    assert fake.directories[config.share.name] == {"training", "training/data", "backends"}
+
+    clash = tmp_path / "clash"
+    (clash / "training").mkdir(parents=True)
+    (clash / "training" / "Train.py").write_text("print('other')\n")
+    before = len(fake.requests.all())
+    with pytest.raises(ShareError, match=r"training/Train\.py and training/train\.py"):
+        share.upload({**files, "training/Train.py": clash / "training" / "Train.py"})
+    assert len(fake.requests.all()) == before

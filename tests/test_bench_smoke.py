@@ -108,3 +108,29 @@ def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
     for heading in ("## Staging", "## Data loading", "## The trainer", "## On a GPU"):
         assert heading in text
     assert "| all | 302 |" in text
+
+
+def test_nodes_section_renders_what_was_measured() -> None:
+    from bench.report import nodes
+
+    shape = {
+        "images_per_sec": 800.0,
+        "wall_seconds": 9.0,
+        "coordination_seconds": 1.5,
+        "launch_overhead_seconds": 4.25,
+        "test_accuracy": 0.9,
+    }
+    report = {
+        "machine": "x86_64, 2 cores",
+        "method": "m",
+        "shapes": {
+            "1 node x 2 processes": shape,
+            "2 nodes x 1 process": {**shape, "images_per_sec": 600.0},
+        },
+        "two_nodes_over_one_images_per_sec": 0.75,
+        "launch_overhead_seconds": {"1 node": 4.25, "2 nodes": 5.5},
+    }
+    text = "\n".join(nodes(report))
+    assert "| 2 nodes x 1 process | 600 | 4.25 s | 1.50 s | 9.0 s | 0.900 |" in text
+    assert "at 0.75x the images/s" in text and "4.25 s on 1 node, 5.50 s on 2" in text
+    assert "Not measured on this machine: needs root" in "\n".join(nodes({"not_run": "needs root"}))

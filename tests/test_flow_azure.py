@@ -1,11 +1,13 @@
 """The whole retrain flow on the Azure target: the real Batch, Files, ACR and Blob SDK clients,
-against the fake Batch/Files/ACR services and Azurite, with a fake Batch node that runs the
-task command lines for real (staging through the SAS the pool gets, horovodrun training, the
-scorer). Prefect is the real test server; credentials come from Prefect Secret blocks."""
+against the fake Batch/Files/ACR services and Azurite, with the pool's two nodes emulated as
+separate hosts that run the task command lines for real (staging through the SAS the pool gets,
+horovodrun training across both nodes over SSH, the scorer). Prefect is the real test server;
+credentials come from Prefect Secret blocks."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,8 @@ import pytest
 
 from flows.retrain import retrain
 from tests.azure_helpers import azure_config
-from tests.fakes.node import LocalNode
+from tests.fakes.node import PoolNodes
+from tests.nodes_helpers import require_emulated_nodes
 from tests.pipeline_helpers import flow_run_logs, seed, task_runs_and_artifacts
 from tests.reliability import report
 from training.make_images import write_digits
@@ -42,8 +45,8 @@ def secrets() -> None:
 def _config(tmp_path: Path, *overrides: str) -> Any:
     return azure_config(
         tmp_path,
-        "pool.dedicated_nodes=1",
-        "pool.processes_per_node=2",
+        "pool.dedicated_nodes=2",
+        "pool.processes_per_node=1",
         "training.epochs=3",
         "training.lr=0.05",
         "training.batch_size=16",
@@ -52,20 +55,28 @@ def _config(tmp_path: Path, *overrides: str) -> Any:
     )
 
 
-def _node(fakes: Any, config: Any, tmp_path: Path) -> LocalNode:
-    node = LocalNode(tmp_path / "node", fakes.files, config.share.name, tmp_path / "nfs")
-    fakes.batch.executor = node
-    fakes.batch.allocation_polls = 1
-    return node
+@pytest.fixture
+def nodes(fake_azure_account: Any, tmp_path: Path) -> Iterator[PoolNodes]:
+    """The pool's nodes as emulated hosts (made when the first task starts)."""
+    require_emulated_nodes()
+    with PoolNodes(tmp_path / "pool", None, tmp_path / "nfs", lambda _: None) as pool:
+        pool.attach(fake_azure_account.batch)
+        fake_azure_account.batch.allocation_ticks = 1
+        yield pool
+
+
+def _scripts(fakes: Any, config: Any, pool: PoolNodes) -> None:
+    """Each node's scripts mount shows the share as it is when a task starts."""
+    pool.scripts = lambda target: fakes.files.materialize(config.share.name, target)
 
 
 def test_azure_flow_end_to_end(
-    fake_azure_account: Any, secrets: None, tmp_path: Path, digits_source: Path
+    fake_azure_account: Any, nodes: PoolNodes, secrets: None, tmp_path: Path, digits_source: Path
 ) -> None:
     fakes = fake_azure_account
     config = _config(tmp_path)
     seed(config, digits_source)
-    node = _node(fakes, config, tmp_path)
+    _scripts(fakes, config, nodes)
 
     state = retrain(config=config, return_state=True)
     assert state.is_completed(), state.message
@@ -98,7 +109,10 @@ def test_azure_flow_end_to_end(
     # The node really ran the commands: staging fetched every blob into NFS.
     staged = sorted(p for p in (tmp_path / "nfs" / "data").rglob("*.png"))
     assert len(staged) == sum(1 for _ in digits_source.rglob("*.png"))
-    assert any("launch.sh" in c for c in node.commands)
+    # Training ran on both nodes: preparation on each, the launch on the primary only.
+    prepared = [n for n, c in nodes.commands if "prepare_node.sh" in c]
+    assert prepared == ["tvmps_0000d", "tvmps_0001d"]
+    assert [n for n, c in nodes.commands if "launch.sh" in c] == ["tvmps_0000d"]
 
     outputs = batch.tasks[(jobs[1], jobs[1].split(f"{config.pool.id}-")[1])].uploaded
     assert {f"runs/{result['run_id']}/{n}" for n in ("model.pt", "metrics.json")} <= set(outputs)
@@ -106,6 +120,8 @@ def test_azure_flow_end_to_end(
     assert {"validate-data", "stage-data", "run-training", "collect-and-score"} <= set(by_step)
     logs = flow_run_logs(state.state_details.flow_run_id)
     assert "PROGRESS" in logs  # the primary's stdout, streamed from Batch
+    assert "launch: 2 processes on 2 node(s)" in logs
+    assert "subtask 1 on tvmps_0001d: completed (exit 0)" in logs
     # Nothing secret reached the logs or the artifacts.
     texts = [logs, *(json.dumps(a.data) for a in artifacts)]
     for text in texts:
@@ -129,14 +145,14 @@ def test_azure_flow_end_to_end(
 
 
 def test_failed_training_still_releases_the_pool(
-    fake_azure_account: Any, secrets: None, tmp_path: Path, digits_source: Path
+    fake_azure_account: Any, nodes: PoolNodes, secrets: None, tmp_path: Path, digits_source: Path
 ) -> None:
     fakes = fake_azure_account
     config = _config(
         tmp_path, "training.extra_args=['--no-such-option']", "retries.training_attempts=2"
     )
     seed(config, digits_source)
-    _node(fakes, config, tmp_path)
+    _scripts(fakes, config, nodes)
 
     state = retrain(config=config, return_state=True)
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from backends.blob import container_client
+from backends.processes import read_record
 from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
@@ -172,8 +173,9 @@ def test_killed_training_attempt_is_retried_and_resumes(
     while worker.is_alive() and not killed and time.monotonic() < deadline:
         ckpts = list((config.nfs.local_dir / "checkpoints").glob("*/checkpoint-1.pt"))
         pidfiles = list(running.glob("train-*.pid")) if running.exists() else []
-        if ckpts and pidfiles:
-            os.killpg(int(pidfiles[0].read_text()), signal.SIGKILL)  # the whole job, mid-run
+        record = read_record(pidfiles[0]) if pidfiles else None
+        if ckpts and record:
+            os.killpg(record.pid, signal.SIGKILL)  # the whole job, mid-run
             killed = True
         time.sleep(0.05)
     worker.join(timeout=600)

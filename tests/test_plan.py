@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -35,14 +37,18 @@ def test_plan_covers_every_batch_request_with_wire_names() -> None:
     steps = [(r["step"], r["method"], r["path"]) for r in plan["requests"]]
     assert steps[0] == ("ensure-pool", "POST", "/pools")
     assert steps[1] == ("ensure-pool", "POST", "/pools/retrain-gpu/resize")
-    assert [s[0] for s in steps[2:8]] == ["stage", "stage", "train", "train", "score", "score"]
+    assert [s[0] for s in steps[2:11]] == ["stage"] * 3 + ["train"] * 3 + ["score"] * 3
+    # Each job is created with noaction and told to end with its task once the task exists.
+    assert [s[1] for s in steps[2:5]] == ["POST", "POST", "PATCH"]
+    assert plan["requests"][2]["body"]["onAllTasksComplete"] == "noaction"
+    assert plan["requests"][4]["body"] == {"onAllTasksComplete": "terminatejob"}
     assert steps[-1] == ("release-pool", "POST", "/pools/retrain-gpu/resize")
     pool = plan["requests"][0]["body"]
     assert pool["enableInterNodeCommunication"] is True and pool["taskSlotsPerNode"] == 1
     assert pool["virtualMachineConfiguration"]["containerConfiguration"]["type"] == (
         "dockerCompatible"
     )
-    train = plan["requests"][5]["body"]
+    train = plan["requests"][6]["body"]
     assert train["multiInstanceSettings"]["numberOfInstances"] == 2
     assert train["constraints"]["maxTaskRetryCount"] == 2
     assert {o["filePattern"] for o in train["outputFiles"]} == {"outputs/**/*", "../std*.txt"}
@@ -74,7 +80,8 @@ def test_plan_holds_no_secret_and_says_where_each_comes_from() -> None:
     assert share["accountKey"] == "<secret from Prefect Secret block 'retrain-files-key'>"
     stage = plan["requests"][3]["body"]
     env = {e["name"]: e["value"] for e in stage["environmentSettings"]}
-    assert env["RETRAIN_DATA_URL"].endswith("?<SAS read,list; expires after 12 h>")
+    # Staging: 4 attempts x 4 h + the 30-minute start timeout (+ 5 minutes of clock skew).
+    assert env["RETRAIN_DATA_URL"].endswith("?<SAS read,list; expires 16.6 h after submission>")
 
 
 def test_plan_refuses_the_local_target() -> None:
@@ -99,3 +106,78 @@ def test_incomplete_azure_config_fails_at_load_naming_the_field(override: str, n
     with pytest.raises(ConfigError) as err:
         load_config(EXAMPLE, [override])
     assert named in str(err.value)
+
+
+# Placeholders the plan prints where a run has values: made concrete so ids and URLs can be
+# checked like the ones a run sends.
+_CONCRETE = [
+    (re.compile(r"\{run_id\}"), "20261122-000000-0a1b2c3d"),
+    (re.compile(r"\{training_key\}"), "0123456789abcdef"),
+    (re.compile(r"<SAS [^>]*>"), "sv=2025-01-05&sp=rl&sig=REDACTED"),
+    (re.compile(r"<secret [^>]*>"), "c2VjcmV0LXZhbHVl"),
+    (re.compile(r"<([a-z-]+)>"), r"\1"),  # the example's own <storage-account> names
+]
+
+
+def _concrete(value: Any) -> Any:
+    if isinstance(value, str):
+        for pattern, replacement in _CONCRETE:
+            value = pattern.sub(replacement, value)
+        return value
+    if isinstance(value, dict):
+        return {k: _concrete(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_concrete(v) for v in value]
+    return value
+
+
+IDENTITY = (
+    "/subscriptions/00000000-0000-0000-0000-000000000001/resourceGroups/g/providers/"
+    "Microsoft.ManagedIdentity/userAssignedIdentities/retrain"
+)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["pool.vm_size=Standard_ND96isr_H100_v5", "pool.dedicated_nodes=4"],
+        ["pool.autoscale_formula=$TargetDedicatedNodes = 2;", "pool.release=delete"],
+        ["pool.dedicated_nodes=0", "pool.low_priority_nodes=3", "pool.os_disk_gb=256"],
+        [
+            f"azure.identity_resource_id={IDENTITY}",
+            "azure.identity_client_id=11111111-2222-3333-4444-555555555555",
+            "image.registry_username=null",
+            "image.registry_password_secret=null",
+        ],
+        ["pool.dedicated_nodes=8", "pool.vm_size=Standard_NC24ads_A100_v4", "pool.subnet_id=null"],
+    ],
+    ids=["infiniband", "autoscale", "spot", "identity", "several-nodes"],
+)
+def test_plan_bodies_pass_the_batch_spec(overrides: list[str]) -> None:
+    """Every body --plan prints is what the service accepts (the fake's own validator)."""
+    from backends.azure.plan import build_plan
+    from tests.fakes.batch import SPEC, body_definition
+
+    plan = build_plan(load_config(EXAMPLE, overrides), ROOT)
+    checked = 0
+    for request in plan["requests"]:
+        body = request.get("body", request.get("pool_settings"))
+        if body is None:
+            continue
+        path = _concrete(request.get("path", "/pools"))
+        definition = body_definition(request.get("method", "POST"), path)
+        problems = SPEC.check(_concrete(body), definition)
+        assert problems == [], f"{request['step']} {path}: {[str(p) for p in problems]}"
+        checked += 1
+    assert checked >= 11  # pool, resize, 3 x (job, task, job update), release
+
+
+def test_a_task_that_could_outlive_the_token_cap_is_refused_before_submission() -> None:
+    from backends.azure.access import AccessError, AccessIssuer
+    from backends.taskspec import training_task
+
+    config = load_config(EXAMPLE, ["azure.sas_hours=12"])  # training: 3 x 6 h + 30 min
+    spec = training_task(config, "train-r", "k", "runs/r")
+    with pytest.raises(AccessError, match=r"azure\.sas_hours=12"):
+        AccessIssuer(config).lifetime(spec)
+    assert AccessIssuer(load_config(EXAMPLE)).lifetime(spec).total_seconds() / 3600 > 18.5

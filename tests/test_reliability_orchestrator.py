@@ -17,6 +17,7 @@ import psutil
 import pytest
 import yaml
 
+from backends.processes import read_record
 from flows.retrain import retrain
 from tests.conftest import ROOT, prefect_api_env
 from tests.pipeline_helpers import make_config, seed
@@ -49,7 +50,8 @@ def _wait(what: str, check: Any, seconds: float = 240) -> Any:
 def _training_pid(config: Any) -> int | None:
     running = config.work_dir / "pools" / config.pool.id / "running"
     pidfiles = list(running.glob("train-*.pid")) if running.exists() else []
-    return int(pidfiles[0].read_text()) if pidfiles else None
+    record = read_record(pidfiles[0]) if pidfiles else None
+    return record.pid if record else None
 
 
 def _pool_state(config: Any) -> str:

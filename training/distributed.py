@@ -19,6 +19,14 @@ from torch import nn
 log = logging.getLogger("training")
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: a node's or container's CPU set, not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without affinity (macOS)
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class World:
     rank: int
@@ -48,7 +56,7 @@ def init(timeline: bool = False) -> World:
         device = torch.device("cpu")
         # Every rank on a node otherwise starts one thread per core: N ranks x N threads
         # oversubscribes the CPU and is several times slower than one share each.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+        torch.set_num_threads(max(1, usable_cpus() // hvd.local_size()))
     world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
     _configure_logging(world)
     return world

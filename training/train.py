@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -118,7 +117,7 @@ def _loader_workers(requested: int, world: World, split: SplitData) -> int:
         return 0  # small decoded rows: a copy is cheaper than passing it between processes
     if len(split) < 2048:
         return 0  # starting worker processes costs more than decoding a few images
-    per_rank = (os.cpu_count() or 1) // world.local_size
+    per_rank = dist.usable_cpus() // world.local_size
     return max(0, min(8, per_rank - 1))
 
 
@@ -196,6 +195,9 @@ class Trainer:
     schedule: Schedule
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
+    # Wall-clock time of this process's first optimizer step: with the time a launcher started,
+    # it gives the launch overhead (bench.nodes).
+    first_step_time: float | None = None
 
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor
@@ -274,6 +276,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad()
+        if self.first_step_time is None:
+            self.first_step_time = time.time()
 
     def _check_finite(self, epoch: int, batch: int, loss_sum: torch.Tensor, seen: int) -> None:
         """Agree across ranks whether the loss is still finite, so all stop together."""
@@ -501,6 +505,7 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
         "images_per_sec_per_worker": images / seconds / world.size if seconds else None,
         "world_size": world.size,
         "wall_seconds": time.perf_counter() - wall_start,
+        "first_step_time": trainer.first_step_time,
         "model": args.model,
         "input_size": image_size,
         "class_names": info.class_names,

@@ -4,7 +4,10 @@ Everything the orchestrator needs to see goes through the Batch API: pool and no
 each subtask of a multi-instance task, the primary's stdout (streamed into the Prefect logs by
 range reads), and the task's end state. Retries of a failed task are the service's own
 (``maxTaskRetryCount``), so a retry runs on the nodes already allocated and the trainer resumes
-from its checkpoint in NFS.
+from its checkpoint in NFS. Following a task has a deadline (every attempt at its maximum run
+time, plus the pool's start timeout), measured on the service's clock: a task that never gets
+nodes (Spot capacity gone, nodes unusable) fails the run with the reason instead of waiting
+forever.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any
 
 from backends.azure import service_name
-from backends.azure.access import NodeAccess, redact
+from backends.azure.access import AccessIssuer, redact, task_lifetime
 from backends.azure.batch_requests import (
+    CREDENTIALS_KEY,
     job_body,
+    job_completion_body,
     pool_body,
     resize_body,
     task_body,
@@ -31,13 +38,18 @@ if TYPE_CHECKING:
     from azure.batch import BatchClient
     from azure.storage.blob import ContainerClient
 
+# Resize errors that no retry fixes: the account (Batch-service allocation mode) or the
+# subscription (user-subscription mode) has no more cores of that kind.
+QUOTA_CODES = {"AccountCoreQuotaReached", "AccountLowPriorityCoreQuotaReached"}
+PIPELINE = "retrain-pipeline"  # the created-by metadata of pools this pipeline created
+
 
 class PoolError(RuntimeError):
     """The pool cannot be used as configured; the message says which setting or node."""
 
 
 class TaskFailedError(RuntimeError):
-    """A Batch task could not run at all (e.g. its job was terminated)."""
+    """A Batch task could not run at all (its job was terminated, or it never got nodes)."""
 
 
 @dataclass
@@ -56,16 +68,41 @@ class Polling:
             delay = min(self.cap, delay * self.factor)
 
 
-# Settings Batch cannot change on an existing pool: a mismatch needs a new pool.
+def _batch_code(exc: Exception) -> str | None:
+    """The Batch error code of a failed request (``TaskExists``, ``JobCompleted``, ...)."""
+    response = getattr(exc, "response", None)
+    with contextlib.suppress(Exception):
+        return str(response.json().get("code"))  # type: ignore[union-attr]
+    return getattr(getattr(exc, "error", None), "code", None)
+
+
+def _registries(container: Any) -> list[tuple[str, str, str]]:
+    return sorted(
+        (
+            (r.registry_server or "").lower(),
+            r.username or "",
+            (r.identity_reference.resource_id or "").lower() if r.identity_reference else "",
+        )
+        for r in (container.container_registries or [])
+    )
+
+
+# Settings Batch cannot change on a pool in use: a mismatch needs a new pool.
 def _immutable(pool: Any) -> dict[str, Any]:
     vm = pool.virtual_machine_configuration
     image = vm.image_reference if vm else None
+    container = vm.container_configuration if vm else None
     return {
         "vm_size": (pool.vm_size or "").lower(),
         "enable_inter_node_communication": bool(pool.enable_inter_node_communication),
-        "task_slots_per_node": pool.task_slots_per_node,
+        "task_slots_per_node": pool.task_slots_per_node or 1,
         "image": (image.publisher, image.offer, image.sku) if image else None,
         "node_agent_sku_id": vm.node_agent_sku_id if vm else None,
+        "container_image_names": sorted(container.container_image_names or [])
+        if container
+        else None,
+        "container_registries": _registries(container) if container else None,
+        "os_disk_gb": vm.os_disk.disk_size_gb if vm and vm.os_disk else None,
         "mounts": sorted(
             (mc.nfs_mount_configuration.source if mc.nfs_mount_configuration else "")
             + (
@@ -78,6 +115,10 @@ def _immutable(pool: Any) -> dict[str, Any]:
     }
 
 
+def _metadata(pool: Any) -> dict[str, str]:
+    return {str(item.name): str(item.value) for item in (pool.metadata or [])}
+
+
 class BatchCluster:
     retries_in_service = True
 
@@ -86,26 +127,26 @@ class BatchCluster:
         config: PipelineConfig,
         client: BatchClient,
         outputs: ContainerClient,
-        access: NodeAccess,
+        access: AccessIssuer,
         image: str,
         secrets: Callable[[], tuple[str, str | None]] = lambda: ("", None),
         polling: Polling | None = None,
     ) -> None:
         self.config, self.client, self.outputs = config, client, outputs
         self.access, self.image = access, image
-        self._secrets = secrets  # (share key, registry password), fetched only to create a pool
+        self._secrets = secrets  # (share key, registry password), fetched only for the pool
         self.polling = polling or Polling()
         self.pool_id = config.pool.id
 
     # -- pool ---------------------------------------------------------------------------------
     def ensure_pool(self) -> dict[str, Any]:
-        """Create when missing, grow when smaller, refuse when an immutable setting differs."""
+        """Create when missing, grow when smaller; a pool whose fixed settings differ is created
+        again while idle (``pool.recreate_on_change``) or refused."""
         from azure.core.exceptions import ResourceNotFoundError
 
         pool_cfg = self.config.pool
         share_key, registry_password = self._secrets()
         wanted = pool_body(self.config, self.image, self.access, share_key, registry_password)
-        action = "reused"
         try:
             existing = self.client.get_pool(self.pool_id)
         except ResourceNotFoundError:
@@ -113,34 +154,27 @@ class BatchCluster:
         if existing is not None and existing.state == "deleting":
             self._wait_deleted()
             existing = None
-        if existing is None:
-            self.client.create_pool(wanted)
-            action = "created"
-        else:
-            have, want = _immutable(existing), _immutable(wanted)
-            diff = [
-                f"{k}: pool has {have[k]!r}, config wants {want[k]!r}"
-                for k in want
-                if have[k] != want[k]
-            ]
+        action = "reused"
+        if existing is not None:
+            self._check_identity(existing)
+            diff = self._differences(existing, wanted)
             if diff:
-                raise PoolError(
-                    f"pool {self.pool_id} exists with settings Batch cannot change ("
-                    + "; ".join(diff)
-                    + "): delete it, or set pool.id to a new pool"
-                )
-            if not pool_cfg.autoscale_formula and (
-                (existing.target_dedicated_nodes or 0) < pool_cfg.dedicated_nodes
-                or (existing.target_low_priority_nodes or 0) < pool_cfg.low_priority_nodes
-            ):
-                self._wait_steady_allocation()
-                self.client.begin_resize_pool(
-                    self.pool_id,
-                    resize_body(pool_cfg.dedicated_nodes, pool_cfg.low_priority_nodes),
-                    polling_interval=self.polling.lro_seconds,
-                ).result()
-                action = "resized"
-        nodes = self._wait_nodes_ready()
+                self._recreate(existing, diff)
+                existing, action = None, "recreated"
+        if existing is None:
+            if action != "recreated":
+                self._check_identity(None)
+                action = "created"
+            self.client.create_pool(wanted)
+        elif not pool_cfg.autoscale_formula and self._needs_resize(existing):
+            self._wait_steady_allocation(fresh=False)
+            self.client.begin_resize_pool(
+                self.pool_id,
+                resize_body(pool_cfg.dedicated_nodes, pool_cfg.low_priority_nodes),
+                polling_interval=self.polling.lro_seconds,
+            ).result()
+            action = "resized"
+        nodes = self._wait_nodes_ready(fresh=action != "reused")
         return {
             "pool": self.pool_id,
             "created": action != "reused",
@@ -148,6 +182,95 @@ class BatchCluster:
             "nodes": len(nodes),
             "vm_size": pool_cfg.vm_size,
         }
+
+    def _check_identity(self, existing: Any) -> None:
+        """A pool whose nodes act as a managed identity exists only if made through ARM."""
+        identity = self.access.identity
+        if not identity:
+            return
+        attached = []
+        if existing is not None and existing.identity is not None:
+            attached = [
+                (i.resource_id or "").lower()
+                for i in existing.identity.user_assigned_identities or []
+            ]
+        if identity.lower() in attached:
+            return
+        where = "does not exist" if existing is None else "exists without that identity"
+        raise PoolError(
+            f"pool {self.pool_id} {where}, and azure.identity_resource_id is set: a pool whose "
+            "nodes use a user-assigned managed identity can only be created through Azure "
+            "Resource Manager (the Batch API cannot attach an identity, and refuses identity "
+            "references the pool does not have). Create it once with the identity (portal, az "
+            "CLI or an ARM template, from the pool settings `--plan` prints; see docs/azure.md), "
+            "or unset azure.identity_resource_id to give the nodes SAS tokens instead"
+        )
+
+    def _differences(self, existing: Any, wanted: Any) -> list[str]:
+        have, want = _immutable(existing), _immutable(wanted)
+        diff = [
+            f"{k}: pool has {have[k]!r}, config wants {want[k]!r}"
+            for k in want
+            if have[k] != want[k]
+        ]
+        digest = _metadata(existing).get(CREDENTIALS_KEY)
+        if digest is not None and digest != _metadata(wanted)[CREDENTIALS_KEY]:
+            diff.append("credentials: the share key or registry password changed since creation")
+        return diff
+
+    def _recreate(self, existing: Any, diff: list[str]) -> None:
+        """Delete and create again (the caller creates), or explain why not."""
+        changes = "; ".join(diff)
+        ours = _metadata(existing).get("created-by") == PIPELINE
+        if not (self.config.pool.recreate_on_change and ours) or self.access.identity:
+            why = (
+                "pool.recreate_on_change is false"
+                if self.config.pool.recreate_on_change is False
+                else "it was not created by this pipeline"
+                if not ours
+                else "a pool with a managed identity is created through Azure Resource Manager"
+            )
+            raise PoolError(
+                f"pool {self.pool_id} exists with settings Batch cannot change ({changes}) and "
+                f"is not recreated ({why}): delete it, or set pool.id to a new pool"
+            )
+        busy = self._busy(existing)
+        if busy:
+            raise PoolError(
+                f"pool {self.pool_id} must be recreated ({changes}) but is in use ({busy}): "
+                "retry when it is idle, or set pool.id to a new pool"
+            )
+        self.client.begin_delete_pool(
+            self.pool_id, polling_interval=self.polling.lro_seconds
+        ).result()
+        self._wait_deleted()
+
+    def _busy(self, existing: Any) -> str:
+        running = [n.id for n in self.client.list_nodes(self.pool_id) if n.state in ("running",)]
+        jobs = [
+            str(j.id)
+            for j in self.client.list_jobs(filter="state eq 'active'")
+            if j.pool_info and j.pool_info.pool_id == self.pool_id
+        ]
+        parts = []
+        if running:
+            parts.append(f"nodes running tasks: {', '.join(running)}")
+        if jobs:
+            parts.append(f"active jobs: {', '.join(jobs)}")
+        return "; ".join(parts)
+
+    def _needs_resize(self, existing: Any) -> bool:
+        """Smaller than wanted, or short of it after a failed resize whose errors are stale:
+        resizing again clears them and tries again (capacity may be back)."""
+        pool_cfg = self.config.pool
+        if (existing.target_dedicated_nodes or 0) < pool_cfg.dedicated_nodes or (
+            existing.target_low_priority_nodes or 0
+        ) < pool_cfg.low_priority_nodes:
+            return True
+        current = (existing.current_dedicated_nodes or 0) + (
+            existing.current_low_priority_nodes or 0
+        )
+        return bool(existing.resize_errors) and current < pool_cfg.nodes
 
     def _wait_deleted(self) -> None:
         from azure.core.exceptions import ResourceNotFoundError
@@ -159,25 +282,45 @@ class BatchCluster:
                 return
             time.sleep(delay)
 
-    def _wait_steady_allocation(self) -> Any:
+    def _wait_steady_allocation(self, fresh: bool) -> Any:
+        """Until the pool is steady. ``fresh``: its resize errors are this run's own; quota
+        errors fail at once, after giving back what the resize allocated."""
         deadline = time.monotonic() + 60 * self.config.pool.start_timeout_minutes
         for delay in self.polling.delays():
             pool = self.client.get_pool(self.pool_id)
-            if pool.resize_errors:
-                errors = "; ".join(f"{e.code}: {e.message}" for e in pool.resize_errors)
-                raise PoolError(f"pool {self.pool_id} could not allocate nodes: {errors}")
             if pool.allocation_state == "steady":
+                self._check_resize_errors(pool, fresh)
                 return pool
             if time.monotonic() > deadline:
                 raise PoolError(f"pool {self.pool_id} still resizing after the start timeout")
             time.sleep(delay)
 
-    def _wait_nodes_ready(self) -> list[Any]:
+    def _check_resize_errors(self, pool: Any, fresh: bool) -> None:
+        errors = pool.resize_errors or []
+        if not errors or not fresh:
+            return
+        current = (pool.current_dedicated_nodes or 0) + (pool.current_low_priority_nodes or 0)
+        text = "; ".join(f"{e.code}: {e.message}" for e in errors)
+        if any(e.code in QUOTA_CODES for e in errors):
+            self._resize_to_zero()
+            raise PoolError(
+                f"pool {self.pool_id} could not allocate nodes: {text}. The nodes it did get "
+                "were released. Raise the quota: in Batch-service allocation mode the Batch "
+                "account's core quota (portal: Batch account -> Quotas), in user-subscription "
+                "mode the subscription's regional vCPU quota for the VM family (dedicated and "
+                "Spot are separate quotas)"
+            )
+        if current < self.config.pool.nodes and not self.config.pool.autoscale_formula:
+            raise PoolError(
+                f"pool {self.pool_id} has {current} of {self.config.pool.nodes} nodes: {text}"
+            )
+
+    def _wait_nodes_ready(self, fresh: bool) -> list[Any]:
         """Until every node is idle or running; fail fast on unusable or start-task-failed."""
         needed = self.config.pool.nodes
         deadline = time.monotonic() + 60 * self.config.pool.start_timeout_minutes
         for delay in self.polling.delays():
-            self._wait_steady_allocation()
+            self._wait_steady_allocation(fresh)
             nodes = list(self.client.list_nodes(self.pool_id))
             broken = [n for n in nodes if n.state in ("unusable", "starttaskfailed")]
             if broken:
@@ -220,13 +363,23 @@ class BatchCluster:
 
         started = time.perf_counter()
         job_id = self.job_id(spec)
+        body = task_body(self.config, spec, self.image, self.access.for_task(spec))
         # Exists already: a re-run of the same step after an orchestrator crash; follow it.
         with contextlib.suppress(ResourceExistsError):
             self.client.create_job(job_body(self.config, job_id))
         try:
-            self.client.create_task(job_id, task_body(self.config, spec, self.image, self.access))
-        except ResourceExistsError:
-            on_line(f"task {spec.id} already submitted: following it")
+            self.client.create_task(job_id, body)
+        except ResourceExistsError as exc:
+            error_code = _batch_code(exc)
+            if error_code == "TaskExists":
+                on_line(f"task {spec.id} already submitted: following it")
+            elif error_code == "JobCompleted":
+                on_line(f"job {job_id} has already completed: following its task {spec.id}")
+            else:
+                raise
+        # Only now may the job end with its task (see job_body); a completed job says 409.
+        with contextlib.suppress(ResourceExistsError):
+            self.client.update_job(job_id, job_completion_body())
         task = self._follow(job_id, spec, on_line)
         info = task.execution_info
         if info is None:
@@ -246,48 +399,121 @@ class BatchCluster:
             attempts=(info.retry_count or 0) + 1,
         )
 
-    def _follow(self, job_id: str, spec: TaskSpec, on_line: Callable[[str], None]) -> Any:
+    def _get_task(self, job_id: str, spec: TaskSpec) -> tuple[Any, datetime]:
+        """The task and the service's clock at that moment (its Date header)."""
         from azure.core.exceptions import ResourceNotFoundError
 
-        offset, attempt = 0, 0
+        def with_date(response: Any, task: Any, _headers: Any) -> tuple[Any, datetime]:
+            header = response.http_response.headers.get("Date")
+            return task, parsedate_to_datetime(header) if header else datetime.now(UTC)
+
+        try:
+            found: Any = self.client.get_task(job_id, spec.id, cls=with_date)
+            task, now = found
+        except ResourceNotFoundError:
+            raise TaskFailedError(
+                f"task {spec.id} does not exist in job {job_id}: the job completed before the "
+                "task was added (by hand, or by a version of this pipeline that created jobs "
+                "set to terminate when empty); run the step again to submit it anew"
+            ) from None
+        return task, now
+
+    def _follow(self, job_id: str, spec: TaskSpec, on_line: Callable[[str], None]) -> Any:
+        offset, retry = 0, 0
+        start: tuple[Any, Any] | None = None  # (start time, node) of the attempt being read
         states: dict[Any, tuple[Any, Any]] = {}
         delays = self.polling.delays()
+        lifetime = task_lifetime(self.config, spec)
         while True:
-            task = self.client.get_task(job_id, spec.id)
+            task, now = self._get_task(job_id, spec)
             info = task.execution_info
-            retry = (info.retry_count or 0) if info else 0
-            if retry != attempt:  # the service retried: a new stdout.txt starts at 0
+            if info is not None and (info.retry_count or 0) != retry:
+                retry, offset = info.retry_count or 0, 0  # a retry writes a new stdout.txt
                 on_line(
                     f"task {spec.id}: attempt {retry + 1} of {spec.max_retries + 1} "
-                    f"(previous exit code {info.exit_code if info else '?'})"
+                    f"(previous exit code "
+                    f"{info.exit_code if info.exit_code is not None else '?'})"
                 )
-                attempt, offset = retry, 0
+            if info is not None and info.start_time is not None:
+                node = task.node_info.node_id if task.node_info else None
+                if start is not None and start[0] != info.start_time and offset:
+                    offset = 0  # started again without a retry: requeued, new stdout.txt
+                    on_line(
+                        f"task {spec.id} was requeued (a node was preempted or recovered): "
+                        f"it starts again on {node}, from its last checkpoint"
+                    )
+                start = (info.start_time, node)
             if spec.coordination_command:
-                for sub in self.client.list_subtasks(job_id, spec.id):
-                    node = sub.node_info.node_id if sub.node_info else "?"
-                    state = (sub.state, sub.exit_code)
-                    if states.get(sub.id) != state:
-                        states[sub.id] = state
-                        on_line(
-                            f"subtask {sub.id} on {node}: {service_name(sub.state)}"
-                            + (f" (exit {sub.exit_code})" if sub.exit_code is not None else "")
-                        )
+                self._log_subtasks(job_id, spec, states, on_line)
             if task.state in ("running", "completed"):
-                with contextlib.suppress(ResourceNotFoundError):  # until the process starts
-                    offset = self._stream(job_id, spec.id, offset, on_line)
+                offset = self._stream(job_id, spec.id, offset, on_line)
             if task.state == "completed":
                 return task
+            if task.creation_time is not None and now > task.creation_time + lifetime:
+                self._give_up(job_id, spec, task, lifetime)
             time.sleep(next(delays))
+
+    def _log_subtasks(
+        self,
+        job_id: str,
+        spec: TaskSpec,
+        states: dict[Any, tuple[Any, Any]],
+        on_line: Callable[[str], None],
+    ) -> None:
+        for sub in self.client.list_subtasks(job_id, spec.id):
+            node = sub.node_info.node_id if sub.node_info else "?"
+            state = (sub.state, sub.exit_code)
+            if states.get(sub.id) != state:
+                states[sub.id] = state
+                on_line(
+                    f"subtask {sub.id} on {node}: {service_name(sub.state)}"
+                    + (f" (exit {sub.exit_code})" if sub.exit_code is not None else "")
+                )
+
+    def _give_up(self, job_id: str, spec: TaskSpec, task: Any, lifetime: Any) -> None:
+        """Past the longest the task could take: stop it (nothing runs unobserved) and say why."""
+        from azure.batch.models._models import BatchJobTerminateOptions
+
+        pool = self.client.get_pool(self.pool_id)
+        nodes = sorted(service_name(n.state) for n in self.client.list_nodes(self.pool_id))
+        errors = "; ".join(f"{e.code}: {e.message}" for e in pool.resize_errors or [])
+        reason = f"task {spec.id} did not finish within {lifetime} of its submission"
+        self.client.begin_terminate_job(
+            job_id,
+            BatchJobTerminateOptions(termination_reason=reason[:100]),
+            polling_interval=self.polling.lro_seconds,
+        ).result()
+        raise TaskFailedError(
+            f"{reason} (state {service_name(task.state)}; pool {self.pool_id} nodes: "
+            + (", ".join(nodes) or "none")
+            + (f"; resize errors: {errors}" if errors else "")
+            + "): its job was terminated. Nodes that never become idle (Spot capacity gone, "
+            "unusable nodes) keep a task from starting"
+        )
 
     def _stream(
         self, job_id: str, task_id: str, offset: int, on_line: Callable[[str], None]
     ) -> int:
+        """New whole lines of stdout.txt since ``offset``. The file's size comes first: Batch
+        refuses a range that starts at or past the end (416), and a requeued task's new file
+        may be shorter than what was already read."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            size = int(
+                self.client.get_task_file_properties(job_id, task_id, "stdout.txt").content_length
+                or 0
+            )
+        except ResourceNotFoundError:  # until the process starts
+            return offset
+        if size < offset:
+            offset = 0
+        if size == offset:
+            return offset
         chunks = self.client.download_task_file(
-            job_id, task_id, "stdout.txt", ocp_range=f"bytes={offset}-"
+            job_id, task_id, "stdout.txt", ocp_range=f"bytes={offset}-{size - 1}"
         )
         data = b"".join(chunks)
-        if not data:
-            return offset
         end = data.rfind(b"\n") + 1  # only whole lines; the rest comes with the next read
         for line in data[:end].decode(errors="replace").splitlines():
             on_line(line)

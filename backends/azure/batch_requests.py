@@ -7,10 +7,11 @@ camelCase, read-only fields dropped).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.azure.access import NodeAccess
 from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, TaskSpec
@@ -24,11 +25,34 @@ if TYPE_CHECKING:
 _SIZE = re.compile(r"^Standard_[A-Z]+\d+([a-z]*)", re.IGNORECASE)
 
 
+# The NCCL topology files of the Azure HPC images, by ND family. The image's /etc/nccl.conf names
+# the file for the host; inside the container NCCL sees neither unless they are mounted, and then
+# falls back to a topology it discovers itself (wrong on these VMs: slower all-reduce).
+_TOPOLOGY = (
+    (re.compile(r"^Standard_ND\d+a\w*_(A100_)?v4$", re.I), "/opt/microsoft/ndv4-topo.xml"),
+    (re.compile(r"^Standard_ND\d+\w*_H(100|200)_v5$", re.I), "/opt/microsoft/ndv5-topo.xml"),
+)
+CREDENTIALS_KEY = "credentials-sha256"  # pool metadata: which secrets the pool was created with
+
+
 def has_infiniband(config: PipelineConfig) -> bool:
     if config.pool.infiniband != "auto":
         return config.pool.infiniband == "on"
     match = _SIZE.match(config.pool.vm_size)
     return bool(match and "r" in match.group(1).lower())
+
+
+def nccl_topology(config: PipelineConfig) -> str | None:
+    """The host topology file NCCL must read on this pool, or None."""
+    wanted = config.pool.nccl_topo_file
+    if not wanted or not has_infiniband(config):
+        return None
+    if wanted != "auto":
+        return wanted
+    for pattern, path in _TOPOLOGY:
+        if pattern.match(config.pool.vm_size):
+            return path
+    return None
 
 
 def wire(model: Any) -> dict[str, Any]:
@@ -37,16 +61,28 @@ def wire(model: Any) -> dict[str, Any]:
     return dict(json.loads(json.dumps(model, cls=SdkJSONEncoder, exclude_readonly=True)))
 
 
-def _identity(access: NodeAccess) -> batch_models.BatchNodeIdentityReference | None:
+class HasIdentity(Protocol):
+    @property
+    def identity(self) -> str | None: ...
+
+
+def _identity(access: HasIdentity) -> batch_models.BatchNodeIdentityReference | None:
     from azure.batch import models as m
 
     return m.BatchNodeIdentityReference(resource_id=access.identity) if access.identity else None
 
 
+def credentials_digest(share_key: str, registry_password: str | None) -> str:
+    """A digest of the secrets a pool is created with. Batch never returns them, so the pool's
+    metadata carries this instead: a rotated key or password shows as a different digest."""
+    material = f"{share_key}\n{registry_password or ''}".encode()
+    return hashlib.sha256(material).hexdigest()[:32]
+
+
 def pool_body(
     config: PipelineConfig,
     image: str,
-    access: NodeAccess,
+    access: HasIdentity,
     share_key: str,
     registry_password: str | None,
 ) -> batch_models.BatchPoolCreateOptions:
@@ -78,6 +114,7 @@ def pool_body(
                 container_image_names=[image],  # pulled once per node, before any task
                 container_registries=[registry_ref],
             ),
+            os_disk=m.BatchOsDisk(disk_size_gb=pool.os_disk_gb) if pool.os_disk_gb else None,
         ),
         target_dedicated_nodes=None if autoscale else pool.dedicated_nodes,
         target_low_priority_nodes=None if autoscale else pool.low_priority_nodes,
@@ -108,7 +145,12 @@ def pool_body(
                 )
             ),
         ],
-        metadata=[m.BatchMetadataItem(name="created-by", value="retrain-pipeline")],
+        metadata=[
+            m.BatchMetadataItem(name="created-by", value="retrain-pipeline"),
+            m.BatchMetadataItem(
+                name=CREDENTIALS_KEY, value=credentials_digest(share_key, registry_password)
+            ),
+        ],
     )
 
 
@@ -123,20 +165,40 @@ def resize_body(dedicated: int, low_priority: int) -> batch_models.BatchPoolResi
 
 
 def job_body(config: PipelineConfig, job_id: str) -> batch_models.BatchJobCreateOptions:
-    """One job per task: it ends when its task does, so nothing lingers on the pool."""
+    """One job per task. Created with ``noaction``: a job told to terminate when all its tasks
+    are complete, and created before its task, has no task yet and may complete at once, and
+    then refuses the task (409). ``job_completion_body`` turns termination on once the task is
+    in."""
     from azure.batch import models as m
 
     return m.BatchJobCreateOptions(
         id=job_id,
         pool_info=m.BatchPoolInfo(pool_id=config.pool.id),
-        all_tasks_complete_mode="terminatejob",
+        all_tasks_complete_mode="noaction",
         metadata=[m.BatchMetadataItem(name="created-by", value="retrain-pipeline")],
     )
 
 
+def job_completion_body() -> batch_models.BatchJobUpdateOptions:
+    """Once its task exists, the job ends when the task does, so nothing lingers on the pool."""
+    from azure.batch import models as m
+
+    return m.BatchJobUpdateOptions(all_tasks_complete_mode="terminatejob")
+
+
+def network_interface(config: PipelineConfig) -> str:
+    """The interface a multi-node job's ranks talk over (launch.sh pins Horovod, Gloo, NCCL's
+    bootstrap and OpenMPI to it): the same name on every node of the pool."""
+    return config.pool.network_interface or ("ib0" if has_infiniband(config) else "eth0")
+
+
 def _nccl_environment(config: PipelineConfig) -> dict[str, str]:
     if has_infiniband(config):
-        return {"NCCL_IB_DISABLE": "0", "NCCL_IB_PCI_RELAXED_ORDERING": "1", "UCX_TLS": "rc"}
+        env = {"NCCL_IB_DISABLE": "0", "NCCL_IB_PCI_RELAXED_ORDERING": "1", "UCX_TLS": "rc"}
+        topology = nccl_topology(config)
+        if topology:
+            env["NCCL_TOPO_FILE"] = topology
+        return env
     return {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "eth0"}
 
 
@@ -145,6 +207,10 @@ def container_run_options(config: PipelineConfig) -> str:
     options = "--network=host --ipc=host --ulimit memlock=-1 --ulimit stack=67108864"
     if has_infiniband(config):
         options += " --device=/dev/infiniband --cap-add=IPC_LOCK"
+        topology = nccl_topology(config)
+        if topology:  # the host's NCCL settings and topology, read-only
+            folder = topology.rsplit("/", 1)[0]
+            options += f" -v /etc/nccl.conf:/etc/nccl.conf:ro -v {folder}:{folder}:ro"
     return options
 
 
@@ -155,6 +221,7 @@ def task_body(
 
     identity = _identity(access)
     environment = {**spec.environment, **_nccl_environment(config), "RETRAIN_PYTHON": "python"}
+    environment["RETRAIN_NETWORK_INTERFACE"] = network_interface(config)
     if spec.reads_training_data:
         environment["RETRAIN_DATA_URL"] = access.data_url
         if access.identity_client_id:

@@ -3,7 +3,9 @@
 Each file's SHA-256 is kept in its own metadata, so an unchanged file costs one properties
 request and no upload, and the share itself is the record of what it holds (nothing to lose on
 the orchestrator). A changed file is uploaded under a temporary name and renamed over the old
-one, so a node that mounts the share never reads half a script.
+one, so a node that mounts the share never reads half a script. Azure Files paths are
+case-insensitive: two local files whose paths differ only in case would land on one file of the
+share, so such a tree is refused before anything is uploaded.
 """
 
 from __future__ import annotations
@@ -18,6 +20,21 @@ if TYPE_CHECKING:
     from azure.storage.fileshare import ShareClient, ShareServiceClient
 
 HASH_KEY = "contentsha256"
+
+
+class ShareError(ValueError):
+    """The files cannot be represented on the share; the message names them."""
+
+
+def _case_collisions(names: list[str]) -> list[tuple[str, str]]:
+    seen: dict[str, str] = {}
+    clashes = []
+    for name in sorted(names):
+        folded = name.casefold()
+        if folded in seen:
+            clashes.append((seen[folded], name))
+        seen.setdefault(folded, name)
+    return clashes
 
 
 class AzureFilesShare:
@@ -52,6 +69,12 @@ class AzureFilesShare:
         return (props.metadata or {}).get(HASH_KEY)
 
     def upload(self, files: dict[str, Path]) -> UploadReport:
+        clashes = _case_collisions(list(files))
+        if clashes:
+            raise ShareError(
+                "Azure Files paths are case-insensitive; these would be one file on the share: "
+                + "; ".join(f"{a} and {b}" for a, b in clashes)
+            )
         self._ensure_share()
         report = UploadReport()
         current: dict[str, str] = {}

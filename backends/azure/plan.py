@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends.azure.access import NodeAccess
+from backends.azure.access import AccessIssuer, NodeAccess
 from backends.azure.batch_requests import (
     container_run_options,
     has_infiniband,
     job_body,
+    job_completion_body,
+    nccl_topology,
     pool_body,
     resize_body,
     task_body,
@@ -32,7 +34,9 @@ def _container_url(location: Any) -> str:
     return f"{base}/{location.container}"
 
 
-def _access(config: PipelineConfig) -> NodeAccess:
+def _access(config: PipelineConfig, spec: Any) -> NodeAccess:
+    """What ``spec``'s request would carry: identity references, or its SAS tokens described
+    (each signed at submission for the task's own lifetime)."""
     azure = config.azure
     if azure.identity_resource_id:
         return NodeAccess(
@@ -41,10 +45,11 @@ def _access(config: PipelineConfig) -> NodeAccess:
             azure.identity_resource_id,
             azure.identity_client_id,
         )
-    hours = azure.sas_hours
+    hours = AccessIssuer(config).lifetime(spec).total_seconds() / 3600
+    expires = f"expires {hours:.1f} h after submission"
     return NodeAccess(
-        f"{_container_url(config.data)}?<SAS read,list; expires after {hours:g} h>",
-        f"{_container_url(config.output)}?<SAS read,list,create,write; expires after {hours:g} h>",
+        f"{_container_url(config.data)}?<SAS read,list; {expires}>",
+        f"{_container_url(config.output)}?<SAS read,list,create,write; {expires}>",
     )
 
 
@@ -52,7 +57,7 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
     from backends.factory import image_reference
 
     image = image_reference(config)
-    access = _access(config)
+    access = AccessIssuer(config)
     share_key = f"<secret from Prefect Secret block {config.share.account_key_secret!r}>"
     password = (
         f"<secret from Prefect Secret block {config.image.registry_password_secret!r}>"
@@ -66,14 +71,24 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
         scoring_task(f"score-{RUN_ID}", f"{output_prefix}/model.pt", output_prefix),
     ]
     pool_id = config.pool.id
-    requests: list[dict[str, Any]] = [
-        {
+    pool_settings = wire(pool_body(config, image, access, share_key, password))
+    create: dict[str, Any] = {
+        "step": "ensure-pool",
+        "when": "the pool does not exist",
+        "method": "POST",
+        "path": "/pools",
+        "body": pool_settings,
+    }
+    if access.identity:  # the Batch API cannot attach an identity: the run stops instead
+        create = {
             "step": "ensure-pool",
             "when": "the pool does not exist",
-            "method": "POST",
-            "path": "/pools",
-            "body": wire(pool_body(config, image, access, share_key, password)),
-        },
+            "action": "fail: a pool whose nodes use a managed identity is created through Azure "
+            "Resource Manager, once, with these settings and the identity (docs/azure.md)",
+            "pool_settings": pool_settings,
+        }
+    requests: list[dict[str, Any]] = [
+        create,
         {
             "step": "ensure-pool",
             "when": "the pool exists with fewer nodes",
@@ -98,7 +113,16 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
                 "step": step,
                 "method": "POST",
                 "path": f"/jobs/{job_id}/tasks",
-                "body": wire(task_body(config, spec, image, access)),
+                "body": wire(task_body(config, spec, image, _access(config, spec))),
+            }
+        )
+        requests.append(
+            {
+                "step": step,
+                "when": "once the task exists: the job then ends with it",
+                "method": "PATCH",
+                "path": f"/jobs/{job_id}",
+                "body": wire(job_completion_body()),
             }
         )
     release: dict[str, Any] = (
@@ -134,6 +158,7 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
                 "nodes": config.pool.nodes,
                 "infiniband": has_infiniband(config),
                 "container_run_options": container_run_options(config),
+                "nccl_topo_file": nccl_topology(config),
                 "action": "create if missing, resize if smaller, then "
                 f"{config.pool.release} at the end",
             },

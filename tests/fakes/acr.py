@@ -3,8 +3,11 @@ registry's data plane (token exchange, tag properties).
 
 The build source and the run log live in Azurite, as they live in the registry's storage on
 Azure: the client uploads the context through the SAS URL it is given and reads the log blob
-through the log link, with the real Blob SDK. A run checks that the uploaded context holds the
-Dockerfile it was asked to build, then "pushes" the image: its tag exists from then on.
+through the log link, with the real Blob SDK. The scheduleRun body is checked against the
+ACR Tasks 2025-03-01-preview spec (``spec/``); a run is a ``QuickBuild`` that goes
+``Queued`` -> ``Started`` -> ``Running`` -> ``Succeeded``/``Failed``, appending to its log blob
+(an append blob) while it runs. A run checks that the uploaded context holds the Dockerfile it
+was asked to build, then "pushes" the image: its tag exists from then on.
 """
 
 from __future__ import annotations
@@ -13,13 +16,25 @@ import io
 import itertools
 import tarfile
 import threading
+from datetime import UTC, datetime
 from typing import Any
 
 from azure.storage.blob import ContainerClient
 
+from tests.fakes.schema import Schema
 from tests.fakes.transport import Recorder, Request, Response
 
 ARM_HOST = "management.azure.com"
+API_VERSION = "2025-03-01-preview"
+SPEC = Schema.load("containerregistry-build-2025-03-01-preview.json")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _arm_error(status: int, code: str, message: str) -> Response:
+    return Response(status, {"error": {"code": code, "message": message}})
 
 
 class FakeAcr:
@@ -32,6 +47,8 @@ class FakeAcr:
         self.runs: dict[str, dict[str, Any]] = {}
         self.fail_builds = False
         self.polls_per_state = 1
+        self.refused: list[Any] = []  # spec problems of the scheduleRun bodies refused
+        self.allow_refusals = False  # a test that sends non-conforming bodies on purpose
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -39,7 +56,9 @@ class FakeAcr:
     def arm(self, req: Request) -> Response:
         self.requests.add(req)
         if req.headers.get("Authorization", "") != "Bearer fake-entra-token":
-            return Response(401, {"error": {"code": "AuthenticationFailed", "message": "no token"}})
+            return _arm_error(401, "AuthenticationFailed", "no token")
+        if req.query.get("api-version") != API_VERSION:
+            return _arm_error(400, "InvalidApiVersionParameter", f"api-version {API_VERSION}")
         parts = req.path.strip("/").split("/")
         registry = parts[7] if len(parts) > 7 else ""
         action = parts[8:]
@@ -51,25 +70,39 @@ class FakeAcr:
                     {"uploadUrl": f"{self.storage.url}/{name}?{self.sas}", "relativePath": name},
                 )
             if action == ["scheduleRun"] and req.method == "POST":
-                return self._schedule(registry, req.json())
+                body = req.json()
+                problems = SPEC.check(body, "DockerBuildRequest")
+                if problems:
+                    self.refused.extend(problems)
+                    return _arm_error(400, "InvalidRequestContent", str(problems[0]))
+                return self._schedule(registry, body)
             if action[:1] == ["runs"] and len(action) == 2 and req.method == "GET":
                 return self._advance(action[1])
             if action[:1] == ["runs"] and action[2:] == ["listLogSasUrl"]:
                 log = f"{self.storage.url}/logs/{action[1]}.log?{self.sas}"
                 return Response(200, {"logLink": log})
-        return Response(404, {"error": {"code": "NotFound", "message": req.path}})
+        return _arm_error(404, "NotFound", req.path)
 
     def _schedule(self, registry: str, body: dict[str, Any]) -> Response:
         run_id = f"cb{next(self._ids)}"
         context = self.storage.download_blob(body["sourceLocation"]).readall()
         with tarfile.open(fileobj=io.BytesIO(context), mode="r:gz") as tar:
             names = set(tar.getnames())
+        now = _now()
         run = {
             "id": f"/subscriptions/x/resourceGroups/x/providers/Microsoft.ContainerRegistry/"
             f"registries/{registry}/runs/{run_id}",
             "name": run_id,
             "type": "Microsoft.ContainerRegistry/registries/runs",
-            "properties": {"runId": run_id, "status": "Queued", "runType": "QuickRun"},
+            "properties": {
+                "runId": run_id,
+                "status": "Queued",
+                "runType": "QuickBuild",
+                "createTime": now,
+                "lastUpdatedTime": now,
+                "platform": body["platform"],
+                "isArchiveEnabled": body.get("isArchiveEnabled", False),
+            },
             "_request": body,
             "_context": names,
             "_polls": 0,
@@ -78,16 +111,22 @@ class FakeAcr:
         return Response(200, self._public(run))
 
     def _advance(self, run_id: str) -> Response:
+        """One state per ``polls_per_state`` reads; the log grows while the build runs."""
         run = self.runs[run_id]
         props = run["properties"]
+        body = run["_request"]
         run["_polls"] += 1
-        order = ["Queued", "Running", "Succeeded"]
-        if run["_polls"] % (self.polls_per_state + 1) == 0 and props["status"] in order[:2]:
+        order = ["Queued", "Started", "Running", "Succeeded"]
+        if run["_polls"] % (self.polls_per_state + 1) == 0 and props["status"] in order[:3]:
             props["status"] = order[order.index(props["status"]) + 1]
-            body = run["_request"]
-            if props["status"] == "Running":
+            props["lastUpdatedTime"] = _now()
+            if props["status"] == "Started":
+                props["startTime"] = props["lastUpdatedTime"]
+                self._log(run_id, "Queued, starting the build agent\n", create=True)
+            elif props["status"] == "Running":
                 self._log(run_id, f"Step 1/20 : FROM cuda (building {body['imageNames'][0]})\n")
             elif props["status"] == "Succeeded":
+                props["finishTime"] = props["lastUpdatedTime"]
                 if self.fail_builds or body["dockerFilePath"] not in run["_context"]:
                     props["status"] = "Failed"
                     props["runErrorMessage"] = (
@@ -97,15 +136,23 @@ class FakeAcr:
                 else:
                     repo, tag = body["imageNames"][0].split(":", 1)
                     self.tags.add((repo, tag))
-                    self._log(
-                        run_id,
-                        f"Step 1/20 : FROM cuda (building {body['imageNames'][0]})\n"
-                        f"pushed {repo}:{tag}\n",
-                    )
-        return Response(200, self._public(run))
+                    props["outputImages"] = [
+                        {"registry": self.registry_host, "repository": repo, "tag": tag}
+                    ]
+                    self._log(run_id, f"Step 20/20 : done\npushed {repo}:{tag}\n")
+        elif props["status"] == "Running":
+            self._log(run_id, f"Step {1 + run['_polls']}/20 : RUN ...\n")
+        public = self._public(run)
+        problems = SPEC.check(public, "Run", request=False)
+        assert not problems, f"fake ACR answered a non-conforming Run: {problems}"
+        return Response(200, public)
 
-    def _log(self, run_id: str, text: str) -> None:
-        self.storage.upload_blob(f"logs/{run_id}.log", text.encode(), overwrite=True)
+    def _log(self, run_id: str, text: str, create: bool = False) -> None:
+        """The run log is an append blob the build writes to as it goes."""
+        blob = self.storage.get_blob_client(f"logs/{run_id}.log")
+        if create:
+            blob.create_append_blob()
+        blob.append_block(text.encode())
 
     @staticmethod
     def _public(run: dict[str, Any]) -> dict[str, Any]:

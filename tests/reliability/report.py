@@ -19,7 +19,7 @@ _lock = threading.Lock()
 
 SECTIONS = {
     "storage": "Storage faults (fault-injecting proxy in front of Azurite)",
-    "training": "Training faults (a Horovod rank killed mid-training)",
+    "training": "Training faults (a Horovod rank killed mid-training, a node that cannot prepare)",
     "orchestrator": "Orchestrator faults",
     "inputs": "Bad input corpus",
     "secrets": "Secrets",

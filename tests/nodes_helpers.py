@@ -1,0 +1,110 @@
+"""Helpers for tests on emulated Batch nodes: availability, the scripts share, task bodies."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.share import collect_files
+from backends.taskspec import TaskSpec, training_task
+from flows.config import load_config
+from tests.conftest import ROOT
+from tests.fakes.hosts import Node, unavailable_reason
+from tests.fakes.node import PoolNodes, TaskRun
+
+# CI sets this: there the multi-node tests must run, so a machine that cannot emulate nodes fails
+# them instead of skipping them.
+REQUIRED = "RETRAIN_REQUIRE_EMULATED_NODES"
+_checked: list[str | None] = []
+
+
+def require_emulated_nodes() -> None:
+    """Skip (or, under CI, fail) with the reason when nodes cannot be emulated here."""
+    if not _checked:
+        _checked.append(unavailable_reason())
+    reason = _checked[0]
+    if reason is None:
+        return
+    if os.environ.get(REQUIRED):
+        pytest.fail(f"{REQUIRED} is set but {reason}")
+    print(f"\nskipping emulated-node test: {reason}")
+    pytest.skip(reason)
+
+
+def copy_scripts(target: Path) -> None:
+    """The scripts share as upload-scripts fills it (the node-side package)."""
+    for rel, source in collect_files(ROOT, ["training"]).items():
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+
+
+def task_body(spec: TaskSpec, **environment: str) -> dict[str, Any]:
+    """The parts of a Batch task body a node uses, from the project's own task spec."""
+    env = {**spec.environment, "RETRAIN_PYTHON": "python", **environment}
+    body: dict[str, Any] = {
+        "id": spec.id,
+        "commandLine": spec.command_line,
+        "environmentSettings": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "constraints": {"maxWallClockTime": f"PT{spec.max_wall_clock_seconds}S"},
+    }
+    if spec.coordination_command:
+        body["multiInstanceSettings"] = {
+            "numberOfInstances": spec.instances,
+            "coordinationCommandLine": spec.coordination_command,
+        }
+    return body
+
+
+NODES = [("tvmps_0000", "10.211.0.4"), ("tvmps_0001", "10.211.0.5")]
+JOB = "retrain-pool-train-test"
+
+
+def training_spec(nodes: int, ppn: int, *overrides: str) -> TaskSpec:
+    """The task spec the pipeline sends to Batch for this many nodes and processes per node."""
+    config = load_config(
+        ROOT / "configs" / "local.yaml",
+        [
+            f"pool.dedicated_nodes={nodes}",
+            f"pool.processes_per_node={ppn}",
+            "training.epochs=3",
+            "training.batch_size=16",
+            "training.lr=0.05",
+            "training.seed=3",
+            "training.timeline=false",
+            *overrides,
+        ],
+    )
+    return training_task(config, f"train-{nodes}x{ppn}", "key", "runs/test")
+
+
+def run_task(pool: PoolNodes, spec: TaskSpec, job: str = JOB, **env: str) -> TaskRun:
+    run = pool.start(task_body(spec, **env), job)
+    run.wait(timeout=600)
+    return run
+
+
+def metrics(run: TaskRun) -> dict[str, Any]:
+    return json.loads((run.primary.wd / "outputs" / "metrics.json").read_text())
+
+
+_LISTEN = """
+import socket, sys, time
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+def listen_on(node: Node, port: int) -> subprocess.Popen[str]:
+    """A process on ``node`` holding ``port`` (it accepts nothing); returns once it listens."""
+    proc = node.popen([sys.executable, "-c", _LISTEN, str(port)], {}, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+    return proc

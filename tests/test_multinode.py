@@ -1,0 +1,124 @@
+"""Training across emulated Batch nodes: prepare_node.sh on every node, launch.sh on the primary.
+
+Each node is a host of its own (network, host name, hosts file, processes; tests/fakes/hosts.py)
+with an eth0 on a shared bridge, the NFS folder shared and the scripts share mounted, and the
+variables Batch sets for a multi-instance task. The nodes have Ubuntu's default hosts file (the
+node's own name on 127.0.1.1), read-only, so prepare_node.sh cannot change it: the setting under
+which Horovod's ranks told their peers to connect to loopback (rank 1 died with
+``connect [127.0.1.1]:<port>``) until its Gloo process-set context got the pinned interface.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fakes.node import PoolNodes, TaskRun
+from tests.nodes_helpers import (
+    JOB,
+    NODES,
+    copy_scripts,
+    listen_on,
+    metrics,
+    require_emulated_nodes,
+    run_task,
+    training_spec,
+)
+from training.make_images import write_digits
+
+pytestmark = pytest.mark.usefixtures("horovodrun")
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolNodes]:
+    require_emulated_nodes()
+    root = tmp_path_factory.mktemp("pool")
+    write_digits(root / "nfs" / "data", test_fraction=0.25, seed=0, per_class=None)
+    with PoolNodes(root, NODES, root / "nfs", copy_scripts, read_only_hosts=True) as nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def two_nodes(pool: PoolNodes) -> TaskRun:
+    """2 nodes x 2 processes, with what a dead node of an earlier run left on NFS."""
+    nfs = pool.nfs_dir
+    (nfs / ".retrain-ssh.lock").mkdir(exist_ok=True)  # the lock older scripts took, never freed
+    stale = nfs / ".retrain-ssh" / JOB / "train-2x2"
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / "authorized_keys").write_text("ssh-ed25519 AAAA-an-earlier-attempts-key\n")
+    run = run_task(pool, training_spec(2, 2))
+    assert run.exit_code == 0, run.primary.stdout()[-3000:] + run.primary.stderr()[-3000:]
+    return run
+
+
+def test_two_nodes_train_as_one_job(two_nodes: TaskRun, pool: PoolNodes) -> None:
+    m = metrics(two_nodes)
+    assert m["world_size"] == 4
+    digests = m["weights_digest_per_rank"]
+    assert len(digests) == 4 and len(set(digests)) == 1  # every rank holds the same weights
+    assert m["test_accuracy"] > 0.6  # chance is 0.1
+    assert (
+        "launch: 4 processes on 2 node(s): 10.211.0.4:2,10.211.0.5:2" in two_nodes.primary.stdout()
+    )
+    # The second node's ranks came in over its own sshd, with the key the primary made.
+    secondary = two_nodes.subtasks[1]
+    log = (secondary.task_dir / "shared" / ".retrain-ssh" / "sshd.log").read_text()
+    assert "Accepted publickey for root from 10.211.0.4" in log
+    assert secondary.exit_code == 0 and secondary.state == "completed"
+
+
+def test_the_result_matches_a_single_node_run(two_nodes: TaskRun, pool: PoolNodes) -> None:
+    single = run_task(pool, training_spec(1, 4))
+    assert single.exit_code == 0, single.primary.stderr()[-3000:]
+    one, two = metrics(single), metrics(two_nodes)
+    assert one["world_size"] == two["world_size"] == 4
+    n = one["dataset"]["num_test"]
+    # Same data, seed and world size: the two runs may differ only by the order of floating
+    # point sums; a few test images either way is noise.
+    assert abs(one["test_accuracy"] - two["test_accuracy"]) <= 5 / n
+
+
+def test_names_resolving_to_loopback_do_not_reach_the_ranks(
+    two_nodes: TaskRun, pool: PoolNodes
+) -> None:
+    for node in pool:
+        assert node.run(["getent", "hosts", node.name]).stdout.split()[:1] == ["127.0.1.1"]
+    errors = "".join(s.stderr() for s in two_nodes.subtasks)
+    assert "tvmps_0001 does not resolve to 10.211.0.5 and /etc/hosts cannot be written" in errors
+
+
+def test_keys_stay_out_of_home_and_nfs_holds_only_a_public_key(two_nodes: TaskRun) -> None:
+    for sub in two_nodes.subtasks:
+        assert not (sub.task_dir / ".ssh").exists()  # $HOME was the task directory
+    nfs_keys = list((two_nodes.primary.node.root / "fsmounts" / "nfs" / ".retrain-ssh").rglob("*"))
+    names = {p.name for p in nfs_keys if p.is_file()}
+    assert names == {"authorized_keys"}
+    private = two_nodes.primary.task_dir / "shared" / ".retrain-ssh" / "id_ed25519"
+    assert private.is_file()
+
+
+def test_a_node_without_the_interface_fails_preparation_naming_itself(pool: PoolNodes) -> None:
+    spec = training_spec(2, 1)
+    run = run_task(pool, spec, RETRAIN_NETWORK_INTERFACE="ib0")
+    assert run.exit_code == 1
+    failed = next(s for s in run.subtasks if s.node_id == run.failed_node)
+    message = f"prepare_node: node {failed.node_id}: no interface ib0 (this node has: eth0, lo)"
+    assert message in failed.stderr()
+    assert "launch:" not in run.primary.stdout()  # the application command never ran
+
+
+def test_sockets_reach_across_nodes_only_through_eth0(pool: PoolNodes) -> None:
+    first, second = pool
+    server = listen_on(second, 5999)
+    try:
+        probe = "import socket,sys; socket.create_connection((sys.argv[1], 5999), 3); print('ok')"
+        assert first.run([sys.executable, "-c", probe, second.address]).stdout.strip() == "ok"
+        refused = first.run([sys.executable, "-c", probe, "127.0.0.1"])
+        assert refused.returncode != 0  # the other node is not this node's loopback
+    finally:
+        server.kill()
+        second.kill_processes("5999")
+    assert socket.gethostname() not in {n.name for n in pool}
