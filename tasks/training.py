@@ -120,7 +120,7 @@ def run_scorer(
     blob = (
         f"{output_prefix}/{name}.json"
         if result.exit_code == 0
-        else (f"{output_prefix}/{name}.error.json")
+        else f"{output_prefix}/{name}.error.json"
     )
     try:
         report = json.loads(cluster.outputs.download_blob(blob).readall())
