@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +110,21 @@ def test_new_data_version_trains_on_every_image_and_compares_on_one_test_split(
     )
 
 
+@pytest.fixture
+def nodes(fake_azure_account: Any, tmp_path: Path) -> Iterator[Any]:
+    """The pool's nodes as emulated hosts, running the tasks the fake Batch service gets."""
+    from tests.fakes.node import PoolNodes
+    from tests.nodes_helpers import require_emulated_nodes
+
+    require_emulated_nodes()
+    with PoolNodes(tmp_path / "pool", None, tmp_path / "nfs", lambda _: None) as pool:
+        pool.attach(fake_azure_account.batch)
+        fake_azure_account.batch.allocation_ticks = 1
+        yield pool
+
+
 def test_azure_staging_task_stages_the_gates_listing_only(
-    fake_azure_account: Any, tmp_path: Path
+    fake_azure_account: Any, nodes: Any, tmp_path: Path
 ) -> None:
     """On Azure the pinned listing reaches the staging task on the node as a resource file:
     a blob uploaded after the gate is not staged, and a blob changed after the gate fails the
@@ -121,7 +135,6 @@ def test_azure_staging_task_stages_the_gates_listing_only(
     from tasks.provision import ensure_pool, stage_data, upload_scripts
     from tasks.validate import validate_data
     from tests.azure_helpers import azure_config
-    from tests.fakes.node import LocalNode
     from tests.test_azure_batch import make_cluster
 
     # The blocks the example config names (the share key mounts the scripts on the nodes).
@@ -133,10 +146,7 @@ def test_azure_staging_task_stages_the_gates_listing_only(
     write_digits(source, test_fraction=0.5, seed=0, per_class=8)
     container = container_client(config.data, create=True)
     upload_directory(container, source, config.data.prefix)
-    fakes.batch.executor = LocalNode(
-        tmp_path / "node", fakes.files, config.share.name, tmp_path / "nfs"
-    )
-    fakes.batch.allocation_polls = 1
+    nodes.scripts = lambda target: fakes.files.materialize(config.share.name, target)
     cluster = make_cluster(config)
     cls = max((source / "train").iterdir(), key=lambda d: len(list(d.iterdir())))
     late = f"{config.data.prefix}/train/{cls.name}/late.png"
