@@ -4,7 +4,11 @@ On Azure the dataset must not stream through the orchestrator: this runs inside 
 node that mounts the NFS share, with the same incremental code the local target uses. The data
 container's URL comes in the environment (``RETRAIN_DATA_URL``), never the command line: with a
 SAS it is used as is; without one the node authenticates with its managed identity
-(``AZURE_CLIENT_ID`` selects it). The report is written for the output-file upload.
+(``AZURE_CLIENT_ID`` selects it). What it stages is the data gate's pinned listing, which
+arrives as a resource file (``--listing``): exactly the validated blobs, each at its validated
+ETag. The report is written for the output-file upload; when staging refuses its input (an
+unsafe name, a blob changed since the gate) the report holds the error instead, so the
+orchestrator can name the blob.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from backends.staging import stage
+from backends.listing import ChangedSinceGateError, ListingError, parse_listing
+from backends.staging import IntegrityError, UnsafeBlobNameError, stage
 from training.atomic import atomic_write_json
+
+REFUSED = 3  # the input is refused (named in the report): a retry on the same input cannot help
 
 
 def _container(url: str) -> Any:
@@ -41,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, required=True)
     p.add_argument("--workers", type=int, default=32)
     p.add_argument(
+        "--listing", type=Path, help="the data gate's pinned listing: stage exactly these blobs"
+    )
+    p.add_argument(
         "--shards-size", type=int, default=0, help="pack shards at this input size (0: do not)"
     )
     args = p.parse_args(argv)
@@ -48,7 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         print("error: RETRAIN_DATA_URL is not set (the task spec provides it)", file=sys.stderr)
         return 2
-    report = stage(_container(url), args.prefix, args.dest, args.shards_size, args.workers)
+    try:
+        listing = (
+            parse_listing(args.listing.read_bytes(), str(args.listing), args.prefix)
+            if args.listing
+            else None
+        )
+        report = stage(
+            _container(url), args.prefix, args.dest, args.shards_size, args.workers, listing
+        )
+    except (ListingError, UnsafeBlobNameError, ChangedSinceGateError, IntegrityError) as exc:
+        atomic_write_json({"error": str(exc)}, args.report)
+        print(f"error: {exc}", file=sys.stderr)
+        return REFUSED
     atomic_write_json(report, args.report)
     print(
         f"staged {len(report['downloaded'])} files ({report['bytes_downloaded']} bytes), "

@@ -8,7 +8,14 @@ Properties a training run relies on:
   the files are flushed to storage;
 * verified: size, and MD5 whenever the service stored one, are checked before the rename;
 * path-safe: every blob name is checked before anything is written; a name that would land
-  outside the destination fails the sync and names the blob;
+  outside the destination, needs a path segment longer than the filesystem allows, or would be
+  both a file and a folder fails the sync and names the blob;
+* pinned: given the listing the data gate validated (names, ETags, sizes), exactly that listing
+  is staged, each blob downloaded only while its ETag is still the validated one; a blob added
+  after the gate is not staged, one changed or deleted since fails the sync and is named;
+* stale files go by destination path: a file is deleted when no staged blob lands on its path
+  any more, so a new data version under a new prefix (``images/v2`` after ``images/v1``, the
+  same relative paths under new blob names) keeps every file it staged;
 * parallel: downloads run on a thread pool (I/O bound, the GIL is released).
 """
 
@@ -18,13 +25,14 @@ import base64
 import hashlib
 import json
 import os
-import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from backends.blob import folder
+from backends.listing import ChangedSinceGateError, PinnedBlob, pin
 from training.atomic import atomic_write_json
 from training.shards import SHARD_DIR, pack_shards, remove_shards
 from training.shards import STAGING_MANIFEST as MANIFEST
@@ -33,6 +41,7 @@ if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
 MAX_NAME = 1024  # Azure's own limit on blob names
+MAX_SEGMENT_BYTES = 255  # NAME_MAX of ext4, XFS and NFS exports: one path segment, in bytes
 
 
 class UnsafeBlobNameError(ValueError):
@@ -61,7 +70,9 @@ def safe_relative_path(name: str, prefix: str) -> PurePosixPath:
     """The path of blob ``name`` below ``prefix``, or UnsafeBlobNameError naming the blob."""
     rel = name[len(prefix) + 1 :] if prefix else name
     problem = None
-    if not rel:
+    if prefix and not name.startswith(f"{prefix}/"):
+        problem = f"not below the prefix {prefix!r}"
+    elif not rel:
         problem = "empty name below the prefix"
     elif len(name) > MAX_NAME:
         problem = f"longer than {MAX_NAME} characters"
@@ -69,6 +80,8 @@ def safe_relative_path(name: str, prefix: str) -> PurePosixPath:
         problem = "absolute path, backslash, drive letter or NUL"
     elif any(part in ("", ".", "..") for part in rel.split("/")):
         problem = "'.', '..' or empty path segment"
+    elif any(len(part.encode()) > MAX_SEGMENT_BYTES for part in rel.split("/")):
+        problem = f"a path segment longer than {MAX_SEGMENT_BYTES} bytes (the filesystem's limit)"
     elif any(part == MANIFEST or part.startswith(".staging-") for part in rel.split("/")):
         problem = "collides with the staging manifest"
     elif rel.split("/", 1)[0] == SHARD_DIR:
@@ -87,31 +100,55 @@ def _md5_b64(path: Path) -> str:
 
 
 def _load_manifest(dest: Path) -> dict[str, dict[str, Any]]:
+    """Blob name -> entry of every file the last sync wrote, stale ones it had yet to delete
+    included (they are deleted by this sync unless a blob lands on their path again)."""
     try:
         data = json.loads((dest / MANIFEST).read_text())
-        return dict(data.get("files", {}))
-    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        entries = {**dict(data.get("stale", {})), **dict(data.get("files", {}))}
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError, TypeError, ValueError):
         return {}  # no usable manifest: everything is checked again, nothing is lost
+    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}
 
 
 def _download(
-    container: ContainerClient, name: str, target: Path, size: int, md5: str | None
+    container: ContainerClient, pinned: PinnedBlob, target: Path, pinned_etag: bool
 ) -> str:
     """Download to a temp file beside ``target``, verify, rename. Returns the MD5 (base64).
 
-    The MD5 is computed from the bytes as they arrive (no second read of the file), and the
-    temp name is this thread's own in that folder: small files are bound by per-file costs.
+    The MD5 is computed from the bytes as they arrive (no second read of the file). The temp
+    name is unique to this download: two syncs into one folder (two runs, two nodes on NFS,
+    where process ids repeat) never write the same temp file. With ``pinned_etag`` the blob
+    is read only while its ETag is still the one the data gate validated (If-Match).
     """
+    from azure.core import MatchConditions
+    from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
+
+    name, size, md5 = pinned.name, pinned.size, pinned.md5
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".staging-{os.getpid()}-{threading.get_ident()}.part"
+    tmp = target.parent / f".staging-{uuid.uuid4().hex}.part"
+    condition: dict[str, Any] = (
+        {"etag": pinned.etag, "match_condition": MatchConditions.IfNotModified}
+        if pinned_etag
+        else {}
+    )
     digest = hashlib.md5(usedforsecurity=False)
     received = 0
     try:
-        with open(tmp, "wb") as fh:
-            for chunk in container.download_blob(name, max_concurrency=1).chunks():
-                digest.update(chunk)
-                fh.write(chunk)
-                received += len(chunk)
+        try:
+            with open(tmp, "wb") as fh:
+                for chunk in container.download_blob(name, max_concurrency=1, **condition).chunks():
+                    digest.update(chunk)
+                    fh.write(chunk)
+                    received += len(chunk)
+        except (ResourceModifiedError, ResourceNotFoundError):
+            if not pinned_etag:
+                raise
+            # A condition on a deleted blob is answered with 412 or 404: one message for both.
+            raise ChangedSinceGateError(
+                f"blob {name!r} changed or was deleted after the data gate validated it (its "
+                f"ETag is no longer {pinned.etag}): it is not staged unvalidated; run again to "
+                "validate it"
+            ) from None
         if received != size:
             raise IntegrityError(f"blob {name!r}: downloaded {received} bytes, expected {size}")
         actual_md5 = base64.b64encode(digest.digest()).decode()
@@ -124,49 +161,154 @@ def _download(
         raise
 
 
+def _plan(blobs: list[PinnedBlob], prefix: str) -> dict[str, tuple[PinnedBlob, PurePosixPath]]:
+    """Every blob's destination path, checked before anything is written: unsafe names, and
+    names that would make one path both a file and a folder, fail naming the blobs."""
+    planned: dict[str, tuple[PinnedBlob, PurePosixPath]] = {}
+    owner: dict[str, str] = {}  # relative path -> blob name
+    for blob in blobs:
+        rel = safe_relative_path(blob.name, prefix)
+        planned[blob.name] = (blob, rel)
+        owner[str(rel)] = blob.name
+    for name, (_, rel) in planned.items():
+        for parent in rel.parents:
+            other = owner.get(str(parent))
+            if other is not None:
+                raise UnsafeBlobNameError(
+                    f"blob {name!r} rejected: it needs {str(parent)!r} as a folder, but blob "
+                    f"{other!r} is a file there"
+                )
+    return planned
+
+
+def _clear_way(dest: Path, name: str, rel: PurePosixPath, stale: dict[str, str]) -> list[str]:
+    """Make room for ``rel`` when a new version turns a file into a folder or back: a stale
+    file where the blob needs a folder, or a folder of stale files where it needs a file, is
+    deleted now. Anything else in the way fails the sync naming the blob. ``stale`` maps the
+    relative path of each file to delete to its old blob name; returns the names deleted."""
+    deleted = []
+    for parent in reversed(rel.parents):
+        where = dest / parent
+        if str(parent) == "." or not where.is_file():
+            continue
+        if str(parent) not in stale:
+            raise UnsafeBlobNameError(
+                f"blob {name!r} rejected: {where} is a file, the blob needs a folder there"
+            )
+        where.unlink()
+        deleted.append(stale.pop(str(parent)))
+    target = dest / rel
+    if target.is_dir() and not target.is_symlink():
+        inside = sorted(target.rglob("*"), reverse=True)  # children before their folders
+        foreign = [
+            p
+            for p in inside
+            if p.is_symlink() or (not p.is_dir() and str(p.relative_to(dest)) not in stale)
+        ]
+        if foreign:
+            raise UnsafeBlobNameError(
+                f"blob {name!r} rejected: {target} is a folder holding files staging did not "
+                f"write (e.g. {foreign[0]})"
+            )
+        for path in inside:
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink()
+                deleted.append(stale.pop(str(path.relative_to(dest))))
+        target.rmdir()
+    return deleted
+
+
+def _remove_stale(dest: Path, root: Path, stale: dict[str, str]) -> list[str]:
+    """Delete files no staged blob lands on any more, and the folders they leave empty (an
+    empty class folder would stop the trainer). Returns the old blob names deleted."""
+    deleted = []
+    for path, name in sorted(stale.items()):
+        target = dest / path
+        if not (target.is_file() and target.resolve().is_relative_to(root)):
+            continue
+        target.unlink()
+        deleted.append(name)
+        parent = target.parent
+        while parent != dest and parent.resolve().is_relative_to(root):
+            try:
+                parent.rmdir()  # only when empty
+            except OSError:
+                break
+            parent = parent.parent
+    return deleted
+
+
 def sync_to_directory(
-    container: ContainerClient, prefix: str, dest: Path, workers: int = 16
+    container: ContainerClient,
+    prefix: str,
+    dest: Path,
+    workers: int = 16,
+    listing: list[PinnedBlob] | None = None,
 ) -> SyncReport:
-    """Mirror the blobs under ``prefix`` into ``dest``; see the module docstring."""
+    """Mirror the blobs under ``prefix`` into ``dest``; see the module docstring.
+
+    ``listing``: the data gate's pinned listing, staged exactly (the flow always passes it);
+    without it the container is listed now (benchmarks, a standalone sync).
+    """
     prefix = prefix.strip("/")
-    listing = list(container.list_blobs(name_starts_with=folder(prefix)))
-    planned: dict[str, tuple[Any, PurePosixPath]] = {}
-    for blob in listing:  # check every name before writing anything
-        planned[blob.name] = (blob, safe_relative_path(blob.name, prefix))
+    pinned = listing is not None
+    if listing is None:
+        listing = [pin(b) for b in container.list_blobs(name_starts_with=folder(prefix))]
+    planned = _plan(listing, prefix)  # every name checked before anything is written
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
     previous = _load_manifest(dest)
+    # Stale is decided on destination paths, not blob names: a new version under a new prefix
+    # renames every blob but lands on the same paths, which must stay.
+    by_path = {str(old["path"]): (n, old) for n, old in previous.items()}
+    new_paths = {str(rel) for _, rel in planned.values()}
+    stale = {path: n for path, (n, _) in by_path.items() if path not in new_paths}
     report = SyncReport(total_files=len(planned))
     todo = []
     files: dict[str, dict[str, Any]] = {}
     inside: dict[Path, bool] = {}  # per folder: resolving each file's path costs a stat per part
     for name, (blob, rel) in planned.items():
         target = dest / rel
-        if target.parent not in inside:
+        first = target.parent not in inside
+        if first:
             inside[target.parent] = target.parent.resolve().is_relative_to(root)
         if not inside[target.parent] or target.is_symlink():  # e.g. through a symlinked folder
             raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
-        md5 = (
-            base64.b64encode(bytes(blob.content_settings.content_md5)).decode()
-            if blob.content_settings and blob.content_settings.content_md5
-            else None
-        )
-        entry = {"path": str(rel), "etag": blob.etag, "size": blob.size, "md5": md5}
-        old = previous.get(name)
+        if first or target.is_dir():
+            report.deleted += _clear_way(dest, name, rel, stale)
+        entry: dict[str, Any] = {
+            "path": str(rel),
+            "etag": blob.etag,
+            "size": blob.size,
+            "md5": blob.md5,
+        }
+        # What the last sync wrote on this path: this blob, or an earlier version's blob of
+        # another name whose content may well be the same.
+        old_name, old = by_path.get(str(rel), (None, None))
         same_size = target.is_file() and target.stat().st_size == blob.size
-        if same_size and old and old.get("etag") == blob.etag and old.get("size") == blob.size:
+        unchanged = (
+            old is not None
+            and old.get("size") == blob.size
+            and (
+                (old_name == name and old.get("etag") == blob.etag)
+                or (blob.md5 is not None and old.get("md5") == blob.md5)
+            )
+        )
+        if same_size and old is not None and unchanged:
             report.skipped += 1
-            files[name] = {**entry, "md5": old.get("md5") or md5}
-        elif same_size and md5 and _md5_b64(target) == md5:  # manifest lost, file intact
+            files[name] = {**entry, "md5": old.get("md5") or blob.md5}
+        elif same_size and blob.md5 and _md5_b64(target) == blob.md5:  # manifest lost, intact
             report.skipped += 1
             files[name] = entry
         else:
-            todo.append((name, target, blob.size, md5, entry))
+            todo.append((blob, target, entry))
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
     try:
         futures = {
-            pool.submit(_download, container, name, target, size, md5): (name, entry)
-            for name, target, size, md5, entry in todo
+            pool.submit(_download, container, blob, target, pinned): (blob.name, entry)
+            for blob, target, entry in todo
         }
         for future in as_completed(futures):
             name, entry = futures[future]
@@ -183,37 +325,52 @@ def sync_to_directory(
         # point is not in the manifest and is re-checked by size and MD5 on the next sync.
         if report.downloaded:
             os.sync()
+        # Stale files are still recorded as such, so a sync cut short deletes them next time.
+        pending = {n: previous[n] for n in stale.values()}
+        _write_manifest(dest, prefix, files, report, pending)
+    report.deleted += _remove_stale(dest, root, stale)
+    if stale:
         _write_manifest(dest, prefix, files, report)
-    for name, old in previous.items():
-        if name not in planned:  # removed from the container since the last sync
-            stale = dest / old["path"]
-            if stale.resolve().is_relative_to(root) and stale.is_file():
-                stale.unlink()
-                report.deleted.append(name)
     return report
 
 
 def stage(
-    container: ContainerClient, prefix: str, dest: Path, shard_size: int, workers: int = 16
+    container: ContainerClient,
+    prefix: str,
+    dest: Path,
+    shard_size: int,
+    workers: int = 16,
+    listing: list[PinnedBlob] | None = None,
 ) -> dict[str, Any]:
-    """The staging step, wherever it runs: sync, then pack shards for a trainer reading
-    ``shard_size`` pixels (0: no packing, and an older pack is removed). Returns the report."""
-    report = sync_to_directory(container, prefix, dest, workers=workers).as_dict()
+    """The staging step, wherever it runs: sync (exactly ``listing`` when given), then pack
+    shards for a trainer reading ``shard_size`` pixels (0: no packing, and an older pack is
+    removed). Returns the report."""
+    report = sync_to_directory(container, prefix, dest, workers=workers, listing=listing)
+    result = report.as_dict()
     if shard_size:
-        report["shards"] = pack_shards(dest, shard_size).as_dict()
+        result["shards"] = pack_shards(dest, shard_size).as_dict()
     else:
         remove_shards(dest)
-        report["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}
-    return report
+        result["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}
+    return result
 
 
 def _write_manifest(
-    dest: Path, prefix: str, files: dict[str, dict[str, Any]], report: SyncReport
+    dest: Path,
+    prefix: str,
+    files: dict[str, dict[str, Any]],
+    report: SyncReport,
+    stale: dict[str, dict[str, Any]] | None = None,
 ) -> None:
+    """The manifest of ``files``; ``stale`` entries (files still to be deleted) are recorded
+    under ``stale``, not in the data version, so an interrupted sync can finish the cleanup."""
     # The data version names the content, not the time: same bytes, same version.
     version = hashlib.sha256(
         json.dumps(sorted((n, f["md5"], f["size"]) for n, f in files.items())).encode()
     ).hexdigest()[:16]
-    atomic_write_json({"prefix": prefix, "data_version": version, "files": files}, dest / MANIFEST)
+    manifest: dict[str, Any] = {"prefix": prefix, "data_version": version, "files": files}
+    if stale:
+        manifest["stale"] = stale
+    atomic_write_json(manifest, dest / MANIFEST)
     report.manifest = str(dest / MANIFEST)
     report.data_version = version

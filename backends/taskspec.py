@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from backends.listing import listing_blob
 from flows.config import PipelineConfig
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 NFS_MOUNT = "nfs"  # relative mount paths under $AZ_BATCH_NODE_MOUNTS_DIR
 SHARE_MOUNT = "scripts"
 OUTPUT_DIR = "outputs"  # relative to the task's working directory
+STAGING_LISTING = "data-listing.json"  # the pinned listing, in the staging task's working dir
 
 
 @dataclass
@@ -199,19 +201,27 @@ def shard_size(config: PipelineConfig) -> int:
 
 
 def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> TaskSpec:
-    """Blob -> NFS on a pool node (Azure): the data never streams through the orchestrator."""
+    """Blob -> NFS on a pool node (Azure): the data never streams through the orchestrator.
+
+    The data gate's pinned listing (in the run's output prefix) reaches the node as a resource
+    file, like the model the scorer reads: exactly the validated blobs are staged. The report
+    is uploaded on failure too: it then says why, naming the blob.
+    """
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m backends.stage_task "
         f"--prefix {shlex.quote(config.data.prefix or '')} "
         f"--dest {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --report {OUTPUT_DIR}/staging.json "
-        f"--shards-size {shard_size(config)}"
+        f"--listing {STAGING_LISTING} --shards-size {shard_size(config)}"
     )
     return TaskSpec(
         id=task_id,
         command_line=_bash(script),
         environment={"PYTHONUNBUFFERED": "1"},
+        resources=[ResourceSpec(listing_blob(output_prefix), STAGING_LISTING)],
         outputs=[
-            OutputSpec(f"{OUTPUT_DIR}/staging.json", f"{output_prefix}/staging.json"),
+            OutputSpec(
+                f"{OUTPUT_DIR}/staging.json", f"{output_prefix}/staging.json", "taskcompletion"
+            ),
             OutputSpec("../std*.txt", f"{output_prefix}/logs-staging", "taskcompletion"),
         ],
         max_wall_clock_seconds=4 * 3600,
@@ -220,18 +230,23 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
     )
 
 
-def scoring_task(task_id: str, model_blob: str, output_prefix: str) -> TaskSpec:
-    """The scorer on the held-out split, on a node that sees the same NFS data."""
+def scoring_task(
+    task_id: str, model_blob: str, output_prefix: str, name: str = "score"
+) -> TaskSpec:
+    """The scorer on the held-out split, on a node that sees the same NFS data: ``<name>.json``
+    on success; ``<name>.error.json`` (the reason) when the scorer refuses the model or data."""
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m training.score --model model.pt "
         f"--data-dir {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --split test "
-        f"--output {OUTPUT_DIR}/score.json"
+        f"--output {OUTPUT_DIR}/{shlex.quote(name)}.json "
+        f"--error-output {OUTPUT_DIR}/{shlex.quote(name)}.error.json"
     )
     return TaskSpec(
         id=task_id,
         command_line=_bash(script),
         environment={"PYTHONUNBUFFERED": "1"},
         resources=[ResourceSpec(model_blob, "model.pt")],
-        outputs=[OutputSpec(f"{OUTPUT_DIR}/score.json", f"{output_prefix}/score.json")],
+        # A wildcard: whichever of the two exists is uploaded, and a missing one is no error.
+        outputs=[OutputSpec(f"{OUTPUT_DIR}/{name}*.json", output_prefix, "taskcompletion")],
         max_wall_clock_seconds=3600,
     )

@@ -195,11 +195,21 @@ class TrainingConfig(_Section):
     """The trainer's own arguments (see ``python -m training.train --help``)."""
 
     epochs: int = Field(5, ge=1)
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(
+        64,
+        ge=1,
+        le=8192,
+        description="images per process and step; at most 8192 (a batch of 8192 images at "
+        "224 px is already 4.9 GB of float32 input on one GPU)",
+    )
     lr: float = Field(0.05, gt=0)
     model: Literal["cnn", "resnet18", "resnet50"] = "cnn"
     image_size: int | None = Field(
-        None, ge=8, description="input size in pixels; default the model's own"
+        None,
+        ge=8,
+        le=1024,
+        description="input size in pixels; default the model's own (32 or 224); at most 1024, "
+        "where one image is 3 MB in the shards and 12 MB as the model's float32 input",
     )
     seed: int = 0
     timeline: bool = True
@@ -217,10 +227,30 @@ class PromotionConfig(_Section):
     min_improvement: float = Field(0.0, ge=0, description="challenger must beat the champion by")
 
 
+MAX_IMAGE_SIDE = 16384  # Pillow refuses to decode more than ~179 million pixels (a bomb)
+
+
 class ValidationConfig(_Section):
     min_images_per_class: int = Field(5, ge=1)
-    min_side: int = Field(8, ge=1)
-    max_side: int = Field(4096, ge=1)
+    min_side: int = Field(
+        8, ge=1, le=MAX_IMAGE_SIDE, description="smallest width or height the gate accepts"
+    )
+    max_side: int = Field(
+        4096,
+        ge=1,
+        le=MAX_IMAGE_SIDE,
+        description=f"largest width or height the gate accepts; at most {MAX_IMAGE_SIDE}, "
+        "beyond which Pillow refuses to decode an image as a decompression bomb",
+    )
+
+    @model_validator(mode="after")
+    def _sides_ordered(self) -> ValidationConfig:
+        if self.max_side < self.min_side:
+            raise ValueError(
+                f"max_side ({self.max_side}) is less than min_side ({self.min_side}): "
+                "no image could pass"
+            )
+        return self
 
 
 class AzureConfig(_Section):

@@ -196,7 +196,14 @@ def retrain(
             steps.append(trainer(cfg, cluster, run_id, key, output_prefix))
             collected = collect_and_score(cfg, cluster, run_id, output_prefix)
             steps.append(record_only(collected))
-            promotion = promote(cfg, run_id, output_prefix, collected["score"])
+            promotion = promote(
+                cfg,
+                cluster,
+                run_id,
+                output_prefix,
+                collected["score"],
+                staged["details"]["data_version"],
+            )
             steps.append(record_only(promotion))
         finally:
             steps.append(release_pool(cluster))

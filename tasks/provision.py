@@ -15,6 +15,7 @@ from prefect.tasks import exponential_backoff
 
 from backends import factory
 from backends.blob import container_client
+from backends.listing import listing_blob, parse_listing
 from backends.share import collect_files
 from backends.staging import stage
 from backends.taskspec import Cluster, shard_size, staging_task
@@ -51,19 +52,30 @@ def stage_data(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     logger = get_run_logger()
+    pinned = listing_blob(output_prefix)  # what the data gate validated: staged exactly
     if config.target == "local":
         container = container_client(config.data, config.retries.storage_retries)
+        listing = parse_listing(
+            cluster.outputs.download_blob(pinned).readall(), pinned, config.data.prefix
+        )
         report = stage(
-            container, config.data.prefix, config.nfs.local_dir / "data", shard_size(config)
+            container,
+            config.data.prefix,
+            config.nfs.local_dir / "data",
+            shard_size(config),
+            listing=listing,
         )
     else:
         # A fresh task id per attempt: a Batch task id cannot be reused within its job.
         spec = staging_task(config, f"stage-{run_id}-{task_run.run_count}", output_prefix)
         result = cluster.run_task(spec, logger.info)
+        uploaded = _staging_report(cluster, output_prefix)
         if result.exit_code != 0:
-            raise RuntimeError(f"staging task {spec.id} exited with {result.exit_code}")
-        blob = cluster.outputs.download_blob(f"{output_prefix}/staging.json")
-        report = json.loads(blob.readall())
+            why = f": {uploaded['error']}" if uploaded and uploaded.get("error") else ""
+            raise RuntimeError(f"staging task {spec.id} exited with {result.exit_code}{why}")
+        if uploaded is None:
+            raise RuntimeError(f"staging task {spec.id} uploaded no staging.json")
+        report = uploaded
     shards = report["shards"]
     logger.info(
         "data: %d downloaded (%d bytes), %d unchanged, %d deleted; version %s; shards %s%s",
@@ -87,6 +99,18 @@ def stage_data(
         data_version=report["data_version"],
         shards=shards,
     )
+
+
+def _staging_report(cluster: Cluster, output_prefix: str) -> dict[str, Any] | None:
+    """The staging task's report (uploaded on failure too, then holding the error)."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        data = cluster.outputs.download_blob(f"{output_prefix}/staging.json").readall()
+    except ResourceNotFoundError:
+        return None
+    report = json.loads(data)
+    return report if isinstance(report, dict) else None
 
 
 @task(name="build-image", cache_policy=NONE)

@@ -104,19 +104,46 @@ def run_training(
     )
 
 
+# The scorer's exit code when it refuses its input (a model or data it cannot score).
+SCORER_REFUSED = 2
+
+
+def run_scorer(
+    cluster: Cluster, task_id: str, model_blob: str, output_prefix: str, name: str, on_line: Any
+) -> tuple[int, dict[str, Any] | None]:
+    """Score ``model_blob`` on the held-out split the cluster's data holds now, as a task on
+    the cluster. Returns the exit code and the report: the score, or on refusal (exit
+    ``SCORER_REFUSED``) ``{"error": why}``; None when neither was uploaded."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    result = cluster.run_task(scoring_task(task_id, model_blob, output_prefix, name), on_line)
+    blob = (
+        f"{output_prefix}/{name}.json"
+        if result.exit_code == 0
+        else f"{output_prefix}/{name}.error.json"
+    )
+    try:
+        report = json.loads(cluster.outputs.download_blob(blob).readall())
+    except (ResourceNotFoundError, ValueError):  # none, or not JSON: the exit code says why
+        return result.exit_code, None
+    return result.exit_code, report if isinstance(report, dict) else None
+
+
 @task(name="collect-and-score", cache_policy=NONE, retries=2, retry_delay_seconds=5)
 def collect_and_score(
     config: PipelineConfig, cluster: Cluster, run_id: str, output_prefix: str
 ) -> dict[str, Any]:
     logger = get_run_logger()
     started = time.perf_counter()
-    spec = scoring_task(f"score-{run_id}", f"{output_prefix}/model.pt", output_prefix)
-    result = cluster.run_task(spec, logger.info)
-    if result.exit_code != 0:
-        raise TrainingFailedError(f"scoring task {spec.id} exited with {result.exit_code}")
+    task_id = f"score-{run_id}"
+    code, score = run_scorer(
+        cluster, task_id, f"{output_prefix}/model.pt", output_prefix, "score", logger.info
+    )
+    if code != 0 or score is None or "error" in score:
+        why = f": {score['error']}" if score and "error" in score else ""
+        raise TrainingFailedError(f"scoring task {task_id} exited with {code}{why}")
     outputs = cluster.outputs
     metrics = json.loads(outputs.download_blob(f"{output_prefix}/metrics.json").readall())
-    score = json.loads(outputs.download_blob(f"{output_prefix}/score.json").readall())
     listed = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{output_prefix}/"))
     logger.info("score: accuracy %.4f on %d test images", score["accuracy"], score["num_images"])
     record = step_record(

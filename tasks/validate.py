@@ -7,6 +7,10 @@ data is copied, for a dataset that would fail. A failed gate raises: nothing aft
 What each read found is kept in the work folder by blob name and ETag (a blob's ETag changes
 with its content), so a nightly run over unchanged data lists the container and reads nothing:
 per-request cost, not bandwidth, is what a gate over many small images pays.
+
+Every blob under the prefix is validated but the completion marker; the listing the gate
+validated (names and ETags) is pinned in the run's output prefix, and staging stages exactly
+that listing: what is trained is what was validated.
 """
 
 from __future__ import annotations
@@ -25,12 +29,20 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from backends.blob import blob_link, container_client, folder, upload_directory
+from backends.listing import listing_blob, listing_json, pin
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 from training.atomic import atomic_write
+from training.images import is_image_name, open_image
 
 HEADER_BYTES = 64 * 1024
 SPLITS = ("train", "val", "test")
+# Written last by an uploader, directly under the version's prefix; the relay and the sensor
+# wait for it. It is the one blob that is neither validated nor staged.
+COMPLETION_MARKER = "_SUCCESS"
+# Bumped when what a row says about an image changes, so cached rows of older rules are not
+# reused (2: only PNG and JPEG, by name and content, are readable).
+DESCRIBE_VERSION = 2
 
 
 class DataValidationError(RuntimeError):
@@ -38,8 +50,6 @@ class DataValidationError(RuntimeError):
 
 
 def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
-    from PIL import Image
-
     rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
     parts = rel.split("/")
     row: dict[str, Any] = {
@@ -56,7 +66,7 @@ def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
     stored = blob.content_settings.content_md5 if blob.content_settings else None
     if stored:
         row["md5"] = base64.b64encode(bytes(stored)).decode()
-    if blob.size == 0:
+    if blob.size == 0 or not is_image_name(rel):  # the trainer reads only .png/.jpg/.jpeg
         return row
     head = container.download_blob(
         blob.name, offset=0, length=min(blob.size, HEADER_BYTES)
@@ -64,7 +74,7 @@ def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
     if row["md5"] is None and len(head) == blob.size:
         row["md5"] = base64.b64encode(hashlib.md5(head, usedforsecurity=False).digest()).decode()
     try:
-        with Image.open(io.BytesIO(head)) as image:
+        with open_image(io.BytesIO(head)) as image:
             row.update(
                 width=image.width,
                 height=image.height,
@@ -77,7 +87,10 @@ def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
 
 
 def _cache_path(config: PipelineConfig) -> Path:
-    where = f"{config.data.account_url or ''}|{config.data.container}|{config.data.prefix}"
+    where = (
+        f"{DESCRIBE_VERSION}|{config.data.account_url or ''}|{config.data.container}|"
+        f"{config.data.prefix}"
+    )
     key = hashlib.sha256(where.encode()).hexdigest()[:16]
     return config.work_dir / "gate-cache" / f"{config.data.container}-{key}.json"
 
@@ -90,15 +103,24 @@ def _load_cache(path: Path) -> dict[str, dict[str, Any]]:
     return entries if isinstance(entries, dict) else {}
 
 
-def build_manifest(config: PipelineConfig) -> tuple[list[dict[str, Any]], int]:
-    """One row per image, and how many rows came from the cache (unchanged blobs)."""
+def list_dataset(config: PipelineConfig) -> list[Any]:
+    """Every blob under the prefix but the completion marker: what the gate validates and
+    staging stages (a name starting with ``_`` elsewhere is data like any other)."""
     container = container_client(config.data, config.retries.storage_retries)
     prefix = config.data.prefix
-    blobs = [
-        b
-        for b in container.list_blobs(name_starts_with=folder(prefix))
-        if not b.name.rsplit("/", 1)[-1].startswith("_")
-    ]  # markers such as _SUCCESS
+    marker = f"{prefix}/{COMPLETION_MARKER}" if prefix else COMPLETION_MARKER
+    return [b for b in container.list_blobs(name_starts_with=folder(prefix)) if b.name != marker]
+
+
+def build_manifest(
+    config: PipelineConfig, blobs: list[Any] | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """One row per blob (``blobs``, default: :func:`list_dataset`), and how many rows came
+    from the cache (unchanged blobs)."""
+    container = container_client(config.data, config.retries.storage_retries)
+    prefix = config.data.prefix
+    if blobs is None:
+        blobs = list_dataset(config)
     cache_file = _cache_path(config)
     cache = _load_cache(cache_file)
 
@@ -211,6 +233,10 @@ def run_expectations(
             gxe.ExpectColumnValuesToBeBetween(column="test_images", min_value=1),
         ],
     }
+    if (manifest["split"] == "val").any():  # optional, but when present, every class in it
+        suites["classes"].append(
+            gxe.ExpectColumnValuesToBeBetween(column="val_images", min_value=1)
+        )
     frames = {"images": manifest, "classes": counts}
     definitions = []
     for name, expectations in suites.items():
@@ -270,7 +296,8 @@ def _upload_docs(config: PipelineConfig, docs: Path, output_prefix: str) -> str:
 def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> dict[str, Any]:
     logger = get_run_logger()
     started = time.perf_counter()
-    rows, cached = build_manifest(config)
+    blobs = list_dataset(config)
+    rows, cached = build_manifest(config, blobs)
     docs = run_dir / "data_docs"
     success, records = run_expectations(rows, config, docs)
     docs_url = _upload_docs(config, docs, output_prefix)
@@ -301,6 +328,11 @@ def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> 
             for r in failed
         )
         raise DataValidationError(f"data gate failed, nothing was provisioned: {summary}")
+    # Staging stages exactly this listing (names and ETags), nothing listed later.
+    pinned = listing_blob(output_prefix)
+    container_client(config.output, config.retries.storage_retries).upload_blob(
+        pinned, listing_json(config.data.prefix, (pin(b) for b in blobs)), overwrite=True
+    )
     logger.info(
         "data gate passed: %d images (%d unchanged since the last gate, not read again), "
         "%d expectations",
@@ -314,6 +346,7 @@ def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> 
         True,
         images=len(rows),
         read_from_cache=cached,
+        listing=pinned,
         classes=len({r["label"] for r in rows}),
         data_docs=docs_url,
     )

@@ -85,3 +85,16 @@ def flow_run_logs(flow_run_id: Any) -> str:
                     return logs
 
     return "\n".join(log.message for log in asyncio.run(read()))
+
+
+def new_container(connection_string: str, stem: str) -> Any:
+    """A container of its own on Azurite, for one test."""
+    from azure.storage.blob import ContainerClient
+
+    from backends.blob import API_VERSION
+
+    client = ContainerClient.from_connection_string(
+        connection_string, f"{stem}-{uuid.uuid4().hex[:12]}", api_version=API_VERSION
+    )
+    client.create_container()
+    return client

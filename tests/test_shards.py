@@ -16,7 +16,14 @@ from backends.blob import API_VERSION, upload_directory
 from backends.staging import safe_relative_path, stage
 from training.data import DatasetError, encode_png, open_dataset
 from training.make_images import write_synthetic
-from training.shards import INDEX, SHARD_DIR, TARGET_SHARD_BYTES, open_shards, pack_shards
+from training.shards import (
+    INDEX,
+    LOCK,
+    SHARD_DIR,
+    TARGET_SHARD_BYTES,
+    open_shards,
+    pack_shards,
+)
 
 SIZE = 32
 
@@ -57,7 +64,8 @@ def test_rows_split_across_shards_of_the_target_size(
 
 def test_repack_decodes_only_changed_images_and_drops_old_files(small_folders: Path) -> None:
     pack_shards(small_folders, SIZE)
-    old_files = set((small_folders / SHARD_DIR).iterdir()) - {small_folders / SHARD_DIR / INDEX}
+    kept = {small_folders / SHARD_DIR / name for name in (INDEX, LOCK)}  # fixed names
+    old_files = set((small_folders / SHARD_DIR).iterdir()) - kept
     victim = sorted((small_folders / "train").rglob("*.png"))[0]
     donor = sorted((small_folders / "train").rglob("*.png"))[-1]
     victim.write_bytes(donor.read_bytes())  # new content under an old name

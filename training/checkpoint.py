@@ -3,13 +3,17 @@
 A node can die mid-write (a low-priority VM pre-empted, a retry killing the task), so files are
 written under a temporary name and renamed: a reader sees a whole checkpoint or none. Files
 that are truncated or corrupt anyway (a full disk, a copy gone wrong) are skipped with a
-warning, and training falls back to the previous epoch rather than crashing.
+warning, and training falls back to the previous epoch rather than crashing. So are files that
+load but do not fit the model being trained (other shapes, another optimizer): applying one
+would fail on every retry of the job, so the search goes on to an older one, and with none
+left training starts from the beginning.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +57,70 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"{path} has format version {state['format_version']}, want {FORMAT_VERSION}"
         )
+    if type(state["epoch"]) is not int or state["epoch"] < 1:
+        raise ValueError(f"{path} has epoch {state['epoch']!r}, not a positive integer")
+    if not isinstance(state["history"], list):
+        raise ValueError(f"{path} has a history that is not a list")
     return state
 
 
-def newest_valid_checkpoint(directory: Path) -> dict[str, Any] | None:
-    """The newest checkpoint that loads, skipping damaged ones with a warning."""
+def mismatch(
+    state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> str | None:
+    """Why ``state`` cannot be applied to ``model`` and ``optimizer``, or None when it can.
+
+    Checked before anything is applied, because ``load_state_dict`` copies the tensors that
+    fit before it raises about the rest: a failed attempt would leave the model half-loaded.
+    """
+    weights, want = state["model"], model.state_dict()
+    if not isinstance(weights, dict):
+        return "its model weights are not a state dict"
+    if weights.keys() != want.keys():
+        odd = sorted(set(weights) ^ set(want))[:3]
+        return f"its weights name other layers than the model's (e.g. {odd})"
+    for key, tensor in want.items():
+        have = weights[key]
+        if not isinstance(have, torch.Tensor) or have.shape != tensor.shape:
+            shape = tuple(have.shape) if isinstance(have, torch.Tensor) else type(have).__name__
+            return f"{key} is {shape} in the checkpoint, {tuple(tensor.shape)} in the model"
+    saved = state["optimizer"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or [len(g.get("params", [])) for g in groups] != [
+        len(g["params"]) for g in optimizer.param_groups
+    ]:
+        return "its optimizer state is for other parameter groups"
+    for index, entry in (saved.get("state") or {}).items():
+        if type(index) is not int or not 0 <= index < len(params) or not isinstance(entry, dict):
+            return f"its optimizer state names parameter {index!r}, which the model lacks"
+        shape = params[index].shape
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != shape:
+                return f"optimizer {name} of parameter {index} has another shape than the model's"
+    rngs = state.get("rng")
+    if rngs is not None and not (
+        isinstance(rngs, list)
+        and all(isinstance(r, dict) and {"python", "numpy", "torch"} <= r.keys() for r in rngs)
+    ):
+        return "its random-number states are not the trainer's"
+    return None
+
+
+def newest_valid_checkpoint(
+    directory: Path, fits: Callable[[dict[str, Any]], str | None] | None = None
+) -> dict[str, Any] | None:
+    """The newest checkpoint that loads (and for which ``fits`` finds no mismatch), skipping
+    damaged and unfitting ones with a warning that says why."""
     for _epoch, path in list_checkpoints(directory):
         try:
-            return load_checkpoint(path)
+            state = load_checkpoint(path)
         except ValueError as exc:
             log.warning("skipping damaged checkpoint: %s", exc)
+            continue
+        why = fits(state) if fits is not None else None
+        if why is None:
+            return state
+        log.warning("skipping checkpoint %s: it does not fit this model: %s", path, why)
     return None
 
 

@@ -14,18 +14,20 @@ naming the file, class or split; damaged images are skipped and reported, never 
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+from training.images import is_image_name, open_image
+
 SPLITS = ("train", "val", "test")
 REQUIRED_SPLITS = ("train", "test")
 CIFAR10_CLASSES = (
@@ -116,7 +118,7 @@ class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
         try:
-            with Image.open(path) as image:
+            with open_image(path) as image:
                 return to_model_input(image, self.size), label
         except (OSError, UnidentifiedImageError, ValueError) as exc:
             raise DatasetError(f"cannot decode image {path}: {exc}") from exc
@@ -128,7 +130,7 @@ def decode_checked(path: Path, size: int | None) -> torch.Tensor | str | None:
     try:
         if path.stat().st_size == 0:
             return "zero-byte file"
-        with Image.open(path) as image:
+        with open_image(path) as image:
             image.load()
             return None if size is None else to_model_input(image, size)
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
@@ -146,9 +148,7 @@ def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
         raise DatasetError(f"missing split: {split_dir} does not exist (expected {split}/<class>/)")
     classes: dict[str, list[Path]] = {}
     for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-        files = sorted(
-            p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-        )
+        files = sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
         if not files:
             raise DatasetError(f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images")
         classes[class_dir.name] = files
@@ -239,40 +239,150 @@ class ArraySplit(Dataset[tuple[torch.Tensor, int]]):
         return _array_to_input(self.images[index], self.size), int(self.labels[index])
 
 
+class _Refused:
+    """Stands in for ``numpy.ndarray`` in a pickle: a real batch only names it as the type
+    ``_reconstruct`` builds; calling it (an array over a buffer with any strides, e.g. zero
+    strides that make 177 bytes look like 1.7 GB) is refused."""
+
+    def __init__(self, *args: object) -> None:
+        raise pickle.UnpicklingError("numpy.ndarray called directly: not in a CIFAR batch")
+
+
+class _PickledDtype:
+    """Stands in for ``numpy.dtype``: only the plain numeric types a batch holds."""
+
+    ALLOWED: ClassVar[set[str]] = {"u1", "i1", "b", "B", "i2", "u2", "i4", "u4", "i8", "u8"}
+
+    def __init__(self, spec: object, align: object = False, copy: object = True) -> None:
+        if isinstance(spec, bytes):
+            spec = spec.decode("latin1")
+        if not isinstance(spec, str) or spec not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"dtype {spec!r} is not an integer type of a CIFAR batch")
+        self.dtype = np.dtype(spec)
+
+    def __setstate__(self, state: object) -> None:
+        # (version, byte order, subarray, names, fields, elsize, alignment, flags): a plain
+        # numeric type has no subarray, names or fields; only its byte order is taken.
+        if not (
+            isinstance(state, tuple)
+            and len(state) >= 5
+            and state[1] in ("<", ">", "|", "=")
+            and state[2] is None
+            and state[3] is None
+            and state[4] is None
+        ):
+            raise pickle.UnpicklingError(f"dtype state {state!r} is not a plain numeric type")
+        if state[1] in ("<", ">"):
+            self.dtype = self.dtype.newbyteorder(state[1])
+
+
+class _PickledArray:
+    """Stands in for an array being unpickled: built from the bytes in the file only, so it
+    can never be larger than the file (no strides, no uninitialised allocation)."""
+
+    def __init__(self) -> None:
+        self.array: np.ndarray | None = None
+
+    def __setstate__(self, state: object) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            state = state[1:]  # (version, shape, dtype, is_fortran, raw)
+        if not (isinstance(state, tuple) and len(state) == 4):
+            raise pickle.UnpicklingError("array state is not (shape, dtype, order, data)")
+        shape, dtype, fortran, raw = state
+        if not (
+            isinstance(shape, tuple)
+            and 1 <= len(shape) <= 4
+            and all(type(n) is int and n >= 0 for n in shape)
+        ):
+            raise pickle.UnpicklingError(f"array shape {shape!r} is not a CIFAR array's")
+        if not isinstance(dtype, _PickledDtype) or not isinstance(raw, bytes):
+            raise pickle.UnpicklingError("array dtype or data is not a plain byte buffer")
+        expected = math.prod(shape) * dtype.dtype.itemsize
+        if len(raw) != expected:
+            raise pickle.UnpicklingError(
+                f"array of shape {shape} needs {expected} bytes, the file holds {len(raw)}"
+            )
+        flat = np.frombuffer(raw, dtype=dtype.dtype).copy()  # writable, as torch wants
+        self.array = flat.reshape(shape, order="F") if fortran else flat.reshape(shape)
+
+
+def _reconstruct(cls: object, shape: object, typecode: object) -> _PickledArray:
+    if cls is not _Refused:
+        raise pickle.UnpicklingError("_reconstruct of something other than numpy.ndarray")
+    return _PickledArray()  # what it holds comes with its state, from the file's own bytes
+
+
+def _encode(text: object, encoding: object = "latin1") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it: str to bytes, byte for byte."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("_codecs.encode other than str to latin1 bytes")
+    return text.encode("latin1")
+
+
 class _CifarUnpickler(pickle.Unpickler):
-    """Refuses every global but the few numpy ones a CIFAR batch holds.
+    """Builds only what a CIFAR batch holds: dicts, lists, strings, numbers and plain integer
+    arrays made from the file's own bytes.
 
     A pickle can run arbitrary code; data staged from a storage account is not trusted code.
+    The numpy globals a batch names are replaced by stand-ins that check their arguments, so
+    a hostile file can neither call code nor make numpy allocate more than the file holds.
     """
 
-    ALLOWED: ClassVar[set[tuple[str, str]]] = {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("_codecs", "encode"),
+    STAND_INS: ClassVar[dict[tuple[str, str], object]] = {
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy", "ndarray"): _Refused,
+        ("numpy", "dtype"): _PickledDtype,
+        ("_codecs", "encode"): _encode,
     }
 
+    def __init__(self, fh: Any) -> None:
+        super().__init__(fh, encoding="bytes")
+
     def find_class(self, module: str, name: str) -> object:
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
+        found = self.STAND_INS.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
+        return found
+
+
+def _unpickle(path: Path, what: str) -> object:
+    """The object in ``path``, arrays as numpy arrays; DatasetError naming the file if the
+    pickle is not one a CIFAR batch can be."""
+    try:
+        with open(path, "rb") as fh:
+            loaded = _CifarUnpickler(fh).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise DatasetError(f"{what} {path} is not a valid CIFAR pickle: {exc}") from None
+    except RecursionError:
+        raise DatasetError(f"{what} {path} is not a valid CIFAR pickle: nested too deep") from None
+    if not isinstance(loaded, dict):
+        raise DatasetError(f"{what} {path} holds a {type(loaded).__name__}, not a dict")
+    return {k: v.array if isinstance(v, _PickledArray) else v for k, v in loaded.items()}
+
+
+def _field(batch: dict[Any, Any], name: str) -> object:
+    return batch.get(name.encode(), batch.get(name))
 
 
 def _read_cifar_pickle(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        with open(path, "rb") as fh:
-            batch = _CifarUnpickler(fh, encoding="bytes").load()
-        data = batch.get(b"data", batch.get("data"))
-        labels = batch.get(b"labels", batch.get("labels"))
-        if data is None or labels is None:
-            raise DatasetError(f"CIFAR batch {path} has no 'data'/'labels' entries")
-        data = np.asarray(data, dtype=np.uint8)
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-            raise DatasetError(f"CIFAR batch {path}: data has shape {data.shape}, want (N, 3072)")
-        return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
-        raise DatasetError(f"CIFAR batch {path} is not a valid pickle batch: {exc}") from exc
+    batch = cast(dict[Any, Any], _unpickle(path, "CIFAR batch"))
+    data, labels = _field(batch, "data"), _field(batch, "labels")
+    if data is None or labels is None:
+        raise DatasetError(f"CIFAR batch {path} has no 'data'/'labels' entries")
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8):
+        raise DatasetError(f"CIFAR batch {path}: 'data' is not a uint8 array")
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.shape[0] == 0:
+        raise DatasetError(f"CIFAR batch {path}: data has shape {data.shape}, want (N, 3072)")
+    if isinstance(labels, np.ndarray) and labels.ndim == 1 and labels.dtype.kind in "iu":
+        label_array = labels.astype(np.int64)
+    elif isinstance(labels, list) and all(type(x) is int for x in labels):
+        label_array = np.asarray(labels, dtype=np.int64) if labels else np.zeros(0, np.int64)
+    else:
+        raise DatasetError(f"CIFAR batch {path}: 'labels' is not a list of integers")
+    if len(label_array) != len(data):
+        raise DatasetError(f"CIFAR batch {path}: {len(data)} images but {len(label_array)} labels")
+    return data.reshape(-1, 3, 32, 32), label_array
 
 
 def _read_cifar_bin(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -294,16 +404,46 @@ def _cifar_dir(root: Path) -> tuple[Path, str] | None:
     return None
 
 
+MAX_CLASS_NAMES = 1000  # far more than CIFAR-10's 10 or CIFAR-100's 100
+MAX_CLASS_NAME = 100  # characters
+MAX_META_BYTES = 1 << 20
+
+
+def _checked_names(names: object, source: str) -> list[str]:
+    """Class names as a real CIFAR meta file holds them, or DatasetError naming the file."""
+    if not isinstance(names, list) or not 1 <= len(names) <= MAX_CLASS_NAMES:
+        raise DatasetError(f"{source}: label_names is not a list of 1 to {MAX_CLASS_NAMES} names")
+    decoded = []
+    for n in names:
+        try:
+            text = n.decode() if isinstance(n, bytes) else n
+        except UnicodeDecodeError:
+            text = None
+        if not isinstance(text, str) or not text.strip() or len(text) > MAX_CLASS_NAME:
+            raise DatasetError(f"{source}: class name {n!r} is not a short text")
+        decoded.append(text.strip())
+    if len(set(decoded)) != len(decoded):
+        raise DatasetError(f"{source}: class names repeat")
+    return decoded
+
+
 def _cifar_class_names(directory: Path, fmt: str) -> list[str]:
-    if fmt == "bin" and (directory / "batches.meta.txt").is_file():
-        names = [n.strip() for n in (directory / "batches.meta.txt").read_text().splitlines()]
-        return [n for n in names if n]
-    if fmt == "pickle" and (directory / "batches.meta").is_file():
-        with open(directory / "batches.meta", "rb") as fh:
-            meta = _CifarUnpickler(fh, encoding="bytes").load()
-        names = meta.get(b"label_names", meta.get("label_names"))
-        if names:
-            return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    text_meta, pickled_meta = directory / "batches.meta.txt", directory / "batches.meta"
+    if fmt == "bin" and text_meta.is_file():
+        if text_meta.stat().st_size > MAX_META_BYTES:
+            raise DatasetError(f"{text_meta} is larger than a class list ({MAX_META_BYTES} bytes)")
+        try:
+            lines = text_meta.read_text().splitlines()
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{text_meta} is not UTF-8 text: {exc}") from None
+        return _checked_names([n for n in lines if n.strip()], str(text_meta))
+    if fmt == "pickle" and pickled_meta.is_file():
+        if pickled_meta.stat().st_size > MAX_META_BYTES:
+            raise DatasetError(f"{pickled_meta} is larger than a class list")
+        meta = cast(dict[Any, Any], _unpickle(pickled_meta, "CIFAR meta file"))
+        names = _field(meta, "label_names")
+        if names is not None:
+            return _checked_names(names, str(pickled_meta))
     return list(CIFAR10_CLASSES)
 
 

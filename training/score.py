@@ -18,14 +18,19 @@ from torch.utils.data import DataLoader
 
 from training.atomic import atomic_write_json
 from training.data import DatasetError, open_dataset
-from training.models import build_model
+from training.models import MODELS, build_model
 
 
 class ModelFileError(ValueError):
     """The model file is missing, damaged or not one the trainer wrote."""
 
 
+MAX_INPUT_SIZE = 4096  # pixels; the trainer's configs stop far below
+
+
 def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model in ``path`` and what it was saved with; ModelFileError names what is wrong
+    with a file that is not a model the trainer wrote (nothing is scored from it)."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as exc:
@@ -34,13 +39,35 @@ def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         raise ModelFileError(
             f"model file {path} cannot be read ({type(exc).__name__}: {exc})"
         ) from exc
+    if not isinstance(saved, dict):
+        raise ModelFileError(
+            f"model file {path} holds a {type(saved).__name__}, not the trainer's dict"
+        )
     missing = {"state_dict", "class_names", "model_name", "input_size"} - set(saved)
     if missing:
         raise ModelFileError(
             f"model file {path} lacks {sorted(missing)}: not written by training.train"
         )
-    model = build_model(saved["model_name"], len(saved["class_names"]))
-    model.load_state_dict(saved["state_dict"])
+    names, model_name, size = saved["class_names"], saved["model_name"], saved["input_size"]
+    if not (isinstance(names, list) and len(names) >= 2 and all(isinstance(n, str) for n in names)):
+        raise ModelFileError(f"model file {path}: class_names is not a list of class names")
+    if model_name not in MODELS:
+        raise ModelFileError(
+            f"model file {path}: model_name {model_name!r} is not one of {sorted(MODELS)}"
+        )
+    if type(size) is not int or not 8 <= size <= MAX_INPUT_SIZE:
+        raise ModelFileError(f"model file {path}: input_size {size!r} is not 8..{MAX_INPUT_SIZE}")
+    if not isinstance(saved["state_dict"], dict):
+        raise ModelFileError(f"model file {path}: state_dict is not a dict of tensors")
+    model = build_model(model_name, len(names))
+    try:
+        model.load_state_dict(saved["state_dict"])
+    except (RuntimeError, TypeError, KeyError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[:3]
+        raise ModelFileError(
+            f"model file {path}: its weights do not fit a {model_name} for {len(names)} "
+            f"classes ({' '.join(first)})"
+        ) from None
     return model.eval(), saved
 
 
@@ -100,10 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="test", choices=["train", "val", "test"])
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0, help="must match training for synthetic:N")
+    p.add_argument(
+        "--error-output",
+        type=Path,
+        help="when the model or data is refused (exit 2), the reason as JSON here: for a "
+        "cluster task whose outputs, not logs, the orchestrator reads",
+    )
     args = p.parse_args(argv)
     try:
         result = score(args.model, args.data_dir, args.split, args.seed)
     except (DatasetError, ModelFileError) as exc:
+        if args.error_output:
+            atomic_write_json({"error": str(exc)}, args.error_output)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     atomic_write_json(result, args.output)

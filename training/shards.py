@@ -13,17 +13,23 @@ per split, ``<split>-<pack>-NNNNN.u8`` files of raw (N, 3, S, S) rows, ``<split>
 rows of files whose content did not change (keyed by the MD5 the staging manifest recorded), so
 a 1% change decodes 1% of the images. The trainer uses shards only when they were packed from
 the data version now in the folder, at its input size; otherwise it reads the loose files and
-says why.
+says why. Two packs of one folder at once (two runs staging the same NFS folder) take turns on
+a lock file in ``.shards/`` and write under unique temp names, so neither deletes or overwrites
+the other's work and the index written last names complete shards.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -47,6 +53,7 @@ from training.data import (
 
 SHARD_DIR = ".shards"
 INDEX = "index.json"
+LOCK = ".pack.lock"  # held while a pack runs: two packs of one folder take turns
 STAGING_MANIFEST = ".staging-manifest.json"  # written by backends.staging
 PACK_FORMAT = 1
 TARGET_SHARD_BYTES = 64 << 20
@@ -143,7 +150,11 @@ class _ShardWriter:
 
     def write(self, row: bytes) -> None:
         if self._fh is None:
-            self._tmp = self.directory / f".{self.stem}-{len(self.shards):05d}.tmp"
+            # Unique: a second pack of the same folder (another run, another node on NFS) never
+            # writes into this one's file.
+            self._tmp = (
+                self.directory / f".{self.stem}-{len(self.shards):05d}.{uuid.uuid4().hex}.tmp"
+            )
             self._fh = open(self._tmp, "wb")  # noqa: SIM115  # closed in _finish
             self._rows = 0
         self._fh.write(row)
@@ -240,20 +251,67 @@ def pack_shards(root: Path, image_size: int, workers: int | None = None) -> Pack
     if not (root / "train").is_dir():
         return PackReport("not packed", reason="no train/ folder (not an image-folder dataset)")
     try:
+        version = current_version(root)  # the cheap check first: most stagings change nothing
+    except DatasetError as exc:
+        return PackReport("not packed", reason=str(exc))
+    directory = root / SHARD_DIR
+    index = _read_json(directory / INDEX)
+    if index is not None and _is_current(index, version, image_size):
+        return _unchanged(index)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _pack_lock(directory) as locked:
+        return _pack(root, image_size, workers, locked, started)
+
+
+def _is_current(index: dict[str, Any] | None, version: str, image_size: int) -> bool:
+    return bool(
+        index
+        and index.get("format") == PACK_FORMAT
+        and index.get("version") == version
+        and index.get("image_size") == image_size
+    )
+
+
+def _unchanged(index: dict[str, Any]) -> PackReport:
+    return PackReport("unchanged", images=sum(s["count"] for s in index["splits"].values()))
+
+
+@contextlib.contextmanager
+def _pack_lock(directory: Path) -> Iterator[bool]:
+    """An exclusive lock on the shard folder for one pack; yields whether it is held.
+
+    Two packs at once (two runs staging one NFS folder) would each delete the other's files
+    as leftovers; with the lock the second waits, then finds the first one's pack current. A
+    filesystem without locks (ENOLCK) packs unlocked, and then leaves temp files alone.
+    """
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            locked = False
+        yield locked
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _pack(
+    root: Path, image_size: int, workers: int | None, locked: bool, started: float
+) -> PackReport:
+    """The pack itself, under the lock: the folder is listed again, as it may have changed
+    (or been packed by the pack this one waited for) meanwhile."""
+    try:
         class_names, listed = list_image_folders(root)
     except DatasetError as exc:
         return PackReport("not packed", reason=str(exc))
     version, keys = _content_keys(root, listed)
     directory = root / SHARD_DIR
     index = _read_json(directory / INDEX)
-    if (
-        index
-        and index.get("format") == PACK_FORMAT
-        and index.get("version") == version
-        and index.get("image_size") == image_size
-    ):
-        return PackReport("unchanged", images=sum(s["count"] for s in index["splits"].values()))
-    directory.mkdir(parents=True, exist_ok=True)
+    if index is not None and _is_current(index, version, image_size):
+        return _unchanged(index)
     pack = hashlib.sha256(f"{version}/{image_size}/{PACK_FORMAT}".encode()).hexdigest()[:12]
     old = _OldRows(directory, index, image_size)
     report = PackReport("packed")
@@ -309,7 +367,7 @@ def pack_shards(root: Path, image_size: int, workers: int | None = None) -> Pack
     try:
         checked = labelled_samples(class_names, listed, bad)
     except DatasetError as exc:
-        _remove_unreferenced(directory, index)
+        _remove_unreferenced(directory, index, locked)
         return PackReport("not packed", reason=str(exc))
     for split, (_, skipped) in checked.items():
         splits[split]["skipped"] = [s.replace(str(root) + os.sep, "", 1) for s in skipped]
@@ -322,7 +380,7 @@ def pack_shards(root: Path, image_size: int, workers: int | None = None) -> Pack
         "splits": splits,
     }
     atomic_write_json(new_index, directory / INDEX)
-    _remove_unreferenced(directory, new_index)
+    _remove_unreferenced(directory, new_index, locked)
     report.images = sum(s["count"] for s in splits.values())
     report.decoded = report.images - report.reused
     report.skipped = len(bad)
@@ -333,18 +391,23 @@ def pack_shards(root: Path, image_size: int, workers: int | None = None) -> Pack
 
 
 def _referenced(index: dict[str, Any] | None) -> set[str]:
-    names = {INDEX}
+    names = {INDEX, LOCK}
     for split in (index or {}).get("splits", {}).values():
         names.update(s["file"] for s in split.get("shards", []))
         names.update(n for n in (split.get("labels"), split.get("keys")) if n)
     return names
 
 
-def _remove_unreferenced(directory: Path, index: dict[str, Any] | None) -> None:
-    """Old packs and the leftovers of an interrupted one; what the index names stays."""
+def _remove_unreferenced(
+    directory: Path, index: dict[str, Any] | None, locked: bool = True
+) -> None:
+    """Old packs and the leftovers of an interrupted one; what the index names stays. Temp
+    files go only under the lock: unlocked, they may be another pack's work in progress."""
     keep = _referenced(index)
     for path in directory.iterdir():
-        if path.name not in keep and path.is_file():
+        if path.name in keep or not path.is_file():
+            continue
+        if locked or not path.name.endswith(".tmp"):
             path.unlink(missing_ok=True)
 
 
@@ -352,9 +415,12 @@ def remove_shards(root: Path) -> None:
     """Drop the packed copy (packing switched off): the trainer then reads the loose files."""
     directory = root / SHARD_DIR
     if directory.is_dir():
-        (directory / INDEX).unlink(missing_ok=True)
-        _remove_unreferenced(directory, None)
-        directory.rmdir()
+        with _pack_lock(directory) as locked:
+            (directory / INDEX).unlink(missing_ok=True)
+            _remove_unreferenced(directory, None, locked)
+        (directory / LOCK).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty: a pack's temp files, left to it
+            directory.rmdir()
 
 
 class ShardSplit(Dataset[tuple[torch.Tensor, int]]):

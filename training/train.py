@@ -324,7 +324,13 @@ def _resume(
     Weights and optimizer state reach the other ranks through the broadcast that follows,
     so only one process reads the (possibly remote) checkpoint file.
     """
-    found = ckpt.newest_valid_checkpoint(args.checkpoint_dir) if world.is_root else None
+    found = (
+        ckpt.newest_valid_checkpoint(
+            args.checkpoint_dir, lambda state: ckpt.mismatch(state, model, optimizer)
+        )
+        if world.is_root
+        else None
+    )
     rngs: list[Any] | None = None
     if found is not None:
         model.load_state_dict(found["model"])

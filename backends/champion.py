@@ -1,0 +1,170 @@
+"""The champion record: which model serves, and the history of promotions beside it.
+
+``models/champion.json`` is one flat record (run, metric value, model blob, data version,
+time), replaced with an ETag condition so two runs finishing together cannot both win. It
+never embeds earlier records: each promotion also writes its own record under
+``models/history/``, so the champion stays a few hundred bytes after any number of promotions
+and the history is one listing away.
+
+A stored record that cannot be used (not JSON, not an object, ``{}``, wrong types, a metric
+that is not a finite number in [0, 1], nested too deep to read) is reported as damaged with
+the reason, never taken for "no champion" and never a crash; when a promotion replaces it, its
+bytes are first kept under ``models/history/`` so nothing stored is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+CHAMPION = "models/champion.json"
+HISTORY = "models/history"
+# A flat record is well under 1 KB. A record from before the history folder nested every
+# earlier champion (about 5 KB per promotion): up to this size it is still read.
+MAX_RECORD_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Champion:
+    """A valid champion record."""
+
+    run_id: str
+    metric: str
+    value: float
+    model: str  # blob in the output container
+    data_version: str | None  # of the data it was scored on; None in records from before
+    promoted_at: str
+
+    def as_record(self) -> dict[str, Any]:
+        """The stored form: the metric under its own name, as the run's score has it."""
+        record = asdict(self)
+        record[record.pop("metric")] = record.pop("value")
+        return record
+
+
+@dataclass(frozen=True)
+class ChampionRead:
+    """What ``models/champion.json`` holds now: a champion, nothing, or a damaged record."""
+
+    champion: Champion | None
+    etag: str | None  # of the stored blob, for the conditional replace; None when absent
+    damaged: str | None = None  # why the stored record cannot be used
+    raw: bytes | None = None  # the stored bytes, kept when a damaged record is replaced
+
+    @property
+    def state(self) -> str:
+        if self.damaged:
+            return "damaged"
+        return "valid" if self.champion else "absent"
+
+
+def parse_record(data: bytes, metric: str) -> Champion | str:
+    """The champion in ``data``, or a sentence saying why it is not one."""
+    try:
+        record = json.loads(data)
+    except RecursionError:
+        return "nested too deep to read (every earlier champion inside it)"
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"not JSON ({exc})"
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    missing = [k for k in ("run_id", metric, "model") if k not in record]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    value = record[metric]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{metric} is {value!r}, not a number"
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        return f"{metric} is {value!r}, not a finite number in [0, 1]"
+    run_id, model, version = record["run_id"], record["model"], record.get("data_version")
+    if not isinstance(run_id, str) or not run_id:
+        return f"run_id is {run_id!r}, not a run id"
+    if not _model_blob_ok(model):
+        return f"model is {model!r}, not a model blob name"
+    if version is not None and not isinstance(version, str):
+        return f"data_version is {version!r}, not a version"
+    promoted_at = record.get("promoted_at")
+    return Champion(
+        run_id,
+        metric,
+        float(value),
+        model,
+        version,
+        promoted_at if isinstance(promoted_at, str) else "",
+    )
+
+
+def _model_blob_ok(model: object) -> bool:
+    return (
+        isinstance(model, str)
+        and 0 < len(model) <= 1024
+        and model.endswith(".pt")
+        and not model.startswith("/")
+        and ".." not in model.split("/")
+        and not any(c in model for c in "?#\\\x00")
+    )
+
+
+def read_champion(container: Any, metric: str) -> ChampionRead:
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        download = container.download_blob(CHAMPION, offset=0, length=MAX_RECORD_BYTES + 1)
+    except ResourceNotFoundError:
+        return ChampionRead(None, None)
+    etag = download.properties.etag
+    if download.properties.size > MAX_RECORD_BYTES:
+        return ChampionRead(
+            None,
+            etag,
+            f"{download.properties.size} bytes, more than a record holds ({MAX_RECORD_BYTES})",
+        )
+    raw = download.readall()
+    parsed = parse_record(raw, metric)
+    if isinstance(parsed, str):
+        return ChampionRead(None, etag, parsed, raw)
+    return ChampionRead(parsed, etag)
+
+
+def _stamp(moment: datetime) -> str:
+    return moment.strftime("%Y%m%dT%H%M%S%fZ")
+
+
+def replace_champion(container: Any, new: Champion, before: ChampionRead) -> str | None:
+    """Make ``new`` the champion if the stored record is still ``before``; returns the blob
+    a damaged record was kept as (None if there was none), or raises ``ChampionMovedError``
+    when another run replaced it meanwhile."""
+    from azure.core import MatchConditions
+    from azure.core.exceptions import ResourceExistsError, ResourceModifiedError
+
+    kept = None
+    if before.damaged:
+        kept = f"{HISTORY}/damaged-{_stamp(datetime.now(UTC))}.json"
+        container.upload_blob(kept, before.raw or b"", overwrite=True)
+    condition = (
+        {"etag": before.etag, "match_condition": MatchConditions.IfNotModified}
+        if before.etag
+        else {"match_condition": MatchConditions.IfMissing}
+    )
+    record = json.dumps(new.as_record(), indent=2)
+    try:
+        container.upload_blob(CHAMPION, record, overwrite=True, **condition)
+    except (ResourceModifiedError, ResourceExistsError):
+        if kept:
+            container.delete_blob(kept)  # the record it keeps is still the champion
+        raise ChampionMovedError(CHAMPION) from None
+    container.upload_blob(history_blob(new), record, overwrite=True)
+    return kept
+
+
+def history_blob(champion: Champion) -> str:
+    """One record per promotion; run ids start with their UTC time, so the names sort in
+    the order of the promotions."""
+    return f"{HISTORY}/{champion.run_id}.json"
+
+
+class ChampionMovedError(RuntimeError):
+    """Another run replaced the champion between this run's read and its replace."""

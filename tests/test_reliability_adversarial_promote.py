@@ -1,0 +1,154 @@
+"""The champion record under many promotions and in every damaged shape it was found in:
+flat and bounded, history one record per promotion, damage a named decision (never a crash
+after training, never taken for "no champion", the damaged bytes kept)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from azure.storage.blob import ContainerClient
+
+from backends.blob import container_client
+from backends.champion import (
+    CHAMPION,
+    HISTORY,
+    Champion,
+    ChampionMovedError,
+    parse_record,
+    read_champion,
+    replace_champion,
+)
+from tests.pipeline_helpers import make_config, new_container
+from tests.reliability import report
+
+
+@pytest.fixture
+def outputs(azurite: str) -> ContainerClient:
+    return new_container(azurite, "champ")
+
+
+def _champion(i: int, version: str = "v1") -> Champion:
+    return Champion(
+        f"20261123-{i:06d}-abcdef12",
+        "accuracy",
+        0.5 + i / 10_000,
+        f"runs/{i}/model.pt",
+        version,
+        f"2026-11-23T00:00:{i % 60:02d}+00:00",
+    )
+
+
+def test_champion_stays_flat_over_many_promotions(outputs: ContainerClient) -> None:
+    promotions = 60
+    for i in range(promotions):
+        before = read_champion(outputs, "accuracy")
+        replace_champion(outputs, _champion(i), before)
+    stored = outputs.download_blob(CHAMPION).readall()
+    assert len(stored) < 1024 and "previous" not in json.loads(stored)
+    assert read_champion(outputs, "accuracy").champion == _champion(promotions - 1)
+    history = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{HISTORY}/"))
+    assert len(history) == promotions and history[-1].endswith(
+        f"{promotions - 1:06d}-abcdef12.json"
+    )
+    report.record(
+        "adversarial",
+        f"promotion: {promotions} promotions in a row",
+        f"champion.json {len(stored)} bytes (flat); {promotions} history records",
+        before_fix="every record nested in the next: 5 MB at 900, RecursionError at ~995",
+    )
+
+
+def test_a_stale_read_cannot_replace_the_champion(outputs: ContainerClient) -> None:
+    before = read_champion(outputs, "accuracy")
+    replace_champion(outputs, _champion(1), before)
+    with pytest.raises(ChampionMovedError):
+        replace_champion(outputs, _champion(2), before)  # read before run 1 won
+    assert read_champion(outputs, "accuracy").champion == _champion(1)
+
+
+def _nested(depth: int) -> bytes:
+    """A record as the earlier code wrote them: every champion inside the next (built as text:
+    encoding it from objects would hit the same recursion limit that reading it does)."""
+    text = "null"
+    for i in range(depth):
+        text = (
+            f'{{"run_id": "r{i}", "accuracy": 0.5, "model": "runs/r{i}/model.pt", '
+            f'"previous": {text}}}'
+        )
+    return text.encode()
+
+
+def test_records_of_the_earlier_nested_format() -> None:
+    legacy = parse_record(_nested(3), "accuracy")
+    assert isinstance(legacy, Champion) and legacy.run_id == "r2" and legacy.data_version is None
+    assert parse_record(_nested(1200), "accuracy") == (
+        "nested too deep to read (every earlier champion inside it)"
+    )
+
+
+DAMAGED = {
+    "not JSON": (b"{not json", "not JSON"),
+    "empty object {}": (b"{}", "lacks run_id, accuracy, model"),
+    "a JSON list": (b"[1, 2]", "a JSON list, not an object"),
+    "accuracy NaN": (
+        b'{"run_id": "r", "accuracy": NaN, "model": "runs/r/model.pt"}',
+        "accuracy is nan, not a finite number",
+    ),
+    "accuracy Infinity": (
+        b'{"run_id": "r", "accuracy": Infinity, "model": "runs/r/model.pt"}',
+        "accuracy is inf, not a finite number",
+    ),
+    "accuracy a string": (
+        b'{"run_id": "r", "accuracy": "0.9", "model": "runs/r/model.pt"}',
+        "accuracy is '0.9', not a number",
+    ),
+    "run_id a number": (
+        b'{"run_id": 5, "accuracy": 0.9, "model": "runs/r/model.pt"}',
+        "run_id is 5",
+    ),
+    "nested 1200 deep": (_nested(1200), "nested too deep"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_damaged_champion_record_is_a_named_decision(
+    case: str,
+    prefect_api: None,
+    azurite: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prefect import flow
+
+    from backends.local_cluster import LocalCluster
+    from tasks.promote import promote
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    raw, why = DAMAGED[case]
+    config = make_config(tmp_path)
+    outputs = container_client(config.output, create=True)
+    outputs.upload_blob(CHAMPION, raw)
+    cluster = LocalCluster(
+        tmp_path / "work", "p", 1, tmp_path / "nfs", tmp_path / "share", outputs
+    )  # a damaged record needs no re-scoring: the pool is never used
+
+    @flow
+    def promote_once() -> dict[str, Any]:
+        return promote(config, cluster, "run-new", "runs/run-new", {"accuracy": 0.7}, "v9")
+
+    decision = promote_once()["decision"]
+    assert decision["promoted"] is True and decision["champion_record"] == "damaged"
+    assert why in decision["reason"] and CHAMPION in decision["reason"]
+    kept = decision["damaged_record"]["kept_as"]
+    assert outputs.download_blob(kept).readall() == raw  # nothing stored is lost
+    champion = read_champion(outputs, "accuracy").champion
+    assert champion is not None and champion.run_id == "run-new"
+    assert json.loads(outputs.download_blob("runs/run-new/promotion.json").readall()) == decision
+    report.record(
+        "adversarial",
+        f"promotion: champion.json is {case}",
+        "named decision: damaged record kept in history, challenger promoted",
+    )
