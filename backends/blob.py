@@ -1,7 +1,8 @@
 """Blob storage clients, built from a config without a secret ever passing through parameters.
 
-Imports nothing of the orchestrator at run time: the staging task imports this module on Batch
-nodes too.
+The node-side helpers (the service version, a folder's listing prefix) live in
+``staging.blob``, which the staging task imports on Batch nodes; this module builds the
+orchestrator's clients from a config.
 
 Order of preference: a connection string named by an environment variable (Azurite, or an
 explicit key the user chose), a prefect-azure credentials block, then DefaultAzureCredential
@@ -16,14 +17,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from staging.blob import API_VERSION, folder
+
 if TYPE_CHECKING:
     from azure.storage.blob import BlobServiceClient, ContainerClient
 
     from flows.config import BlobLocation
 
-# Azurite rejects the newest service version the SDK speaks; this one both accept, and real
-# Azure accepts it too, so one client works against both.
-API_VERSION = "2025-01-05"
 POOL_SIZE = 32
 CA_BUNDLE_VARS = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 
@@ -120,11 +120,6 @@ def blob_link(container: ContainerClient, name: str = "") -> str:
     parts = urlsplit(container.url)
     path = parts.path.rstrip("/") + (f"/{quote(name.strip('/'))}" if name.strip("/") else "")
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
-
-
-def folder(prefix: str) -> str | None:
-    """The ``name_starts_with`` that lists what lies below ``prefix`` (everything for "")."""
-    return f"{prefix.strip('/')}/" if prefix.strip("/") else None
 
 
 def join(prefix: str, name: str) -> str:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from backends.listing import listing_blob
 from flows.config import PipelineConfig
+from staging.listing import listing_blob
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -208,7 +208,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
     is uploaded on failure too: it then says why, naming the blob.
     """
     script = (
-        f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m backends.stage_task "
+        f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m staging.task "
         f"--prefix {shlex.quote(config.data.prefix or '')} "
         f"--dest {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --report {OUTPUT_DIR}/staging.json "
         f"--listing {STAGING_LISTING} --shards-size {shard_size(config)}"

@@ -31,9 +31,9 @@ from azure.storage.blob import ContainerClient
 
 from backends.azurite import running_azurite
 from backends.blob import API_VERSION, upload_directory
-from backends.staging import stage, sync_to_directory
 from bench import dataset
 from bench.output import dataset_main
+from staging.sync import stage, sync_to_directory
 
 PREFIX = "bench"
 SHARD_SIZE = 32  # the default model's input size

@@ -15,16 +15,16 @@ from prefect.tasks import exponential_backoff
 
 from backends import factory
 from backends.blob import container_client
-from backends.listing import listing_blob, parse_listing
 from backends.share import collect_files
-from backends.staging import stage
 from backends.taskspec import Cluster, shard_size, staging_task
 from flows.config import PipelineConfig
+from staging.listing import listing_blob, parse_listing
+from staging.sync import stage
 from tasks.steps import step_record
 
 # What the nodes import from the share: the trainer, and the staging code the Azure staging
 # task runs.
-SCRIPT_PACKAGES = ["training", "backends"]
+SCRIPT_PACKAGES = ["training", "staging"]
 # Storage faults (throttling, resets) are usually gone within seconds: 2, 4, 8 s.
 TRANSIENT_BACKOFF = exponential_backoff(backoff_factor=2)
 

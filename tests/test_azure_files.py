@@ -25,7 +25,7 @@ def _tree(tmp_path: Path) -> dict[str, Path]:
     for rel, text in {
         "training/train.py": "print('train')\n",
         "training/data/formats.py": "X = 1\n",
-        "backends/staging.py": "Y = 2\n",
+        "staging/sync.py": "Y = 2\n",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)

@@ -104,7 +104,7 @@ def test_azure_flow_end_to_end(
     assert "sig=" not in stage_task["commandLine"]
     # The scripts share got the code the node ran; the image was built once by ACR Tasks.
     assert "training/train.py" in fakes.files.file_paths(config.share.name)
-    assert "backends/stage_task.py" in fakes.files.file_paths(config.share.name)
+    assert "staging/task.py" in fakes.files.file_paths(config.share.name)
     assert len([r for r in fakes.acr.requests.all() if r.path.endswith("/scheduleRun")]) == 1
     # The node really ran the commands: staging fetched every blob into NFS.
     staged = sorted(p for p in (tmp_path / "nfs" / "data").rglob("*.png"))

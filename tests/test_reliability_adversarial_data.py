@@ -24,14 +24,15 @@ import torch
 from azure.storage.blob import ContainerClient
 from PIL import Image
 
-from backends.listing import ChangedSinceGateError, PinnedBlob, listing_json, parse_listing, pin
-from backends.staging import MANIFEST, UnsafeBlobNameError, stage, sync_to_directory
 from flows.config import ConfigError, load_config
+from staging.listing import ChangedSinceGateError, PinnedBlob, listing_json, parse_listing, pin
+from staging.sync import UnsafeBlobNameError, stage, sync_to_directory
 from tests.conftest import ROOT, child_env, run_trainer
 from tests.pipeline_helpers import new_container
 from tests.reliability import report
 from training.data import DatasetError, decode_checked, open_dataset
 from training.shards import INDEX, SHARD_DIR, open_shards, pack_shards
+from training.staged_folder import MANIFEST
 
 LOCAL = ROOT / "configs" / "local.yaml"
 

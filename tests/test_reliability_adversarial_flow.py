@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from backends.blob import container_client, upload_directory
-from backends.staging import MANIFEST
 from flows.retrain import retrain
 from tests.pipeline_helpers import make_config
 from tests.reliability import report
 from training.make_images import write_digits
 from training.shards import INDEX, SHARD_DIR, open_shards
+from training.staged_folder import MANIFEST
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 

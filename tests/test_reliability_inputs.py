@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from backends.blob import StorageConfigError, service_client
-from backends.staging import UnsafeBlobNameError, safe_relative_path
 from flows.config import BlobLocation, ConfigError, load_config
+from staging.sync import UnsafeBlobNameError, safe_relative_path
 from tests.conftest import ROOT, run_trainer
 from tests.reliability import report
 

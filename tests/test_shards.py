@@ -13,7 +13,7 @@ import torch
 from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION, upload_directory
-from backends.staging import safe_relative_path, stage
+from staging.sync import safe_relative_path, stage
 from training.data import DatasetError, encode_png, open_dataset
 from training.make_images import write_synthetic
 from training.shards import (

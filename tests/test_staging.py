@@ -9,7 +9,8 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION
-from backends.staging import MANIFEST, UnsafeBlobNameError, safe_relative_path, sync_to_directory
+from staging.sync import UnsafeBlobNameError, safe_relative_path, sync_to_directory
+from training.staged_folder import MANIFEST
 
 
 @pytest.fixture

@@ -50,11 +50,10 @@ from training.data import (
     labelled_samples,
     list_image_folders,
 )
+from training.staged_folder import SHARD_DIR, staged_md5s
 
-SHARD_DIR = ".shards"
 INDEX = "index.json"
 LOCK = ".pack.lock"  # held while a pack runs: two packs of one folder take turns
-STAGING_MANIFEST = ".staging-manifest.json"  # written by backends.staging
 PACK_FORMAT = 1
 TARGET_SHARD_BYTES = 64 << 20
 DECODE_BATCH = 4096  # images in flight at once: bounds memory on datasets of any size
@@ -85,16 +84,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _staged_files(root: Path) -> tuple[str | None, dict[str, str]]:
-    """The staging manifest's data version and each file's MD5, if the folder was staged."""
-    manifest = _read_json(root / STAGING_MANIFEST)
-    if not manifest or not manifest.get("data_version"):
-        return None, {}
-    files = manifest.get("files", {})
-    md5s = {f["path"]: f["md5"] for f in files.values() if isinstance(f, dict) and f.get("md5")}
-    return str(manifest["data_version"]), md5s
-
-
 def _files(listed: dict[str, dict[str, list[Path]]]) -> Iterator[Path]:
     for classes in listed.values():
         for files in classes.values():
@@ -109,7 +98,7 @@ def _content_keys(
     Staged folders use the manifest (no file is touched); any other folder its size and
     modification time, as make does.
     """
-    version, md5s = _staged_files(root)
+    version, md5s = staged_md5s(root)
     keys: dict[Path, str] = {}
     for path in _files(listed):
         rel = path.relative_to(root).as_posix()

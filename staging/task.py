@@ -1,4 +1,4 @@
-"""Blob -> NFS staging as a Batch task on a pool node (``python -m backends.stage_task``).
+"""Blob -> NFS staging as a Batch task on a pool node (``python -m staging.task``).
 
 On Azure the dataset must not stream through the orchestrator: this runs inside the VNet on a
 node that mounts the NFS share, with the same incremental code the local target uses. The data
@@ -18,31 +18,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-from backends.listing import ChangedSinceGateError, ListingError, parse_listing
-from backends.staging import IntegrityError, UnsafeBlobNameError, stage
+from staging.blob import data_container
+from staging.listing import ChangedSinceGateError, ListingError, parse_listing
+from staging.sync import UnsafeBlobNameError, stage
+from staging.transfer import IntegrityError
 from training.atomic import atomic_write_json
 
 REFUSED = 3  # the input is refused (named in the report): a retry on the same input cannot help
 
 
-def _container(url: str) -> Any:
-    from azure.storage.blob import ContainerClient
-
-    from backends.blob import API_VERSION
-
-    if "sig=" in url:
-        return ContainerClient.from_container_url(url, api_version=API_VERSION)
-    from azure.identity import DefaultAzureCredential
-
-    return ContainerClient.from_container_url(
-        url, credential=DefaultAzureCredential(), api_version=API_VERSION
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m backends.stage_task", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m staging.task", description=__doc__)
     p.add_argument("--prefix", default="")
     p.add_argument("--dest", type=Path, required=True)
     p.add_argument("--report", type=Path, required=True)
@@ -65,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             else None
         )
         report = stage(
-            _container(url), args.prefix, args.dest, args.shards_size, args.workers, listing
+            data_container(url), args.prefix, args.dest, args.shards_size, args.workers, listing
         )
     except (ListingError, UnsafeBlobNameError, ChangedSinceGateError, IntegrityError) as exc:
         atomic_write_json({"error": str(exc)}, args.report)

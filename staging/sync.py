@@ -16,26 +16,24 @@ Properties a training run relies on:
 * stale files go by destination path: a file is deleted when no staged blob lands on its path
   any more, so a new data version under a new prefix (``images/v2`` after ``images/v1``, the
   same relative paths under new blob names) keeps every file it staged;
-* parallel: downloads run on a thread pool (I/O bound, the GIL is released).
+* parallel: downloads run in :mod:`staging.transfer`, many in flight, outside the
+  interpreter lock (see there for why, and for each download's own guarantees).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
-import uuid
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from backends.blob import folder
-from backends.listing import ChangedSinceGateError, PinnedBlob, pin
-from training.atomic import atomic_write_json
-from training.shards import SHARD_DIR, pack_shards, remove_shards
-from training.shards import STAGING_MANIFEST as MANIFEST
+from staging.blob import Retry, folder, object_store
+from staging.listing import PinnedBlob, pin
+from staging.transfer import Download, download_all
+from training.staged_folder import MANIFEST, SHARD_DIR, TEMP_PREFIX, load_entries, write_manifest
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -46,10 +44,6 @@ MAX_SEGMENT_BYTES = 255  # NAME_MAX of ext4, XFS and NFS exports: one path segme
 
 class UnsafeBlobNameError(ValueError):
     """A blob name would be written outside the destination, or is not a usable path."""
-
-
-class IntegrityError(IOError):
-    """A downloaded file's size or MD5 does not match what the service reported."""
 
 
 @dataclass
@@ -82,7 +76,7 @@ def safe_relative_path(name: str, prefix: str) -> PurePosixPath:
         problem = "'.', '..' or empty path segment"
     elif any(len(part.encode()) > MAX_SEGMENT_BYTES for part in rel.split("/")):
         problem = f"a path segment longer than {MAX_SEGMENT_BYTES} bytes (the filesystem's limit)"
-    elif any(part == MANIFEST or part.startswith(".staging-") for part in rel.split("/")):
+    elif any(part == MANIFEST or part.startswith(TEMP_PREFIX) for part in rel.split("/")):
         problem = "collides with the staging manifest"
     elif rel.split("/", 1)[0] == SHARD_DIR:
         problem = f"collides with the packed shards ({SHARD_DIR}/)"
@@ -97,68 +91,6 @@ def _md5_b64(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return base64.b64encode(digest.digest()).decode()
-
-
-def _load_manifest(dest: Path) -> dict[str, dict[str, Any]]:
-    """Blob name -> entry of every file the last sync wrote, stale ones it had yet to delete
-    included (they are deleted by this sync unless a blob lands on their path again)."""
-    try:
-        data = json.loads((dest / MANIFEST).read_text())
-        entries = {**dict(data.get("stale", {})), **dict(data.get("files", {}))}
-    except (FileNotFoundError, json.JSONDecodeError, AttributeError, TypeError, ValueError):
-        return {}  # no usable manifest: everything is checked again, nothing is lost
-    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}
-
-
-def _download(
-    container: ContainerClient, pinned: PinnedBlob, target: Path, pinned_etag: bool
-) -> str:
-    """Download to a temp file beside ``target``, verify, rename. Returns the MD5 (base64).
-
-    The MD5 is computed from the bytes as they arrive (no second read of the file). The temp
-    name is unique to this download: two syncs into one folder (two runs, two nodes on NFS,
-    where process ids repeat) never write the same temp file. With ``pinned_etag`` the blob
-    is read only while its ETag is still the one the data gate validated (If-Match).
-    """
-    from azure.core import MatchConditions
-    from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
-
-    name, size, md5 = pinned.name, pinned.size, pinned.md5
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".staging-{uuid.uuid4().hex}.part"
-    condition: dict[str, Any] = (
-        {"etag": pinned.etag, "match_condition": MatchConditions.IfNotModified}
-        if pinned_etag
-        else {}
-    )
-    digest = hashlib.md5(usedforsecurity=False)
-    received = 0
-    try:
-        try:
-            with open(tmp, "wb") as fh:
-                for chunk in container.download_blob(name, max_concurrency=1, **condition).chunks():
-                    digest.update(chunk)
-                    fh.write(chunk)
-                    received += len(chunk)
-        except (ResourceModifiedError, ResourceNotFoundError):
-            if not pinned_etag:
-                raise
-            # A condition on a deleted blob is answered with 412 or 404: one message for both.
-            raise ChangedSinceGateError(
-                f"blob {name!r} changed or was deleted after the data gate validated it (its "
-                f"ETag is no longer {pinned.etag}): it is not staged unvalidated; run again to "
-                "validate it"
-            ) from None
-        if received != size:
-            raise IntegrityError(f"blob {name!r}: downloaded {received} bytes, expected {size}")
-        actual_md5 = base64.b64encode(digest.digest()).decode()
-        if md5 and actual_md5 != md5:
-            raise IntegrityError(f"blob {name!r}: MD5 {actual_md5} does not match stored {md5}")
-        os.replace(tmp, target)
-        return actual_md5
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _plan(blobs: list[PinnedBlob], prefix: str) -> dict[str, tuple[PinnedBlob, PurePosixPath]]:
@@ -244,13 +176,15 @@ def sync_to_directory(
     container: ContainerClient,
     prefix: str,
     dest: Path,
-    workers: int = 16,
+    workers: int = 32,
     listing: list[PinnedBlob] | None = None,
+    retry: Retry | None = None,
 ) -> SyncReport:
     """Mirror the blobs under ``prefix`` into ``dest``; see the module docstring.
 
     ``listing``: the data gate's pinned listing, staged exactly (the flow always passes it);
-    without it the container is listed now (benchmarks, a standalone sync).
+    without it the container is listed now (benchmarks, a standalone sync). ``workers``:
+    downloads in flight at once. ``retry``: how hard each download tries.
     """
     prefix = prefix.strip("/")
     pinned = listing is not None
@@ -259,14 +193,15 @@ def sync_to_directory(
     planned = _plan(listing, prefix)  # every name checked before anything is written
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
-    previous = _load_manifest(dest)
+    previous = load_entries(dest)
     # Stale is decided on destination paths, not blob names: a new version under a new prefix
     # renames every blob but lands on the same paths, which must stay.
     by_path = {str(old["path"]): (n, old) for n, old in previous.items()}
     new_paths = {str(rel) for _, rel in planned.values()}
     stale = {path: n for path, (n, _) in by_path.items() if path not in new_paths}
     report = SyncReport(total_files=len(planned))
-    todo = []
+    todo: list[Download] = []
+    entries: dict[str, dict[str, Any]] = {}
     files: dict[str, dict[str, Any]] = {}
     inside: dict[Path, bool] = {}  # per folder: resolving each file's path costs a stat per part
     for name, (blob, rel) in planned.items():
@@ -274,10 +209,15 @@ def sync_to_directory(
         first = target.parent not in inside
         if first:
             inside[target.parent] = target.parent.resolve().is_relative_to(root)
-        if not inside[target.parent] or target.is_symlink():  # e.g. through a symlinked folder
+        try:
+            st: os.stat_result | None = os.lstat(target)  # one call answers every question
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if not inside[target.parent] or (st and stat.S_ISLNK(st.st_mode)):
             raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
-        if first or target.is_dir():
+        if first or (st and stat.S_ISDIR(st.st_mode)):
             report.deleted += _clear_way(dest, name, rel, stale)
+            st = None if st and stat.S_ISDIR(st.st_mode) else st
         entry: dict[str, Any] = {
             "path": str(rel),
             "etag": blob.etag,
@@ -287,7 +227,7 @@ def sync_to_directory(
         # What the last sync wrote on this path: this blob, or an earlier version's blob of
         # another name whose content may well be the same.
         old_name, old = by_path.get(str(rel), (None, None))
-        same_size = target.is_file() and target.stat().st_size == blob.size
+        same_size = st is not None and stat.S_ISREG(st.st_mode) and st.st_size == blob.size
         unchanged = (
             old is not None
             and old.get("size") == blob.size
@@ -303,26 +243,22 @@ def sync_to_directory(
             report.skipped += 1
             files[name] = entry
         else:
-            todo.append((blob, target, entry))
-    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+            todo.append(Download(blob, target))
+            entries[name] = entry
+
+    def landed(job: Download, md5: str) -> None:
+        files[job.blob.name] = {**entries[job.blob.name], "md5": md5}
+        report.downloaded.append(job.blob.name)
+        report.bytes_downloaded += job.blob.size
+
     try:
-        futures = {
-            pool.submit(_download, container, blob, target, pinned): (blob.name, entry)
-            for blob, target, entry in todo
-        }
-        for future in as_completed(futures):
-            name, entry = futures[future]
-            files[name] = {**entry, "md5": future.result()}
-            report.downloaded.append(name)
-            report.bytes_downloaded += entry["size"]
+        if todo:
+            download_all(object_store(container, retry), todo, pinned, workers, landed, retry)
     finally:
-        # After a failure nothing new starts (each queued download would only retry against
-        # the same broken storage); the step's retry fetches the rest. What did arrive is
-        # recorded, and files finished but unrecorded are recognised by their MD5 next time.
-        pool.shutdown(wait=True, cancel_futures=True)
-        # One flush of everything written, before the manifest vouches for it, instead of an
-        # fsync per file (a COMMIT round trip each on NFS). A file lost to a crash before this
-        # point is not in the manifest and is re-checked by size and MD5 on the next sync.
+        # What did arrive is recorded; files finished but unrecorded are recognised by their
+        # MD5 next time. One flush of everything written, before the manifest vouches for it,
+        # instead of an fsync per file (a COMMIT round trip each on NFS). A file lost to a
+        # crash before this point is not in the manifest and is checked again next time.
         if report.downloaded:
             os.sync()
         # Stale files are still recorded as such, so a sync cut short deletes them next time.
@@ -339,7 +275,7 @@ def stage(
     prefix: str,
     dest: Path,
     shard_size: int,
-    workers: int = 16,
+    workers: int = 32,
     listing: list[PinnedBlob] | None = None,
 ) -> dict[str, Any]:
     """The staging step, wherever it runs: sync (exactly ``listing`` when given), then pack
@@ -347,6 +283,9 @@ def stage(
     removed). Returns the report."""
     report = sync_to_directory(container, prefix, dest, workers=workers, listing=listing)
     result = report.as_dict()
+    # Imported here: packing needs torch (about 2 s to import), a sync does not.
+    from training.shards import pack_shards, remove_shards
+
     if shard_size:
         result["shards"] = pack_shards(dest, shard_size).as_dict()
     else:
@@ -362,15 +301,5 @@ def _write_manifest(
     report: SyncReport,
     stale: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """The manifest of ``files``; ``stale`` entries (files still to be deleted) are recorded
-    under ``stale``, not in the data version, so an interrupted sync can finish the cleanup."""
-    # The data version names the content, not the time: same bytes, same version.
-    version = hashlib.sha256(
-        json.dumps(sorted((n, f["md5"], f["size"]) for n, f in files.items())).encode()
-    ).hexdigest()[:16]
-    manifest: dict[str, Any] = {"prefix": prefix, "data_version": version, "files": files}
-    if stale:
-        manifest["stale"] = stale
-    atomic_write_json(manifest, dest / MANIFEST)
+    report.data_version = write_manifest(dest, prefix, files, stale)
     report.manifest = str(dest / MANIFEST)
-    report.data_version = version

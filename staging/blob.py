@@ -1,0 +1,116 @@
+"""Node-side Blob helpers: the service version both Azure and Azurite accept, the listing prefix
+of a folder, and the clients staging reads with.
+
+Staging reads through two clients of one container: the storage SDK's ``ContainerClient`` for
+the listing (it carries each blob's Content-MD5, which staging verifies against) and an
+``obstore`` store for the downloads (Rust's ``object_store``: the whole HTTP exchange runs
+outside the interpreter lock, at a fraction of the SDK's CPU per request). The store is built
+from the container client, so both see the same account, container and credential: a shared
+key, a SAS (a SAS in the URL or an ``AzureSasCredential``), or a token credential such as a
+managed identity. Nothing here logs or returns a credential.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
+    from obstore.store import AzureStore
+
+# Azurite rejects the newest service version the SDK speaks; this one both accept, and real
+# Azure accepts it too, so one client works against both.
+API_VERSION = "2025-01-05"
+
+
+def folder(prefix: str) -> str | None:
+    """The ``name_starts_with`` that lists what lies below ``prefix`` (everything for "")."""
+    return f"{prefix.strip('/')}/" if prefix.strip("/") else None
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How hard a download tries before the sync gives up on a blob.
+
+    Each request is retried by the store (connection errors, resets, 5xx, throttling) with
+    exponential backoff from ``first_wait`` up to ``max_wait``; a blob whose response broke off
+    mid-body is fetched again, ``blob_attempts`` times in all. The defaults wait about 1, 2, 4,
+    8 s: a dropped connection costs seconds, not the 15 s and more of the SDK's defaults.
+    """
+
+    request_retries: int = 4
+    first_wait: float = 1.0
+    max_wait: float = 10.0
+    blob_attempts: int = 3
+    give_up_after: float = 180.0  # seconds from a request's first try; a SAS must outlive it
+
+
+def data_container(url: str) -> ContainerClient:
+    """The container at ``url``: with a SAS in the URL it is used as is; without one the
+    node's managed identity (``AZURE_CLIENT_ID`` selects one) or any other credential
+    ``DefaultAzureCredential`` finds authenticates."""
+    from azure.storage.blob import ContainerClient
+
+    if "sig=" in url:
+        return ContainerClient.from_container_url(url, api_version=API_VERSION)
+    from azure.identity import DefaultAzureCredential
+
+    return ContainerClient.from_container_url(
+        url, credential=DefaultAzureCredential(), api_version=API_VERSION
+    )
+
+
+def object_store(container: ContainerClient, retry: Retry | None = None) -> AzureStore:
+    """An obstore store for the same container and credential as ``container``."""
+    from obstore.store import AzureStore
+
+    retry = retry or Retry()
+    scheme = str(container.scheme)
+    config: dict[str, Any] = {
+        "account_name": container.account_name,
+        # scheme://host[:port][/account]: path-style for Azurite, the account's host on Azure.
+        "endpoint": f"{scheme}://{container.primary_hostname}",
+    }
+    provider = None
+    credential: Any = container.credential
+    query = urlsplit(container.url).query
+    if getattr(credential, "account_key", None):
+        config["access_key"] = credential.account_key
+    elif query and "sig=" in query:
+        config["sas_key"] = query
+    elif credential is not None and hasattr(credential, "signature"):  # AzureSasCredential
+        config["sas_key"] = str(credential.signature).lstrip("?")
+    elif credential is not None and hasattr(credential, "get_token"):
+        from obstore.auth.azure import AzureCredentialProvider
+
+        provider = AzureCredentialProvider(credential)
+    else:
+        raise ValueError(
+            f"container {container.container_name!r}: no credential staging can use (a shared "
+            "key, a SAS or a token credential)"
+        )
+    return AzureStore(
+        container.container_name,
+        config=config,  # type: ignore[arg-type]  # keys checked by the store, as it documents
+        client_options={
+            "allow_http": scheme == "http",
+            "connect_timeout": timedelta(seconds=10),
+            # A stalled body (no byte for a minute) fails the request instead of hanging it.
+            "read_timeout": timedelta(seconds=60),
+            "pool_max_idle_per_host": str(max(64, os.cpu_count() or 1)),
+        },
+        retry_config={
+            "max_retries": retry.request_retries,
+            "retry_timeout": timedelta(seconds=retry.give_up_after),
+            "backoff": {
+                "init_backoff": timedelta(seconds=retry.first_wait),
+                "max_backoff": timedelta(seconds=retry.max_wait),
+                "base": 2,
+            },
+        },
+        credential_provider=provider,
+    )

@@ -1,0 +1,88 @@
+"""What a staged data folder holds besides the data: the staging manifest, and the names that
+staging and the packed shards reserve. One owner for the format: staging writes the manifest,
+the shard packer and the trainer read it.
+
+The manifest (``.staging-manifest.json``) maps each staged blob to the file it became::
+
+    {"prefix": "images/v2", "data_version": "<16 hex>",
+     "files": {"<blob name>": {"path": "<relative path>", "etag": ..., "size": ..., "md5": ...}},
+     "stale": {...}}   # files a cut-short sync still has to delete (same entry shape)
+
+``data_version`` names the content, not the time: the same bytes under the same names give the
+same version. Kept free of heavy imports (no torch): the staging task on a node imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from training.atomic import atomic_write_json
+
+MANIFEST = ".staging-manifest.json"
+TEMP_PREFIX = ".staging-"  # a download in progress: ``.staging-<uuid>.part`` beside its target
+SHARD_DIR = ".shards"  # the packed shards (training.shards) live here
+
+
+def data_version(files: dict[str, dict[str, Any]]) -> str:
+    """The version of a set of staged files: a digest of every name, MD5 and size."""
+    return hashlib.sha256(
+        json.dumps(sorted((n, f["md5"], f["size"]) for n, f in files.items())).encode()
+    ).hexdigest()[:16]
+
+
+def _read(dest: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((dest / MANIFEST).read_text())
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def load_entries(dest: Path) -> dict[str, dict[str, Any]]:
+    """Blob name -> entry of every file the last sync wrote, stale ones it had yet to delete
+    included (a sync deletes them unless a blob lands on their path again). An unusable
+    manifest reads as empty: every file is then checked again, nothing is lost."""
+    data = _read(dest) or {}
+    entries: dict[str, Any] = {}
+    for section in ("stale", "files"):  # a live entry wins over a stale one of the same name
+        part = data.get(section)
+        if isinstance(part, dict):
+            entries.update(part)
+    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}
+
+
+def write_manifest(
+    dest: Path,
+    prefix: str,
+    files: dict[str, dict[str, Any]],
+    stale: dict[str, dict[str, Any]] | None = None,
+) -> str:
+    """Write the manifest of ``files`` atomically; returns its data version. ``stale`` entries
+    (files still to be deleted) are kept apart from the data version, so an interrupted sync
+    can finish the cleanup."""
+    version = data_version(files)
+    manifest: dict[str, Any] = {"prefix": prefix, "data_version": version, "files": files}
+    if stale:
+        manifest["stale"] = stale
+    atomic_write_json(manifest, dest / MANIFEST)
+    return version
+
+
+def staged_md5s(root: Path) -> tuple[str | None, dict[str, str]]:
+    """The manifest's data version and each staged file's MD5 by relative path, or
+    ``(None, {})`` when the folder was not staged."""
+    manifest = _read(root)
+    if not manifest or not manifest.get("data_version"):
+        return None, {}
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return None, {}
+    md5s = {
+        str(f["path"]): str(f["md5"])
+        for f in files.values()
+        if isinstance(f, dict) and f.get("md5") and "path" in f
+    }
+    return str(manifest["data_version"]), md5s
