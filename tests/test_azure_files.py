@@ -29,7 +29,7 @@ def _tree(tmp_path: Path) -> dict[str, Path]:
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    return collect_files(tmp_path, ["training", "backends"])
+    return collect_files(tmp_path, ["training", "staging"])
 
 
 def test_upload_creates_share_and_directories_and_records_hashes(
@@ -48,7 +48,7 @@ def test_upload_creates_share_and_directories_and_records_hashes(
     for rel, path in files.items():
         assert stored[rel]["data"] == path.read_bytes()
         assert stored[rel]["metadata"][HASH_KEY] == file_sha256(path)
-    assert fake.directories[config.share.name] == {"training", "training/data", "backends"}
+    assert fake.directories[config.share.name] == {"training", "training/data", "staging"}
     # Entra ID on the File REST API: every request carried a token with the backup intent.
     assert all(r.headers["x-ms-file-request-intent"] == "backup" for r in fake.requests.all())
     # Each file went up under a temporary name and was renamed over its final one.
@@ -94,7 +94,7 @@ def test_real_scripts_upload_with_an_account_key(fake_azure_account, tmp_path: P
         credential=AzureNamedKeyCredential("retrainfiles", "a2V5LWZvci10ZXN0cw=="),
         **clients._transport(),
     )
-    files = collect_files(ROOT, ["training", "backends"])
+    files = collect_files(ROOT, ["training", "staging"])
     report = AzureFilesShare(service, config.share.name).upload(files)
     assert len(report.uploaded) == len(files) > 10
     auth = {
@@ -118,7 +118,7 @@ def test_paths_are_case_insensitive_on_the_share(fake_azure_account, tmp_path: P
     share.upload({"Training/extra.py": other})
     fake = fake_azure_account.files
     assert "Training/extra.py" in fake.file_paths(config.share.name)
-    assert fake.directories[config.share.name] == {"training", "training/data", "backends"}
+    assert fake.directories[config.share.name] == {"training", "training/data", "staging"}
 
     clash = tmp_path / "clash"
     (clash / "training").mkdir(parents=True)
