@@ -18,6 +18,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from staging.listing import PinnedBlob
+
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
     from obstore.store import AzureStore
@@ -114,3 +116,51 @@ def object_store(container: ContainerClient, retry: Retry | None = None) -> Azur
         },
         credential_provider=provider,
     )
+
+
+def list_pinned(container: ContainerClient, prefix: str) -> list[PinnedBlob]:
+    """Every blob below ``prefix`` with its ETag, size and Content-MD5, as the data gate pins
+    them; what ``container.list_blobs`` returns, at a fraction of its cost.
+
+    Why not the SDK's iterator: it builds a model object per blob through its generic XML
+    deserializer, about 1 ms of interpreter-locked CPU per blob, which is 20 minutes for a
+    1.28 M-image dataset and most of a re-sync's time. Here each page (5,000 blobs) goes
+    through the SDK's own request pipeline (its authentication, retries and service version)
+    and is read with the C XML parser, taking only the four fields staging needs.
+    """
+    from urllib.parse import quote, unquote, urlsplit
+    from xml.etree import ElementTree
+
+    from azure.core.rest import HttpRequest
+
+    base, _, sas = container.url.partition("?")
+    query = "restype=container&comp=list&maxresults=5000"
+    if start := folder(prefix):
+        query += f"&prefix={quote(start, safe='')}"
+    pinned: list[PinnedBlob] = []
+    marker = ""
+    while True:
+        url = f"{base}?{query}" + (f"&marker={quote(marker, safe='')}" if marker else "")
+        request = HttpRequest("GET", url + (f"&{sas}" if sas else ""))
+        request.headers["x-ms-version"] = API_VERSION
+        response = container._client._send_request(request)  # the SDK pipeline: auth, retries
+        if response.status_code != 200:
+            raise ValueError(
+                f"container {container.container_name!r}: listing {urlsplit(url).path} "
+                f"refused with HTTP {response.status_code}"
+            )
+        root = ElementTree.fromstring(response.read())
+        for blob in root.iterfind("Blobs/Blob"):
+            name_el = blob.find("Name")
+            props = blob.find("Properties")
+            if name_el is None or props is None:
+                continue
+            name = name_el.text or ""
+            if name_el.get("Encoded") == "true":  # names with characters XML cannot carry
+                name = unquote(name)
+            md5 = props.findtext("Content-MD5") or None
+            size = int(props.findtext("Content-Length") or 0)
+            pinned.append(PinnedBlob(name, props.findtext("Etag") or "", size, md5))
+        marker = root.findtext("NextMarker") or ""
+        if not marker:
+            return pinned

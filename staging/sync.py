@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from staging.blob import Retry, folder, object_store
-from staging.listing import PinnedBlob, pin
+from staging.blob import Retry, list_pinned, object_store
+from staging.listing import PinnedBlob
 from staging.transfer import Download, download_all
 from training.staged_folder import MANIFEST, SHARD_DIR, TEMP_PREFIX, load_entries, write_manifest
 
@@ -189,7 +189,7 @@ def sync_to_directory(
     prefix = prefix.strip("/")
     pinned = listing is not None
     if listing is None:
-        listing = [pin(b) for b in container.list_blobs(name_starts_with=folder(prefix))]
+        listing = list_pinned(container, prefix)
     planned = _plan(listing, prefix)  # every name checked before anything is written
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
