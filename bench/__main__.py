@@ -28,7 +28,7 @@ FULL: dict[str, list[str]] = {
     "nodes": [],
 }
 QUICK: dict[str, list[str]] = {
-    "staging": ["--small", "300", "--large", "2", "--large-mb", "4"],
+    "staging": ["--small", "300", "--large", "2", "--large-mb", "4", "--delays-ms", "0", "2"],
     "loading": ["--images", "600"],
     "trainer": ["--images", "600", "--epochs", "1"],
     "pipeline": ["--repeats", "1"],

@@ -1,16 +1,20 @@
-"""Staging throughput, side by side in one run against one Azurite, reported as ratios.
+"""Staging throughput against the tool a user could pick instead, in one run, as ratios.
 
-For each part of the dataset (many small images; a few large files) the same bytes go to a
-local folder three ways:
+The same bytes go from one Azurite to a local folder three ways:
 
-* the staging step's sync (``backends.staging``: parallel, verified, temp name + rename),
-* a naive loop: list, then ``download_blob().readall()`` per blob, one at a time, same SDK,
-* ``cp -r`` of the staged folder: no HTTP at all, the ceiling on this machine's loopback.
+* the staging step's sync (``staging.sync``: verified, temp name + rename, manifest), run in
+  this process, its client CPU read from this process's own rusage;
+* ``rclone copy`` with as many transfers (and checkers) as the step has downloads in flight,
+  the best general tool found here; its CPU is the child's rusage;
+* ``cp -r`` of the staged folder: no HTTP at all, the ceiling on this machine.
 
-Then the incremental cases the nightly retrain lives on: a re-sync with nothing changed, and
-one with 1% of the small files changed (including the repack of the shards). Everything is in
-the page cache (the data was just generated and uploaded), so these are CPU and protocol
-costs, not disk reads.
+Azurite answers on loopback in microseconds, where Blob in the region takes milliseconds: each
+round runs behind ``bench.delay_proxy`` (a fixed delay per request, 0, 2 and 10 ms by default),
+so a client that keeps too few requests in flight, or pays a round trip per file more than it
+must, shows it. Within a round the step and rclone alternate (step first, then rclone, for each
+case), so both see the same load on this shared machine. Then the re-sync with nothing changed
+(each tool against what it just staged), the shard pack and the nightly case: 1% changed.
+Everything is in the page cache: these are CPU and protocol costs, not disk reads.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from azure.storage.blob import ContainerClient
 
 from backends.azurite import running_azurite
 from backends.blob import API_VERSION, upload_directory
 from bench import dataset
+from bench.delay_proxy import delayed
 from bench.output import dataset_main
 from staging.sync import stage, sync_to_directory
 
@@ -39,65 +45,99 @@ PREFIX = "bench"
 SHARD_SIZE = 32  # the default model's input size
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process, all threads (the storage client's side of a transfer)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    """CPU time of this process (all threads), or of its finished children."""
+    usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime
 
 
-def naive_download(container: ContainerClient, prefix: str, dest: Path) -> int:
-    """What a first script does: one blob after another, straight into its file."""
-    count = 0
-    for blob in container.list_blobs(name_starts_with=f"{prefix}/"):
-        target = dest / blob.name[len(prefix) + 1 :]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(container.download_blob(blob.name).readall())
-        count += 1
-    return count
+def measured(fn: Callable[[], Any], who: int = resource.RUSAGE_SELF) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of ``who``) of one call."""
+    cpu, started = cpu_seconds(who), time.perf_counter()
+    fn()
+    return time.perf_counter() - started, cpu_seconds(who) - cpu
 
 
-def _rate(files: int, size: int, seconds: float) -> dict[str, float]:
+def rclone() -> str:
+    """The rclone binary, installed from the distribution when missing."""
+    found = shutil.which("rclone")
+    if found:
+        return found
+    subprocess.run(["apt-get", "install", "-y", "-q", "rclone"], check=True)
+    return shutil.which("rclone") or "rclone"
+
+
+def rclone_copy(port: int, container: str, prefix: str, dest: Path, transfers: int) -> None:
+    """``rclone copy`` of ``prefix`` into ``dest``; the emulator's well-known account through
+    the environment, as rclone's docs describe for Azurite."""
+    env = {
+        **os.environ,
+        "RCLONE_CONFIG": "/dev/null",
+        "RCLONE_CONFIG_AZ_TYPE": "azureblob",
+        "RCLONE_CONFIG_AZ_USE_EMULATOR": "true",
+        "RCLONE_CONFIG_AZ_ENDPOINT": f"http://127.0.0.1:{port}/devstoreaccount1",
+    }
+    budget = ["--transfers", str(transfers), "--checkers", str(transfers)]
+    subprocess.run(
+        [rclone(), "copy", f"az:{container}/{prefix}", str(dest), "-q", *budget],
+        env=env,
+        check=True,
+    )
+
+
+def _through(conn: str, port: int, name: str) -> ContainerClient:
+    azurite = urlsplit(conn.split("BlobEndpoint=")[1].split(";")[0]).port
+    return ContainerClient.from_connection_string(
+        conn.replace(f":{azurite}/", f":{port}/"), name, api_version=API_VERSION
+    )
+
+
+def _rates(files: int, size: int, wall: float, cpu: float) -> dict[str, float]:
     return {
-        "seconds": round(seconds, 3),
-        "files_per_sec": round(files / seconds, 1),
-        "mb_per_sec": round(size / seconds / 1e6, 1),
+        "seconds": round(wall, 3),
+        "files_per_sec": round(files / wall, 1),
+        "mb_per_sec": round(size / wall / 1e6, 1),
+        "cpu_ms_per_file": round(1000 * cpu / files, 3),
     }
 
 
-def measure_part(
-    container: ContainerClient, prefix: str, work: Path, part: str, workers: int
+def measure(
+    conn: str, name: str, port: int, part: str, work: Path, delay: float, workers: int
 ) -> dict[str, Any]:
-    staged, naive, copied = (work / kind / part for kind in ("staged", "naive", "copy"))
-    cpu = cpu_seconds()
-    t_stage, report = timed(lambda: sync_to_directory(container, prefix, staged, workers))
-    cpu_stage, cpu = cpu_seconds() - cpu, cpu_seconds()
-    t_naive, count = timed(lambda: naive_download(container, prefix, naive))
-    cpu_naive = cpu_seconds() - cpu
-    copied.parent.mkdir(parents=True, exist_ok=True)
-    t_copy, _ = timed(lambda: subprocess.run(["cp", "-r", str(staged), str(copied)], check=True))
-    files, size = dataset.tree_bytes(staged)
-    if (count, dataset.tree_bytes(naive)) != (files, (files, size)):
-        raise RuntimeError(f"{part}: naive download does not match the staged folder")
-    return {
-        "files": files,
-        "bytes": size,
-        "staging": _rate(files, size, t_stage),
-        "naive_sequential": _rate(files, size, t_naive),
-        "cp_r": _rate(files, size, t_copy),
-        "staging_over_naive": round(t_naive / t_stage, 2),
-        "staging_fraction_of_cp": round(t_copy / t_stage, 3),
-        "downloaded": len(report.downloaded),
-        "client_cpu_ms_per_file": {
-            "staging": round(1000 * cpu_stage / files, 2),
-            "naive_sequential": round(1000 * cpu_naive / files, 2),
-        },
-    }
+    """One part of the dataset at one delay: the step, then rclone, each fresh and again."""
+    out: dict[str, Any] = {}
+    with delayed(port, delay) as via:
+        container = _through(conn, via, name)
+        dests = {k: work / f"{k}-{part}-{delay:g}ms" for k in ("step", "rclone")}
+        runs = {
+            "step": lambda: sync_to_directory(
+                container, f"{PREFIX}/{part}", dests["step"], workers
+            ),
+            "rclone": lambda: rclone_copy(via, name, f"{PREFIX}/{part}", dests["rclone"], workers),
+        }
+        who = {"step": resource.RUSAGE_SELF, "rclone": resource.RUSAGE_CHILDREN}
+        for tool in ("step", "rclone"):
+            wall, cpu = measured(runs[tool], who[tool])
+            files, size = dataset.tree_bytes(dests[tool])
+            out[tool] = _rates(files, size, wall, cpu)
+        for tool in ("step", "rclone"):
+            out[tool]["resync_seconds"] = round(measured(runs[tool], who[tool])[0], 3)
+    if (out["step"]["files_per_sec"] <= 0) or dataset.tree_bytes(
+        dests["step"]
+    ) != dataset.tree_bytes(dests["rclone"]):
+        raise RuntimeError(f"{part}: the step and rclone staged different trees")
+    return out
+
+
+def copy_ceiling(source: Path, work: Path) -> dict[str, float]:
+    target = work / f"cp-{source.name}"
+    shutil.rmtree(target, ignore_errors=True)
+    wall, cpu = measured(
+        lambda: subprocess.run(["cp", "-r", str(source), str(target)], check=True),
+        resource.RUSAGE_CHILDREN,
+    )
+    files, size = dataset.tree_bytes(target)
+    return _rates(files, size, wall, cpu)
 
 
 def change_one_percent(container: ContainerClient, prefix: str, side: int) -> int:
@@ -115,66 +155,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     raw = dataset.large_files(args.source, args.large, args.large_mb)
     shutil.rmtree(args.work, ignore_errors=True)
     work = args.work
+    rclone()
     with running_azurite(work / "azurite") as conn:
+        name = f"bench-{uuid.uuid4().hex[:8]}"
         container = ContainerClient.from_connection_string(
-            conn,
-            f"bench-{uuid.uuid4().hex[:8]}",
-            api_version=API_VERSION,
-            max_single_get_size=32 << 20,
+            conn, name, api_version=API_VERSION, max_single_get_size=32 << 20
         )
         container.create_container()
-        t_upload, _ = timed(
-            lambda: [
-                upload_directory(container, folder, f"{PREFIX}/{folder.name}", workers=8)
-                for folder in (images, raw)
-            ]
-        )
-        parts = {
-            "small": measure_part(container, f"{PREFIX}/images", work, "small", args.workers),
-            "large": measure_part(container, f"{PREFIX}/raw", work, "large", args.workers),
+        for folder in (images, raw):
+            upload_directory(container, folder, f"{PREFIX}/{folder.name}", workers=8)
+        port = urlsplit(container.url).port or 10000
+        small = {
+            f"{d:g}": measure(conn, name, port, "images", work, d, args.workers)
+            for d in args.delays_ms
         }
-        staged = work / "staged" / "small"
-        t_pack, packed = timed(
-            lambda: stage(container, f"{PREFIX}/images", staged, SHARD_SIZE, args.workers)
-        )
-        t_same, same = timed(
-            lambda: [
-                stage(container, f"{PREFIX}/images", staged, SHARD_SIZE, args.workers),
-                sync_to_directory(container, f"{PREFIX}/raw", work / "staged" / "large"),
-            ]
-        )
-        changed = change_one_percent(container, f"{PREFIX}/images", dataset.side_for(args.small_kb))
-        t_changed, after = timed(
-            lambda: stage(container, f"{PREFIX}/images", staged, SHARD_SIZE, args.workers)
-        )
-    total_files = sum(p["files"] for p in parts.values())
-    total_bytes = sum(p["bytes"] for p in parts.values())
-    seconds = {
-        k: sum(p[k]["seconds"] for p in parts.values())
-        for k in ("staging", "naive_sequential", "cp_r")
-    }
+        large = {
+            f"{d:g}": measure(conn, name, port, "raw", work, d, args.workers)
+            for d in args.large_delays_ms
+        }
+        ceiling = {
+            "small": copy_ceiling(work / f"step-images-{args.delays_ms[0]:g}ms", work),
+            "large": copy_ceiling(work / f"step-raw-{args.large_delays_ms[0]:g}ms", work),
+        }
+        staged = work / "packed"
+        prefix = f"{PREFIX}/images"
+        t_pack = time.perf_counter()
+        packed = stage(container, prefix, staged, SHARD_SIZE, args.workers)
+        t_pack = time.perf_counter() - t_pack
+        changed = change_one_percent(container, prefix, dataset.side_for(args.small_kb))
+        t_changed = time.perf_counter()
+        after = stage(container, prefix, staged, SHARD_SIZE, args.workers)
+        t_changed = time.perf_counter() - t_changed
     return {
         "benchmark": "staging",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "cores": os.cpu_count(),
+        "load_average": round(os.getloadavg()[0], 1),
         "workers": args.workers,
-        "method": f"{args.small} images of ~{args.small_kb} KB + {args.large} x {args.large_mb} MB "
-        f"in Azurite on loopback; staging with {args.workers} threads; page cache warm",
-        "upload_seconds": round(t_upload, 1),
-        "parts": parts,
-        "total": {
-            "files": total_files,
-            "bytes": total_bytes,
-            **{k: _rate(total_files, total_bytes, v) for k, v in seconds.items()},
-            "staging_over_naive": round(seconds["naive_sequential"] / seconds["staging"], 2),
-            "staging_fraction_of_cp": round(seconds["cp_r"] / seconds["staging"], 3),
-        },
+        "method": f"{args.small:,} images of ~{args.small_kb:g} KB and {args.large} x "
+        f"{args.large_mb} MB in Azurite on loopback; the step with {args.workers} downloads in "
+        f"flight, rclone with --transfers {args.workers} --checkers {args.workers}; one round "
+        "per delay, page cache warm",
+        "small": small,
+        "large": large,
+        "cp_r": ceiling,
         "first_pack": {**packed["shards"], "step_seconds": round(t_pack, 3)},
-        "resync_unchanged": {
-            "seconds": round(t_same, 3),
-            "downloaded": len(same[0]["downloaded"]) + len(same[1].downloaded),
-            "shards": same[0]["shards"]["action"],
-        },
         "resync_one_percent": {
             "seconds": round(t_changed, 3),
             "changed_blobs": changed,
@@ -192,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--small", type=int, default=20_000, help="small images")
+    p.add_argument("--small", type=int, default=5_000, help="small images")
     p.add_argument("--small-kb", type=float, default=20, help="size of each, about")
     p.add_argument("--large", type=int, default=4, help="large files")
-    p.add_argument("--large-mb", type=int, default=256, help="size of each")
-    p.add_argument("--workers", type=int, default=16, help="staging threads")
+    p.add_argument("--large-mb", type=int, default=64, help="size of each")
+    p.add_argument("--workers", type=int, default=32, help="downloads in flight (both tools)")
+    p.add_argument("--delays-ms", type=float, nargs="+", default=[0, 2, 10])
+    p.add_argument("--large-delays-ms", type=float, nargs="+", default=[0, 10])
     return dataset_main(p, "staging", run, argv)
 
 
