@@ -4,9 +4,12 @@ The manifest comes from the listing plus one small ranged read per image (enough
 header, and usually the whole file), so the gate costs seconds and no GPU is provisioned, and no
 data is copied, for a dataset that would fail. A failed gate raises: nothing after it runs.
 
-What each read found is kept in the work folder by blob name and ETag (a blob's ETag changes
-with its content), so a nightly run over unchanged data lists the container and reads nothing:
-per-request cost, not bandwidth, is what a gate over many small images pays.
+What each read found is kept in the work folder by content: the blob's Content-MD5 and size
+from the listing (by name and ETag for a blob stored without an MD5). A nightly run over
+unchanged data lists the container and reads nothing, and a new version under a new prefix
+(the trigger's layout) reads only the images whose content is new: per-request cost, not
+bandwidth, is what a gate over many small images pays. Reusing a row by MD5 is sound because
+staging checks every byte it stages against that same MD5.
 
 Every blob under the prefix is validated but the completion marker; the listing the gate
 validated (names and ETags) is pinned in the run's output prefix, and staging stages exactly
@@ -28,9 +31,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from backends.blob import blob_link, container_client, folder, upload_directory
+from backends.blob import blob_link, container_client, upload_directory
 from flows.config import PipelineConfig
-from staging.listing import listing_blob, listing_json, pin
+from staging.blob import list_pinned
+from staging.listing import PinnedBlob, listing_blob, listing_json
 from tasks.steps import step_record
 from training.atomic import atomic_write
 from training.images import is_image_name, open_image
@@ -41,31 +45,41 @@ SPLITS = ("train", "val", "test")
 # wait for it. It is the one blob that is neither validated nor staged.
 COMPLETION_MARKER = "_SUCCESS"
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
-# reused (2: only PNG and JPEG, by name and content, are readable).
-DESCRIBE_VERSION = 2
+# reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content).
+DESCRIBE_VERSION = 3
+# What a cached row holds: what the image's bytes say, nothing that depends on its name.
+CONTENT_FIELDS = ("width", "height", "channels", "readable", "md5")
 
 
 class DataValidationError(RuntimeError):
     """The data gate failed; the message lists each failed expectation with its counts."""
 
 
-def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
-    rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
+def _path_fields(rel: str, size: int) -> dict[str, Any]:
+    """What a row says from the blob's path below the prefix and its size alone."""
     parts = rel.split("/")
-    row: dict[str, Any] = {
+    return {
         "path": rel,
         "split": parts[0] if len(parts) == 3 else None,
         "label": parts[1] if len(parts) == 3 else None,
-        "bytes": int(blob.size),
+        "bytes": int(size),
+    }
+
+
+def _describe_image(container: Any, blob: PinnedBlob, prefix: str) -> dict[str, Any]:
+    rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
+    return {**_path_fields(rel, blob.size), **_content(container, blob, rel)}
+
+
+def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
+    """What the blob's bytes say (:data:`CONTENT_FIELDS`): one ranged read of its head."""
+    row: dict[str, Any] = {
         "width": None,
         "height": None,
         "channels": None,
         "readable": False,
-        "md5": None,
+        "md5": blob.md5,
     }
-    stored = blob.content_settings.content_md5 if blob.content_settings else None
-    if stored:
-        row["md5"] = base64.b64encode(bytes(stored)).decode()
     if blob.size == 0 or not is_image_name(rel):  # the trainer reads only .png/.jpg/.jpeg
         return row
     head = container.download_blob(
@@ -87,10 +101,8 @@ def _describe_image(container: Any, blob: Any, prefix: str) -> dict[str, Any]:
 
 
 def _cache_path(config: PipelineConfig) -> Path:
-    where = (
-        f"{DESCRIBE_VERSION}|{config.data.account_url or ''}|{config.data.container}|"
-        f"{config.data.prefix}"
-    )
+    # Not keyed by prefix: a new version under a new prefix shares the rows of its content.
+    where = f"{DESCRIBE_VERSION}|{config.data.account_url or ''}|{config.data.container}"
     key = hashlib.sha256(where.encode()).hexdigest()[:16]
     return config.work_dir / "gate-cache" / f"{config.data.container}-{key}.json"
 
@@ -103,17 +115,23 @@ def _load_cache(path: Path) -> dict[str, dict[str, Any]]:
     return entries if isinstance(entries, dict) else {}
 
 
-def list_dataset(config: PipelineConfig) -> list[Any]:
+def _content_key(blob: PinnedBlob) -> str:
+    """The cache key of a blob's content: its MD5 and size from the listing when the service
+    stores an MD5, else its name and ETag (a blob's ETag changes with its content)."""
+    return f"md5:{blob.md5}:{blob.size}" if blob.md5 else f"etag:{blob.name}:{blob.etag}"
+
+
+def list_dataset(config: PipelineConfig) -> list[PinnedBlob]:
     """Every blob under the prefix but the completion marker: what the gate validates and
     staging stages (a name starting with ``_`` elsewhere is data like any other)."""
     container = container_client(config.data, config.retries.storage_retries)
     prefix = config.data.prefix
     marker = f"{prefix}/{COMPLETION_MARKER}" if prefix else COMPLETION_MARKER
-    return [b for b in container.list_blobs(name_starts_with=folder(prefix)) if b.name != marker]
+    return [b for b in list_pinned(container, prefix) if b.name != marker]
 
 
 def build_manifest(
-    config: PipelineConfig, blobs: list[Any] | None = None
+    config: PipelineConfig, blobs: list[PinnedBlob] | None = None
 ) -> tuple[list[dict[str, Any]], int]:
     """One row per blob (``blobs``, default: :func:`list_dataset`), and how many rows came
     from the cache (unchanged blobs)."""
@@ -124,22 +142,24 @@ def build_manifest(
     cache_file = _cache_path(config)
     cache = _load_cache(cache_file)
 
-    def describe(blob: Any) -> tuple[dict[str, Any], bool]:
-        """The blob's row, and whether it came from the cache (same name, same ETag)."""
-        hit = cache.get(blob.name)
-        if (
-            isinstance(hit, dict)
-            and hit.get("etag") == blob.etag
-            and isinstance(hit.get("row"), dict)
-        ):
-            return dict(hit["row"]), True
+    def describe(blob: PinnedBlob) -> tuple[dict[str, Any], bool]:
+        """The blob's row, and whether its content's part came from the cache."""
+        rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
+        if blob.size == 0 or not is_image_name(rel):  # nothing to read: never from the cache
+            return _describe_image(container, blob, prefix), False
+        hit = cache.get(_content_key(blob))
+        if isinstance(hit, dict) and set(hit) == set(CONTENT_FIELDS):
+            return {**_path_fields(rel, blob.size), **hit}, True
         return _describe_image(container, blob, prefix), False
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         described = list(pool.map(describe, blobs))
     rows = [row for row, _ in described]
     reused = sum(1 for _, from_cache in described if from_cache)
-    entries = {b.name: {"etag": b.etag, "row": row} for b, row in zip(blobs, rows, strict=True)}
+    entries = {
+        _content_key(b): {k: row[k] for k in CONTENT_FIELDS}
+        for b, row in zip(blobs, rows, strict=True)
+    }
     atomic_write(
         cache_file, lambda fh: fh.write(json.dumps(entries, separators=(",", ":")).encode())
     )
@@ -331,7 +351,7 @@ def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> 
     # Staging stages exactly this listing (names and ETags), nothing listed later.
     pinned = listing_blob(output_prefix)
     container_client(config.output, config.retries.storage_retries).upload_blob(
-        pinned, listing_json(config.data.prefix, (pin(b) for b in blobs)), overwrite=True
+        pinned, listing_json(config.data.prefix, blobs), overwrite=True
     )
     logger.info(
         "data gate passed: %d images (%d unchanged since the last gate, not read again), "

@@ -49,3 +49,33 @@ def test_damaged_cache_is_ignored(seeded: tuple[PipelineConfig, int]) -> None:
     rows, cached = build_manifest(config)
     assert (len(rows), cached) == (total, 0)
     assert len(json.loads(cache.read_text())) == total  # rewritten whole
+
+
+def test_new_version_under_a_new_prefix_reads_only_new_content(
+    seeded: tuple[PipelineConfig, int],
+) -> None:
+    """The trigger's layout: each version under a prefix of its own. Images whose content the
+    last gate read (same Content-MD5 and size) are not read again under their new names; a
+    changed image is, and every row carries its new path."""
+    config, total = seeded
+    build_manifest(config)
+    container = container_client(config.data)
+    old = config.data.prefix
+    new = f"{old}-v2"
+    names = sorted(b.name for b in container.list_blobs(name_starts_with=f"{old}/"))
+    for name in names:
+        container.upload_blob(
+            f"{new}/{name[len(old) + 1 :]}", container.download_blob(name).readall()
+        )
+    victim = next(n for n in names if "/train/" in n)
+    changed_rel = victim[len(old) + 1 :]
+    container.upload_blob(f"{new}/{changed_rel}", b"new bytes, not an image", overwrite=True)
+    v2 = config.model_copy(update={"data": config.data.model_copy(update={"prefix": new})})
+
+    rows, cached = build_manifest(v2)
+
+    assert (len(rows), cached) == (total, total - 1)
+    assert sorted(r["path"] for r in rows) == sorted(n[len(old) + 1 :] for n in names)
+    changed = next(r for r in rows if r["path"] == changed_rel)
+    assert changed["readable"] is False and changed["bytes"] == len(b"new bytes, not an image")
+    assert all(r["readable"] for r in rows if r["path"] != changed_rel)
