@@ -11,9 +11,10 @@ The same bytes go from one Azurite to a local folder three ways:
 Azurite answers on loopback in microseconds, where Blob in the region takes milliseconds: each
 round runs behind ``bench.delay_proxy`` (a fixed delay per request, 0, 2 and 10 ms by default),
 so a client that keeps too few requests in flight, or pays a round trip per file more than it
-must, shows it. Within a round the step and rclone alternate (step first, then rclone, for each
-case), so both see the same load on this shared machine. Then the re-sync with nothing changed
-(each tool against what it just staged), the shard pack and the nightly case: 1% changed.
+must, shows it. Each case runs ``--rounds`` times, the step first in even rounds and rclone
+first in odd ones, and the medians are reported, so both see the same load on this shared
+machine; each also re-syncs what it just staged, with nothing changed. Then the shard pack
+and the nightly case: 1% of the small files changed.
 Everything is in the page cache: these are CPU and protocol costs, not disk reads.
 """
 
@@ -24,6 +25,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import time
 import uuid
@@ -94,6 +96,7 @@ def _through(conn: str, port: int, name: str) -> ContainerClient:
 
 def _rates(files: int, size: int, wall: float, cpu: float) -> dict[str, float]:
     return {
+        "files": files,
         "seconds": round(wall, 3),
         "files_per_sec": round(files / wall, 1),
         "mb_per_sec": round(size / wall / 1e6, 1),
@@ -102,31 +105,35 @@ def _rates(files: int, size: int, wall: float, cpu: float) -> dict[str, float]:
 
 
 def measure(
-    conn: str, name: str, port: int, part: str, work: Path, delay: float, workers: int
+    conn: str, name: str, port: int, part: str, work: Path, delay: float, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One part of the dataset at one delay: the step, then rclone, each fresh and again."""
-    out: dict[str, Any] = {}
+    """One part of the dataset at one delay: the step and rclone, each into a fresh folder and
+    then again (the re-sync), ``rounds`` times, the order reversed every other round; medians."""
+    runs: dict[str, list[dict[str, float]]] = {"step": [], "rclone": []}
+    who = {"step": resource.RUSAGE_SELF, "rclone": resource.RUSAGE_CHILDREN}
+    source, workers = f"{PREFIX}/{part}", args.workers
+    trees = set()
     with delayed(port, delay) as via:
         container = _through(conn, via, name)
-        dests = {k: work / f"{k}-{part}-{delay:g}ms" for k in ("step", "rclone")}
-        runs = {
-            "step": lambda: sync_to_directory(
-                container, f"{PREFIX}/{part}", dests["step"], workers
-            ),
-            "rclone": lambda: rclone_copy(via, name, f"{PREFIX}/{part}", dests["rclone"], workers),
-        }
-        who = {"step": resource.RUSAGE_SELF, "rclone": resource.RUSAGE_CHILDREN}
-        for tool in ("step", "rclone"):
-            wall, cpu = measured(runs[tool], who[tool])
-            files, size = dataset.tree_bytes(dests[tool])
-            out[tool] = _rates(files, size, wall, cpu)
-        for tool in ("step", "rclone"):
-            out[tool]["resync_seconds"] = round(measured(runs[tool], who[tool])[0], 3)
-    if (out["step"]["files_per_sec"] <= 0) or dataset.tree_bytes(
-        dests["step"]
-    ) != dataset.tree_bytes(dests["rclone"]):
-        raise RuntimeError(f"{part}: the step and rclone staged different trees")
-    return out
+        for rnd in range(args.rounds):
+            order = ("step", "rclone") if rnd % 2 == 0 else ("rclone", "step")
+            for tool in order:
+                dest = work / f"{tool}-{part}-{delay:g}ms-{rnd}"
+                call = {
+                    "step": lambda d=dest: sync_to_directory(container, source, d, workers),
+                    "rclone": lambda d=dest: rclone_copy(via, name, source, d, workers),
+                }[tool]
+                wall, cpu = measured(call, who[tool])
+                files, size = dataset.tree_bytes(dest)
+                trees.add((files, size))
+                rates = _rates(files, size, wall, cpu)
+                rates["resync_seconds"] = round(measured(call, who[tool])[0], 3)
+                runs[tool].append(rates)
+    if len(trees) != 1:
+        raise RuntimeError(f"{part}: the step and rclone staged different trees: {trees}")
+    return {
+        tool: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for tool, rs in runs.items()
+    }
 
 
 def copy_ceiling(source: Path, work: Path) -> dict[str, float]:
@@ -166,16 +173,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             upload_directory(container, folder, f"{PREFIX}/{folder.name}", workers=8)
         port = urlsplit(container.url).port or 10000
         small = {
-            f"{d:g}": measure(conn, name, port, "images", work, d, args.workers)
-            for d in args.delays_ms
+            f"{d:g}": measure(conn, name, port, "images", work, d, args) for d in args.delays_ms
         }
         large = {
-            f"{d:g}": measure(conn, name, port, "raw", work, d, args.workers)
-            for d in args.large_delays_ms
+            f"{d:g}": measure(conn, name, port, "raw", work, d, args) for d in args.large_delays_ms
         }
         ceiling = {
-            "small": copy_ceiling(work / f"step-images-{args.delays_ms[0]:g}ms", work),
-            "large": copy_ceiling(work / f"step-raw-{args.large_delays_ms[0]:g}ms", work),
+            "small": copy_ceiling(work / f"step-images-{args.delays_ms[0]:g}ms-0", work),
+            "large": copy_ceiling(work / f"step-raw-{args.large_delays_ms[0]:g}ms-0", work),
         }
         staged = work / "packed"
         prefix = f"{PREFIX}/images"
@@ -194,8 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "method": f"{args.small:,} images of ~{args.small_kb:g} KB and {args.large} x "
         f"{args.large_mb} MB in Azurite on loopback; the step with {args.workers} downloads in "
-        f"flight, rclone with --transfers {args.workers} --checkers {args.workers}; one round "
-        "per delay, page cache warm",
+        f"flight, rclone with --transfers {args.workers} --checkers {args.workers}; "
+        f"per delay, {args.rounds} rounds (medians), page cache warm",
         "small": small,
         "large": large,
         "cp_r": ceiling,
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--large", type=int, default=4, help="large files")
     p.add_argument("--large-mb", type=int, default=64, help="size of each")
     p.add_argument("--workers", type=int, default=32, help="downloads in flight (both tools)")
+    p.add_argument("--rounds", type=int, default=2, help="per case; the order alternates")
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0, 2, 10])
     p.add_argument("--large-delays-ms", type=float, nargs="+", default=[0, 10])
     return dataset_main(p, "staging", run, argv)
