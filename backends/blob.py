@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from azure.storage.blob import BlobServiceClient, ContainerClient
 
-    from flows.config import BlobLocation
+    from core.config import BlobLocation
 
 # Azurite rejects the newest service version the SDK speaks; this one both accept, and real
 # Azure accepts it too, so one client works against both.

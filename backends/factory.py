@@ -11,7 +11,7 @@ from backends.blob import container_client
 from backends.image import ImageResult, build_local, content_tag
 from backends.share import LocalShare
 from backends.taskspec import Cluster
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

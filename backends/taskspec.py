@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from backends.listing import listing_blob
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

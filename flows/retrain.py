@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
 
-from flows.config import ConfigError, PipelineConfig, load_config
+from core.config import ConfigError, PipelineConfig, load_config
+from core.run import Run
 from flows.pool_lock import hold_pool, local_pool_lock
 
 
@@ -160,9 +160,8 @@ def retrain(
             cfg.data.prefix,
             data_version,
         )
-    run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{str(flow_run.get_id() or 'local')[:8]}"
-    output_prefix = f"{cfg.output.prefix}/runs/{run_id}".lstrip("/")
-    run_dir = cfg.work_dir / "runs" / run_id
+    run = Run.start(flow_run.get_id(), cfg.output.prefix, cfg.work_dir)
+    run_id, output_prefix, run_dir = run.id, run.output_prefix, run.work_dir
     cluster = factory.cluster(cfg)
     steps: list[dict[str, Any]] = []
     # One run per pool at a time, across deployments, shells and machines (flows/pool_lock.py).

@@ -31,7 +31,7 @@ from backends.champion import (
     replace_champion,
 )
 from backends.taskspec import Cluster
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tasks.steps import step_record
 from tasks.training import SCORER_REFUSED, run_scorer
 

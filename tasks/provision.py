@@ -19,7 +19,7 @@ from backends.listing import listing_blob, parse_listing
 from backends.share import collect_files
 from backends.staging import stage
 from backends.taskspec import Cluster, shard_size, staging_task
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tasks.steps import step_record
 
 # What the nodes import from the share: the trainer, and the staging code the Azure staging

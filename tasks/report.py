@@ -8,7 +8,7 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 
 def config_markdown(config: PipelineConfig, source: str) -> list[str]:

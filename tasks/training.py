@@ -20,7 +20,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
 
 from backends.taskspec import Cluster, scoring_task, training_task
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tasks.steps import step_record
 
 RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")

@@ -30,7 +30,7 @@ from prefect.cache_policies import NONE
 
 from backends.blob import blob_link, container_client, folder, upload_directory
 from backends.listing import listing_blob, listing_json, pin
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tasks.steps import step_record
 from training.atomic import atomic_write
 from training.images import is_image_name, open_image

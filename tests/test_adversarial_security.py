@@ -23,7 +23,7 @@ import yaml
 from backends.blob import container_client
 from backends.local_cluster import ClusterError, LocalCluster
 from backends.taskspec import TaskSpec, training_task
-from flows.config import ConfigError, PipelineConfig, load_config
+from core.config import ConfigError, PipelineConfig, load_config
 from tests.conftest import ROOT, prefect_api_env
 from tests.pipeline_helpers import make_config, seed
 from tests.reliability import report
@@ -385,7 +385,8 @@ def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) ->
     run hold the pool at a time."""
     from prefect.client.orchestration import get_client
 
-    from flows.pool_lock import hold_pool, pool_slot
+    from core.pool_slot import pool_slot
+    from flows.pool_lock import hold_pool
     from tests.azure_helpers import azure_config
 
     first = azure_config(tmp_path / "machine-a")

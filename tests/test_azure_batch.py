@@ -25,7 +25,7 @@ from backends.azure.clients import batch_client
 from backends.blob import container_client
 from backends.factory import image_reference
 from backends.taskspec import TaskSpec, scoring_task, training_task
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tests.azure_helpers import azure_config
 from tests.fakes.batch import Attempt, wait_until
 

@@ -10,7 +10,7 @@ import pytest
 from backends.azure.clients import share_service
 from backends.azure.files import HASH_KEY, AzureFilesShare
 from backends.share import collect_files, file_sha256
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tests.azure_helpers import ROOT, azure_config
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from backends.blob import container_client
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tasks.validate import _cache_path, build_manifest
 from tests.pipeline_helpers import make_config, seed
 

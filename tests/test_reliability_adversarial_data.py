@@ -26,7 +26,7 @@ from PIL import Image
 
 from backends.listing import ChangedSinceGateError, PinnedBlob, listing_json, parse_listing, pin
 from backends.staging import MANIFEST, UnsafeBlobNameError, stage, sync_to_directory
-from flows.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from tests.conftest import ROOT, child_env, run_trainer
 from tests.pipeline_helpers import new_container
 from tests.reliability import report

@@ -9,7 +9,7 @@ import pytest
 
 from backends.blob import StorageConfigError, service_client
 from backends.staging import UnsafeBlobNameError, safe_relative_path
-from flows.config import BlobLocation, ConfigError, load_config
+from core.config import BlobLocation, ConfigError, load_config
 from tests.conftest import ROOT, run_trainer
 from tests.reliability import report
 

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backends.taskspec import TaskSpec
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

@@ -32,7 +32,7 @@ from backends.azure.batch_requests import (
 )
 from backends.blob import folder
 from backends.taskspec import TaskResult, TaskSpec
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.batch import BatchClient

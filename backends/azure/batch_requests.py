@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.azure.access import NodeAccess
 from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, TaskSpec
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.batch import models as batch_models

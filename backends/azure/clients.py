@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.batch import BatchClient

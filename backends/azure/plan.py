@@ -24,7 +24,8 @@ from backends.azure.batch_requests import (
 )
 from backends.image import content_tag
 from backends.taskspec import scoring_task, staging_task, training_task
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
+from core.run import output_prefix as run_output_prefix
 
 RUN_ID = "{run_id}"
 
@@ -64,7 +65,7 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
         if config.image.registry_password_secret
         else None
     )
-    output_prefix = f"{config.output.prefix}/runs/{RUN_ID}".lstrip("/")
+    output_prefix = run_output_prefix(config.output.prefix, RUN_ID)
     specs = [
         staging_task(config, f"stage-{RUN_ID}-1", output_prefix),
         training_task(config, f"train-{RUN_ID}", "{training_key}", output_prefix),
