@@ -180,7 +180,9 @@ def _gate(config: Any, files: dict[str, bytes], docs: Path) -> tuple[bool, list[
     """Run the gate's suites on 2 classes x 2 images per split plus ``files``; returns
     whether it passed and, per failed expectation, its column and the files it names."""
     from backends.blob import container_client
-    from tasks.validate import _examples, build_manifest, run_expectations
+    from gate.manifest import build_manifest
+    from gate.report import examples
+    from gate.suites import run_expectations
 
     base = {
         f"{split}/c{c}/{split}{c}{i}.png": _png(100 * c + 10 * i + (split == "test"))
@@ -190,9 +192,9 @@ def _gate(config: Any, files: dict[str, bytes], docs: Path) -> tuple[bool, list[
     }
     container = container_client(config.data, create=True)
     _upload(container, {f"images/v1/{k}": v for k, v in {**base, **files}.items()})
-    rows, _ = build_manifest(config)
-    passed, records = run_expectations(rows, config, docs)
-    failed = [f"{r['column']}: {_examples(rows, r)}" for r in records if not r["success"]]
+    rows, _ = build_manifest(config.data, config.work_dir / "gate-cache")
+    passed, records = run_expectations(rows, config.validation, docs)
+    failed = [f"{r['column']}: {examples(rows, r)}" for r in records if not r["success"]]
     return passed, failed
 
 
@@ -226,13 +228,13 @@ def test_gate_validates_what_is_trained(case: str, gate_config: Any, tmp_path: P
 
 def test_gate_skips_only_the_completion_marker(gate_config: Any, tmp_path: Path) -> None:
     from backends.blob import container_client
-    from tasks.validate import list_dataset
+    from gate.manifest import list_dataset
 
     passed, _ = _gate(gate_config, {}, tmp_path / "docs")
     assert passed
     container = container_client(gate_config.data)
     _upload(container, {"images/v1/_SUCCESS": b"", "images/v1/train/_notes.txt": b"x"})
-    names = {b.name for b in list_dataset(gate_config)}
+    names = {b.name for b in list_dataset(gate_config.data)}
     assert "images/v1/_SUCCESS" not in names and "images/v1/train/_notes.txt" in names
 
 

@@ -26,9 +26,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from training.images import is_image_name, open_image
+from training.images import SPLITS, is_image_name, open_image
 
-SPLITS = ("train", "val", "test")
 REQUIRED_SPLITS = ("train", "test")
 CIFAR10_CLASSES = (
     "airplane",

@@ -16,6 +16,9 @@ from typing import IO
 
 from PIL import Image
 
+# The splits of an image-folder dataset (``<split>/<class>/<file>``): the trainer reads them, and
+# the data gate checks that a dataset has no other.
+SPLITS = ("train", "val", "test")
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg"})
 IMAGE_FORMATS = ("PNG", "JPEG")  # Pillow's names for the formats the suffixes stand for
 
