@@ -12,16 +12,12 @@ ever placed in a command line or in the plain environment.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Literal
 
 from backends.listing import listing_blob
 from core.config import PipelineConfig
-
-if TYPE_CHECKING:
-    from azure.storage.blob import ContainerClient
 
 NFS_MOUNT = "nfs"  # relative mount paths under $AZ_BATCH_NODE_MOUNTS_DIR
 SHARE_MOUNT = "scripts"
@@ -60,28 +56,6 @@ class TaskSpec:
     max_wall_clock_seconds: int = 6 * 3600
     max_retries: int = 0  # on Batch the service retries; the local cluster runs once
     reads_training_data: bool = False  # the cluster then provides RETRAIN_DATA_URL
-
-
-@dataclass
-class TaskResult:
-    exit_code: int
-    task_dir: Path | None  # local clusters only
-    uploaded: list[str]
-    seconds: float
-    attempts: int = 1
-
-
-class Cluster(Protocol):
-    """Azure Batch or the local stand-in; the flow sees only this."""
-
-    outputs: ContainerClient
-    retries_in_service: bool  # True when the service itself retries a failed task
-
-    def ensure_pool(self) -> dict[str, Any]: ...
-
-    def run_task(self, spec: TaskSpec, on_line: Callable[[str], None] = ...) -> TaskResult: ...
-
-    def release(self) -> dict[str, Any]: ...
 
 
 # What a task process inherits from the machine it runs on, besides the spec's environment and

@@ -87,15 +87,18 @@ def local_pool_lock(
 
 @contextlib.contextmanager
 def hold_pool(
-    config: PipelineConfig, holder: str, say: Callable[[str], None] = lambda _: None
+    config: PipelineConfig,
+    holder: str,
+    shared: bool,
+    say: Callable[[str], None] = lambda _: None,
 ) -> Iterator[None]:
     """Hold the config's pool for the block, waiting for the run that holds it now: the file
-    lock, then (a Batch pool, with a server configured) one slot of the pool's global
-    concurrency limit."""
+    lock, then (a pool other machines can use too, ``shared``, with a server configured) one
+    slot of the pool's global concurrency limit."""
     from prefect.concurrency.sync import concurrency
 
     with local_pool_lock(config, holder, say=say):
-        if config.target != "azure" or not _server_configured():
+        if not shared or not _server_configured():
             yield
             return
         name = pool_slot(config.pool.id)

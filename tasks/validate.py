@@ -7,21 +7,19 @@ that listing: what is trained is what was validated.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NONE
 
 from backends.blob import blob_link, container_client, upload_directory
 from backends.listing import listing_blob, listing_json
 from core.config import PipelineConfig
+from core.run import Run
 from gate.manifest import build_manifest, list_dataset
 from gate.report import failure, gate_markdown
 from gate.suites import run_expectations
-from tasks.steps import step_record
+from tasks.steps import Done, step
 
 
 def gate_cache_dir(config: PipelineConfig) -> Path:
@@ -29,14 +27,14 @@ def gate_cache_dir(config: PipelineConfig) -> Path:
     return config.work_dir / "gate-cache"
 
 
-@task(name="validate-data", cache_policy=NONE)
-def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> dict[str, Any]:
+@step("validate-data")
+def validate_data(config: PipelineConfig, run: Run) -> Done[None]:
     logger = get_run_logger()
-    started = time.perf_counter()
+    output_prefix = run.output_prefix
     retries = config.retries.storage_retries
     blobs = list_dataset(config.data, retries)
     rows, cached = build_manifest(config.data, gate_cache_dir(config), retries, blobs)
-    docs = run_dir / "data_docs"
+    docs = run.work_dir / "data_docs"
     success, records = run_expectations(rows, config.validation, docs)
     outputs = container_client(config.output, retries, create=True)
     upload_directory(outputs, docs, f"{output_prefix}/data_docs", workers=8)
@@ -59,13 +57,14 @@ def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> 
         cached,
         len(records),
     )
-    return step_record(
-        "validate-data",
-        started,
+    return Done(
         True,
-        images=len(rows),
-        read_from_cache=cached,
-        listing=pinned,
-        classes=len({r["label"] for r in rows}),
-        data_docs=docs_url,
+        None,
+        {
+            "images": len(rows),
+            "read_from_cache": cached,
+            "listing": pinned,
+            "classes": len({r["label"] for r in rows}),
+            "data_docs": docs_url,
+        },
     )

@@ -104,8 +104,8 @@ def test_hostile_extra_args_run_nothing_on_a_batch_node(
     """The request body the Batch cluster sends, executed as a node executes it."""
     from prefect.blocks.system import Secret
 
-    from backends import factory
     from backends.share import collect_files
+    from backends.target import PROJECT_ROOT, target_for
     from tasks.provision import SCRIPT_PACKAGES
     from tests.azure_helpers import azure_config
     from tests.fakes.node import PoolNodes
@@ -119,7 +119,7 @@ def test_hostile_extra_args_run_nothing_on_a_batch_node(
         azure_config(tmp_path, "pool.dedicated_nodes=1", "retries.training_attempts=1"),
         hostile_args(markers),
     )
-    factory.share(config).upload(collect_files(factory.PROJECT_ROOT, SCRIPT_PACKAGES))
+    target_for(config).share().upload(collect_files(PROJECT_ROOT, SCRIPT_PACKAGES))
     require_emulated_nodes()
     lines: list[str] = []
     with PoolNodes(
@@ -130,7 +130,7 @@ def test_hostile_extra_args_run_nothing_on_a_batch_node(
     ) as node:
         node.attach(fake_azure_account.batch)
         fake_azure_account.batch.allocation_ticks = 1
-        cluster = factory.cluster(config)
+        cluster = target_for(config).cluster()
         cluster.ensure_pool()
         result = cluster.run_task(
             training_task(config, "train-hostile", "key", "runs/hostile"), lines.append
@@ -352,12 +352,12 @@ def test_abort_hook_leaves_alone_a_pool_another_run_holds(tmp_path: Path) -> Non
     from prefect.client.schemas.objects import FlowRun
     from prefect.states import Cancelled
 
-    from backends import factory
+    from backends.target import target_for
     from flows.pool_lock import local_pool_lock
     from flows.retrain import _release_after_abort, retrain
 
     config = make_config(tmp_path)
-    cluster = factory.cluster(config)
+    cluster = target_for(config).cluster()
     cluster.ensure_pool()
     box: dict[str, Any] = {}
     worker = threading.Thread(
@@ -395,11 +395,11 @@ def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) ->
     entered = threading.Event()
 
     def other_machine() -> None:
-        with hold_pool(second, "run on machine b"):
+        with hold_pool(second, "run on machine b", shared=True):
             events.append("b holds")
             entered.set()
 
-    with hold_pool(first, "run on machine a"):
+    with hold_pool(first, "run on machine a", shared=True):
         events.append("a holds")
         with get_client(sync_client=True) as client:
             limit = client.read_global_concurrency_limit_by_name(pool_slot(first.pool.id))

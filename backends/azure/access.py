@@ -130,9 +130,3 @@ class AccessIssuer:
             self.outputs, start, expiry, read=True, list=True, create=True, write=True
         )
         return NodeAccess(f"{self.data.url}?{read}", f"{self.outputs.url}?{write}")
-
-
-def node_access(
-    config: PipelineConfig, data: ContainerClient, outputs: ContainerClient
-) -> AccessIssuer:
-    return AccessIssuer(config, data, outputs)

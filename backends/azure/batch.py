@@ -31,7 +31,8 @@ from backends.azure.batch_requests import (
     task_body,
 )
 from backends.blob import folder
-from backends.taskspec import TaskResult, TaskSpec
+from backends.cluster import TaskResult
+from backends.taskspec import TaskSpec
 from core.config import PipelineConfig
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ def _metadata(pool: Any) -> dict[str, str]:
 
 class BatchCluster:
     retries_in_service = True
+    shared = True  # any orchestrator with the account's credentials can use the pool
 
     def __init__(
         self,

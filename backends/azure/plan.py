@@ -30,6 +30,10 @@ from core.run import output_prefix as run_output_prefix
 RUN_ID = "{run_id}"
 
 
+class PlanError(ValueError):
+    """The config describes no Azure run to plan."""
+
+
 def _container_url(location: Any) -> str:
     base = (location.account_url or f"${location.connection_string_env}").rstrip("/")
     return f"{base}/{location.container}"
@@ -55,8 +59,10 @@ def _access(config: PipelineConfig, spec: Any) -> NodeAccess:
 
 
 def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
-    from backends.factory import image_reference
+    from backends.target import image_reference
 
+    if config.target != "azure":
+        raise PlanError(f"--plan describes an Azure run; the config has target {config.target}")
     image = image_reference(config)
     access = AccessIssuer(config)
     share_key = f"<secret from Prefect Secret block {config.share.account_key_secret!r}>"

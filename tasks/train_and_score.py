@@ -10,18 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, cast
 from uuid import UUID
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import NONE
 
-from backends.taskspec import Cluster, scoring_task, training_task
+from backends.cluster import Cluster
+from backends.scoring import run_scorer
+from backends.taskspec import training_task
 from core.config import PipelineConfig
-from tasks.steps import step_record
+from core.run import Run
+from tasks.steps import Done, step
 
 RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")
 REQUIRED_OUTPUTS = ("model.pt", "metrics.json", "logs/stdout.txt")
@@ -31,13 +33,13 @@ class TrainingFailedError(RuntimeError):
     """The training task exited non-zero; the message carries the end of its log."""
 
 
-def training_key(config: PipelineConfig, data_version: str, code_version: str) -> str:
+def training_key(config: PipelineConfig, staged_version: str, code_version: str) -> str:
     """Names the checkpoint folder: same data, code and settings, same folder (resume)."""
     settings = json.dumps(
         {
             "training": config.training.model_dump(mode="json"),
             "processes": config.pool.nodes * config.pool.processes_per_node,
-            "data": data_version,
+            "data": staged_version,
             "code": code_version,
         },
         sort_keys=True,
@@ -45,17 +47,14 @@ def training_key(config: PipelineConfig, data_version: str, code_version: str) -
     return hashlib.sha256(settings.encode()).hexdigest()[:16]
 
 
-@task(name="run-training", cache_policy=NONE)
-def run_training(
-    config: PipelineConfig, cluster: Cluster, run_id: str, key: str, output_prefix: str
-) -> dict[str, Any]:
+@step("run-training")
+def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -> Done[None]:
     logger = get_run_logger()
-    started = time.perf_counter()
-    spec = training_task(config, f"train-{run_id}", key, output_prefix)
+    spec = training_task(config, f"train-{run.id}", key, run.output_prefix)
     progress_id = cast(
         UUID,
         create_progress_artifact(
-            0.0, key="training-progress", description=f"training {run_id}: starting"
+            0.0, key="training-progress", description=f"training {run.id}: starting"
         ),
     )
     epochs: list[dict[str, Any]] = []
@@ -85,68 +84,50 @@ def run_training(
         )
     update_progress_artifact(progress_id, 100.0, description="training finished")
     missing = [
-        name for name in REQUIRED_OUTPUTS if f"{output_prefix}/{name}" not in result.uploaded
+        name for name in REQUIRED_OUTPUTS if f"{run.output_prefix}/{name}" not in result.uploaded
     ]
     if missing:
         raise TrainingFailedError(
             f"training task {spec.id} succeeded but did not produce {missing}"
         )
-    return step_record(
-        "run-training",
-        started,
+    return Done(
         True,
-        task=spec.id,
-        checkpoint_key=key,
-        resumed_from_epoch=resumed[-1] if resumed else None,
-        epochs_run=[e["epoch"] for e in epochs],
-        outputs=len(result.uploaded),
-        attempts=result.attempts,
+        None,
+        {
+            "task": spec.id,
+            "checkpoint_key": key,
+            "resumed_from_epoch": resumed[-1] if resumed else None,
+            "epochs_run": [e["epoch"] for e in epochs],
+            "outputs": len(result.uploaded),
+            "attempts": result.attempts,
+        },
     )
 
 
-# The scorer's exit code when it refuses its input (a model or data it cannot score).
-SCORER_REFUSED = 2
+@dataclass(frozen=True)
+class Scored:
+    """The trained model's figures: the trainer's metrics and the scorer's report."""
+
+    metrics: dict[str, Any]  # metrics.json
+    score: dict[str, Any]  # score.json: accuracy, per class, confusion matrix, num_images
+    outputs: list[str]  # every blob of the run's outputs
 
 
-def run_scorer(
-    cluster: Cluster, task_id: str, model_blob: str, output_prefix: str, name: str, on_line: Any
-) -> tuple[int, dict[str, Any] | None]:
-    """Score ``model_blob`` on the held-out split the cluster's data holds now, as a task on
-    the cluster. Returns the exit code and the report: the score, or on refusal (exit
-    ``SCORER_REFUSED``) ``{"error": why}``; None when neither was uploaded."""
-    from azure.core.exceptions import ResourceNotFoundError
-
-    result = cluster.run_task(scoring_task(task_id, model_blob, output_prefix, name), on_line)
-    blob = (
-        f"{output_prefix}/{name}.json"
-        if result.exit_code == 0
-        else f"{output_prefix}/{name}.error.json"
-    )
-    try:
-        report = json.loads(cluster.outputs.download_blob(blob).readall())
-    except (ResourceNotFoundError, ValueError):  # none, or not JSON: the exit code says why
-        return result.exit_code, None
-    return result.exit_code, report if isinstance(report, dict) else None
-
-
-@task(name="collect-and-score", cache_policy=NONE, retries=2, retry_delay_seconds=5)
-def collect_and_score(
-    config: PipelineConfig, cluster: Cluster, run_id: str, output_prefix: str
-) -> dict[str, Any]:
+@step("collect-and-score", retries=2, retry_delay_seconds=5)
+def collect_and_score(cluster: Cluster, run: Run) -> Done[Scored]:
     logger = get_run_logger()
-    started = time.perf_counter()
-    task_id = f"score-{run_id}"
-    code, score = run_scorer(
-        cluster, task_id, f"{output_prefix}/model.pt", output_prefix, "score", logger.info
-    )
+    task_id = f"score-{run.id}"
+    prefix = run.output_prefix
+    code, score = run_scorer(cluster, task_id, f"{prefix}/model.pt", prefix, "score", logger.info)
     if code != 0 or score is None or "error" in score:
         why = f": {score['error']}" if score and "error" in score else ""
         raise TrainingFailedError(f"scoring task {task_id} exited with {code}{why}")
     outputs = cluster.outputs
-    metrics = json.loads(outputs.download_blob(f"{output_prefix}/metrics.json").readall())
-    listed = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{output_prefix}/"))
+    metrics = json.loads(outputs.download_blob(f"{prefix}/metrics.json").readall())
+    listed = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{prefix}/"))
     logger.info("score: accuracy %.4f on %d test images", score["accuracy"], score["num_images"])
-    record = step_record(
-        "collect-and-score", started, True, accuracy=score["accuracy"], files=len(listed)
+    return Done(
+        True,
+        Scored(metrics, score, listed),
+        {"accuracy": score["accuracy"], "files": len(listed)},
     )
-    return {**record, "metrics": metrics, "score": score, "outputs": listed}
