@@ -18,7 +18,7 @@ from backends.blob import container_client
 from backends.listing import listing_blob, parse_listing
 from backends.share import collect_files
 from backends.staging import stage
-from backends.taskspec import Cluster, shard_size, staging_task
+from backends.taskspec import Cluster, pack_image_size, staging_task
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 
@@ -62,7 +62,7 @@ def stage_data(
             container,
             config.data.prefix,
             config.nfs.local_dir / "data",
-            shard_size(config),
+            pack_image_size(config),
             listing=listing,
         )
     else:

@@ -7,9 +7,9 @@ killed or failed attempt) and a re-run with the same inputs resume instead of st
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import re
 import time
 from collections import deque
 from typing import Any, cast
@@ -23,7 +23,6 @@ from backends.taskspec import Cluster, scoring_task, training_task
 from flows.config import PipelineConfig
 from tasks.steps import step_record
 
-RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")
 REQUIRED_OUTPUTS = ("model.pt", "metrics.json", "logs/stdout.txt")
 
 
@@ -35,7 +34,7 @@ def training_key(config: PipelineConfig, data_version: str, code_version: str) -
     """Names the checkpoint folder: same data, code and settings, same folder (resume)."""
     settings = json.dumps(
         {
-            "training": config.training.model_dump(mode="json"),
+            "training": dataclasses.asdict(config.training),
             "processes": config.pool.nodes * config.pool.processes_per_node,
             "data": data_version,
             "code": code_version,
@@ -67,6 +66,10 @@ def run_training(
         logger.info(line)
         if "PROGRESS " in line:
             record = json.loads(line.split("PROGRESS ", 1)[1])
+            if record.get("resumed_from") is not None:
+                resumed.append(record["resumed_from"])
+            if "epoch" not in record:
+                return  # an attempt that resumed after the last epoch: nothing trained
             epochs.append(record)
             update_progress_artifact(
                 progress_id,
@@ -74,8 +77,6 @@ def run_training(
                 description=f"epoch {record['epoch']} of {record['epochs']}: loss "
                 f"{record['train_loss']:.4f}, accuracy {record['train_accuracy']:.4f}",
             )
-        elif match := RESUMED.search(line):
-            resumed.append(int(match.group(1)))
 
     result = cluster.run_task(spec, on_line)
     if result.exit_code != 0:
