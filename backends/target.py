@@ -19,7 +19,7 @@ from backends.cluster import Cluster
 from backends.image import ImageResult, build_local, content_tag
 from backends.listing import listing_blob, parse_listing
 from backends.share import LocalShare, UploadReport
-from backends.taskspec import shard_size, staging_task
+from backends.taskspec import pack_image_size, staging_task
 from core.config import PipelineConfig
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class LocalTarget:
             container_client(config.data, config.retries.storage_retries),
             config.data.prefix,
             config.nfs.local_dir / "data",
-            shard_size(config),
+            pack_image_size(config),
             listing=listing,
         )
 

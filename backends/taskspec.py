@@ -18,6 +18,7 @@ from typing import Literal
 
 from backends.listing import listing_blob
 from core.config import PipelineConfig
+from training.args import settings_argv
 
 NFS_MOUNT = "nfs"  # relative mount paths under $AZ_BATCH_NODE_MOUNTS_DIR
 SHARE_MOUNT = "scripts"
@@ -120,7 +121,6 @@ def training_task(
     config: PipelineConfig, task_id: str, training_key: str, output_prefix: str
 ) -> TaskSpec:
     """Horovod across nodes x processes, on data and checkpoints in NFS (retries resume)."""
-    t = config.training
     paths = [
         "--data-dir",
         node_path(MOUNTS_DIR, NFS_MOUNT, "data"),
@@ -129,21 +129,7 @@ def training_task(
         "--checkpoint-dir",
         node_path(MOUNTS_DIR, NFS_MOUNT, "checkpoints", training_key),
     ]
-    values = [
-        "--epochs",
-        str(t.epochs),
-        "--batch-size",
-        str(t.batch_size),
-        "--lr",
-        str(t.lr),
-        "--model",
-        t.model,
-        "--seed",
-        str(t.seed),
-        *(["--image-size", str(t.image_size)] if t.image_size else []),
-        *(["--timeline"] if t.timeline else []),
-        *t.extra_args,
-    ]
+    values = [*settings_argv(config.training), *config.training.extra_args]
     # Every config value is quoted, extra_args included: only the paths above expand.
     words = [*paths, *(shlex.quote(v) for v in values)]
     launch = node_path(MOUNTS_DIR, SHARE_MOUNT, "training", "launch.sh")
@@ -165,13 +151,10 @@ def training_task(
     )
 
 
-def shard_size(config: PipelineConfig) -> int:
-    """The input size staging packs shards at (the trainer's), or 0 with packing switched off."""
-    if not config.nfs.shards:
-        return 0
-    from training.models import default_input_size
-
-    return config.training.image_size or default_input_size(config.training.model)
+def pack_image_size(config: PipelineConfig) -> int:
+    """The side in pixels staging packs shards at (the trainer's input size, decided by the one
+    function the trainer uses), or 0 with packing switched off."""
+    return config.training.input_size() if config.nfs.shards else 0
 
 
 def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> TaskSpec:
@@ -185,7 +168,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m backends.stage_task "
         f"--prefix {shlex.quote(config.data.prefix or '')} "
         f"--dest {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --report {OUTPUT_DIR}/staging.json "
-        f"--listing {STAGING_LISTING} --shards-size {shard_size(config)}"
+        f"--listing {STAGING_LISTING} --pack-image-size {pack_image_size(config)}"
     )
     return TaskSpec(
         id=task_id,

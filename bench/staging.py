@@ -36,7 +36,7 @@ from bench import dataset
 from bench.output import dataset_main
 
 PREFIX = "bench"
-SHARD_SIZE = 32  # the default model's input size
+PACK_IMAGE_SIZE = 32  # the default model's input size: the side of a packed image
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -135,17 +135,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         staged = work / "staged" / "small"
         t_pack, packed = timed(
-            lambda: stage(container, f"{PREFIX}/images", staged, SHARD_SIZE, args.workers)
+            lambda: stage(container, f"{PREFIX}/images", staged, PACK_IMAGE_SIZE, args.workers)
         )
         t_same, same = timed(
             lambda: [
-                stage(container, f"{PREFIX}/images", staged, SHARD_SIZE, args.workers),
+                stage(container, f"{PREFIX}/images", staged, PACK_IMAGE_SIZE, args.workers),
                 sync_to_directory(container, f"{PREFIX}/raw", work / "staged" / "large"),
             ]
         )
         changed = change_one_percent(container, f"{PREFIX}/images", dataset.side_for(args.small_kb))
         t_changed, after = timed(
-            lambda: stage(container, f"{PREFIX}/images", staged, SHARD_SIZE, args.workers)
+            lambda: stage(container, f"{PREFIX}/images", staged, PACK_IMAGE_SIZE, args.workers)
         )
     total_files = sum(p["files"] for p in parts.values())
     total_bytes = sum(p["bytes"] for p in parts.values())

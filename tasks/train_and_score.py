@@ -7,9 +7,9 @@ killed or failed attempt) and a re-run with the same inputs resume instead of st
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import re
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,7 +25,6 @@ from core.config import PipelineConfig
 from core.run import Run
 from tasks.steps import Done, step
 
-RESUMED = re.compile(r"resuming from checkpoint-(\d+)\.pt")
 REQUIRED_OUTPUTS = ("model.pt", "metrics.json", "logs/stdout.txt")
 
 
@@ -37,7 +36,7 @@ def training_key(config: PipelineConfig, staged_version: str, code_version: str)
     """Names the checkpoint folder: same data, code and settings, same folder (resume)."""
     settings = json.dumps(
         {
-            "training": config.training.model_dump(mode="json"),
+            "training": dataclasses.asdict(config.training),
             "processes": config.pool.nodes * config.pool.processes_per_node,
             "data": staged_version,
             "code": code_version,
@@ -66,6 +65,10 @@ def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -
         logger.info(line)
         if "PROGRESS " in line:
             record = json.loads(line.split("PROGRESS ", 1)[1])
+            if record.get("resumed_from") is not None:
+                resumed.append(record["resumed_from"])
+            if "epoch" not in record:
+                return  # an attempt that resumed after the last epoch: nothing trained
             epochs.append(record)
             update_progress_artifact(
                 progress_id,
@@ -73,8 +76,6 @@ def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -
                 description=f"epoch {record['epoch']} of {record['epochs']}: loss "
                 f"{record['train_loss']:.4f}, accuracy {record['train_accuracy']:.4f}",
             )
-        elif match := RESUMED.search(line):
-            resumed.append(int(match.group(1)))
 
     result = cluster.run_task(spec, on_line)
     if result.exit_code != 0:

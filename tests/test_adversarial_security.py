@@ -6,6 +6,7 @@ cluster's processes, the fake Batch node that executes command lines, the retrai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -50,7 +51,7 @@ def storage(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _with_extra_args(config: PipelineConfig, args: list[str]) -> PipelineConfig:
-    training = config.training.model_copy(update={"extra_args": args})
+    training = dataclasses.replace(config.training, extra_args=args)
     pool = config.pool.model_copy(update={"processes_per_node": 1})
     return config.model_copy(update={"training": training, "pool": pool})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -108,7 +109,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     # A second run with nothing changed skips the scripts, data and image; a challenger
     # trained for one epoch only is worse and is not promoted.
     state2, _, _ = run(
-        config.model_copy(update={"training": config.training.model_copy(update={"epochs": 1})})
+        config.model_copy(update={"training": dataclasses.replace(config.training, epochs=1)})
     )
     assert state2.is_completed(), state2.message
     steps = {s["step"]: s for s in state2.result()["steps"]}

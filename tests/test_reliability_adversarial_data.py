@@ -30,7 +30,9 @@ from core.config import ConfigError, load_config
 from tests.conftest import ROOT, child_env, run_trainer
 from tests.pipeline_helpers import new_container
 from tests.reliability import report
-from training.data import DatasetError, decode_checked, open_dataset
+from training.data import open_dataset
+from training.dataset import DatasetError
+from training.image_folders import decode_checked
 from training.shards import INDEX, SHARD_DIR, open_shards, pack_shards
 
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -256,7 +258,8 @@ def test_eps_named_png_never_reaches_ghostscript(tmp_path: Path) -> None:
     image.write_bytes(EPS)
     script = (
         "import sys; from pathlib import Path\n"
-        "from training.data import DatasetError, ImageFolderSplit, decode_checked\n"
+        "from training.dataset import DatasetError\n"
+        "from training.image_folders import ImageFolderSplit, decode_checked\n"
         f"p = Path({str(image)!r})\n"
         "print('verdict:', decode_checked(p, 32))\n"
         "try:\n    ImageFolderSplit([(p, 0)], 32)[0]\nexcept DatasetError as e:\n"

@@ -126,6 +126,22 @@ def distributed_optimizer(
     )
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """One step of ``optimizer`` (Horovod's DistributedOptimizer) on the averaged gradients.
+
+    With mixed precision, Horovod averages the (scaled) gradients first; GradScaler then
+    unscales them and skips the step on overflow, identically on every rank since the
+    gradients are identical.
+    """
+    if scaler is None:
+        optimizer.step()
+        return
+    optimizer.synchronize()  # type: ignore[attr-defined]
+    with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+        scaler.step(optimizer)
+    scaler.update()
+
+
 def adasum_available(world: World) -> bool:
     """Horovod implements Adasum over MPI (CPU) or NCCL (GPU), not over Gloo alone."""
     return bool(hvd.mpi_enabled() or (world.device.type == "cuda" and hvd.nccl_built()))

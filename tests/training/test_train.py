@@ -1,4 +1,5 @@
-"""The trainer under real horovodrun: learning, outputs, identical ranks, resume after a kill."""
+"""The trainer under real horovodrun: learning, outputs, identical ranks, resume after a kill;
+bad arguments, a diverging loss and an unusable option refused by name."""
 
 from __future__ import annotations
 
@@ -125,10 +126,28 @@ def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> N
         if "PROGRESS " in line
     ]
     assert [p["epoch"] for p in progress] == list(range(k + 1, 5))
+    assert {p["resumed_from"] for p in progress} == {k}  # what orchestrators report
     m = result.metrics
     assert m["resumed_from_epoch"] == k
     assert [e["epoch"] for e in m["epochs"]] == [1, 2, 3, 4]
     assert m["test_accuracy"] > 0.6
+
+
+def test_a_rerun_after_the_last_epoch_says_where_it_resumed(tmp_path: Path) -> None:
+    """A job killed after its last checkpoint trains nothing when run again, and still
+    reports the checkpoint it resumed from (an orchestrator reads it from PROGRESS)."""
+    args = ("--epochs", "1", "--batch-size", "16")
+    first = run_trainer(1, "synthetic:100", tmp_path / "out", *args)
+    assert first.returncode == 0, first.output
+    again = run_trainer(1, "synthetic:100", tmp_path / "out", *args)
+    assert again.returncode == 0, again.output
+    progress = [
+        json.loads(line.split("PROGRESS ", 1)[1])
+        for line in again.output.splitlines()
+        if "PROGRESS " in line
+    ]
+    assert progress == [{"epochs": 1, "resumed_from": 1}]
+    assert again.metrics["resumed_from_epoch"] == 1
 
 
 def test_gradient_options_keep_ranks_in_step(tmp_path: Path) -> None:
@@ -150,3 +169,32 @@ def test_gradient_options_keep_ranks_in_step(tmp_path: Path) -> None:
     assert m["weights_digest_per_rank"][0] == m["weights_digest_per_rank"][1]
     assert m["args"]["fp16_allreduce"] is True
     assert m["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
+
+
+def test_nan_loss_stops_with_clear_error(tmp_path: Path) -> None:
+    result = run_trainer(
+        1, "synthetic:400", tmp_path / "out", "--epochs", "3", "--lr", "1e12", "--log-every", "2"
+    )
+    assert result.returncode == 2, result.output
+    assert "training loss became nan" in result.output.lower()
+    assert "lower --lr" in result.output
+    assert not (tmp_path / "out" / "model.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "bad", [["--epochs", "0"], ["--lr", "-1"], ["--lr", "nan"], ["--model", "vgg"]]
+)
+def test_bad_arguments_refused(bad: list[str], tmp_path: Path) -> None:
+    result = run_trainer(1, "synthetic:100", tmp_path / "out", *bad)
+    assert result.returncode == 2
+    assert bad[0] in result.output
+
+
+def test_adasum_without_mpi_or_nccl_is_refused(tmp_path: Path, horovodrun: Path) -> None:
+    import horovod.torch as hvd
+
+    if hvd.mpi_built():
+        pytest.skip("this Horovod has MPI, so Adasum is available and there is nothing to refuse")
+    result = run_trainer(2, "synthetic:200", tmp_path / "out", "--adasum", "--epochs", "1")
+    assert result.returncode != 0
+    assert "--adasum needs Horovod with MPI (CPU) or NCCL (GPU)" in result.output
