@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.cluster import TaskResult
+from backends.lines import pipe_lines
 from backends.processes import (
     ProcessRecord,
     is_alive,
@@ -176,10 +177,7 @@ class LocalCluster:
         try:
             assert proc.stdout is not None
             with open(log, "a") as out:
-                for line in proc.stdout:
-                    out.write(line)
-                    out.flush()
-                    on_line(line.rstrip("\n"))
+                pipe_lines(proc.stdout, on_line, copy=out)
             return proc.wait()
         finally:
             timer.cancel()

@@ -164,6 +164,12 @@ def resize_body(dedicated: int, low_priority: int) -> batch_models.BatchPoolResi
     )
 
 
+def job_id(pool_id: str, task_id: str) -> str:
+    """The job a task runs in: one job per task, named for the pool and the task, cut to the
+    64 characters a Batch job id may have."""
+    return f"{pool_id}-{task_id}"[:64]
+
+
 def job_body(config: PipelineConfig, job_id: str) -> batch_models.BatchJobCreateOptions:
     """One job per task. Created with ``noaction``: a job told to terminate when all its tasks
     are complete, and created before its task, has no task yet and may complete at once, and
