@@ -25,7 +25,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import time
@@ -41,7 +40,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from training.atomic import atomic_write, atomic_write_json
+from training.atomic import atomic_write, atomic_write_json, read_json_object
 from training.dataset import DatasetError, DatasetInfo, SplitData
 from training.image_folders import decode_checked, labelled_samples, list_image_folders
 
@@ -71,17 +70,9 @@ class PackReport:
         return asdict(self)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _staged_files(root: Path) -> tuple[str | None, dict[str, str]]:
     """The staging manifest's data version and each file's MD5, if the folder was staged."""
-    manifest = _read_json(root / STAGING_MANIFEST)
+    manifest = read_json_object(root / STAGING_MANIFEST)
     if not manifest or not manifest.get("data_version"):
         return None, {}
     files = manifest.get("files", {})
@@ -186,7 +177,7 @@ class _OldRows:
         if not index or index.get("format") != PACK_FORMAT or index.get("image_size") != size:
             return
         for split in index.get("splits", {}).values():
-            keys = _read_json(directory / split.get("keys", ""))
+            keys = read_json_object(directory / split.get("keys", ""))
             if not keys or len(keys.get("keys", [])) != split.get("count"):
                 continue
             rows = iter(keys["keys"])
@@ -249,7 +240,7 @@ def pack_shards(root: Path, image_size: int, workers: int | None = None) -> Pack
     except DatasetError as exc:
         return PackReport("not packed", reason=str(exc))
     directory = root / SHARD_DIR
-    index = _read_json(directory / INDEX)
+    index = read_json_object(directory / INDEX)
     if index is not None and _is_current(index, version, image_size):
         return _unchanged(index)
     directory.mkdir(parents=True, exist_ok=True)
@@ -303,7 +294,7 @@ def _pack(
         return PackReport("not packed", reason=str(exc))
     version, keys = _content_keys(root, listed)
     directory = root / SHARD_DIR
-    index = _read_json(directory / INDEX)
+    index = read_json_object(directory / INDEX)
     if index is not None and _is_current(index, version, image_size):
         return _unchanged(index)
     pack = hashlib.sha256(f"{version}/{image_size}/{PACK_FORMAT}".encode()).hexdigest()[:12]
@@ -469,7 +460,7 @@ class ShardSplit(Dataset[tuple[torch.Tensor, int]]):
 def open_shards(root: Path, image_size: int) -> DatasetInfo | str:
     """The packed dataset, or a sentence saying why the loose files must be read instead."""
     directory = root / SHARD_DIR
-    index = _read_json(directory / INDEX)
+    index = read_json_object(directory / INDEX)
     if index is None:
         return "no packed shards"
     if index.get("format") != PACK_FORMAT:
