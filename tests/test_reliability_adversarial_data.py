@@ -294,7 +294,7 @@ class _ZeroStrided:
 
 
 def _cifar(root: Path, batch: Any, meta: Any = None) -> Path:
-    from tests.test_data_formats import write_cifar_pickle
+    from tests.training.test_cifar import write_cifar_pickle
 
     write_cifar_pickle(root)
     with open(root / "data_batch_1", "wb") as fh:
@@ -352,7 +352,7 @@ def test_hostile_cifar_fields_are_named_errors(case: str, tmp_path: Path) -> Non
     batch, meta, expected = HOSTILE_CIFAR[case]
     root = tmp_path / "cifar"
     if batch is None:
-        from tests.test_data_formats import write_cifar_pickle
+        from tests.training.test_cifar import write_cifar_pickle
 
         write_cifar_pickle(root)
         with open(root / "batches.meta", "wb") as fh:
