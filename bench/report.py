@@ -269,7 +269,21 @@ def train_throughput(r: dict[str, Any]) -> list[str]:
         f"{r['horovod_np1_over_plain']:.3f} of plain |",
         f"| trainer under `horovodrun -np 2` | {r['horovod_np2_images_per_sec']:,.0f} | "
         f"{r['horovod_np2_over_np1']:.3f} of np 1 |",
+        *_ddp_rows(r),
         "",
+    ]
+
+
+def _ddp_rows(r: dict[str, Any]) -> list[str]:
+    """The DDP engine's rows (reports written before it existed have none)."""
+    if "ddp_np1_images_per_sec" not in r:
+        return []
+    return [
+        f"| trainer, `--engine ddp`, `torchrun --nproc-per-node 1` | "
+        f"{r['ddp_np1_images_per_sec']:,.0f} | {r['ddp_np1_over_plain']:.3f} of plain |",
+        f"| trainer, `--engine ddp`, `torchrun --nproc-per-node 2` | "
+        f"{r['ddp_np2_images_per_sec']:,.0f} | {r['ddp_np2_over_np1']:.3f} of np 1, "
+        f"{r['ddp_np2_over_horovod_np2']:.3f} of Horovod np 2 |",
     ]
 
 

@@ -4,7 +4,9 @@ Default mode (CPU is fine): the same synthetic data, model and batch size throug
   (a) a plain single-process PyTorch loop (no Horovod at all),
   (b) the trainer under ``horovodrun -np 1`` (what Horovod's machinery costs on one worker),
   (c) the trainer under ``horovodrun -np 2`` (scaling on this machine's cores),
-and prints images/sec and the ratios b/a and c/b.
+  (d), (e) the trainer with ``--engine ddp`` under ``torchrun --standalone --nproc-per-node 1``
+  and ``2`` (PyTorch's DistributedDataParallel over Gloo),
+and prints images/sec and the ratios b/a, c/b, d/a, e/d and e/c.
 
 ``--gpu`` mode reproduces Horovod's synthetic benchmark: ResNet-50 on random 224x224 batches
 resident on the GPU, AMP and channels_last, timed over several iterations after a warm-up;
@@ -58,31 +60,28 @@ def plain_loop(data: str, model_name: str, batch_size: int, epochs: int, lr: flo
 
 
 def trainer_run(
-    np: int, data: str, model_name: str, batch_size: int, epochs: int, lr: float
+    np: int,
+    data: str,
+    model_name: str,
+    batch_size: int,
+    epochs: int,
+    lr: float,
+    engine: str = "horovod",
 ) -> float:
     """Images/sec the trainer itself reports (training time only, like the plain loop)."""
     bindir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "training.train",
-            "--data-dir",
-            data,
-            "--output-dir",
-            out,
-            "--epochs",
-            str(epochs),
-            "--batch-size",
-            str(batch_size),
-            "--lr",
-            str(lr),
-            "--model",
-            model_name,
-            "--warmup-epochs",
-            "0",
+        args = [
+            *("--data-dir", data, "--output-dir", out, "--epochs", str(epochs)),
+            *("--batch-size", str(batch_size), "--lr", str(lr), "--model", model_name),
+            *("--warmup-epochs", "0", "--engine", engine),
         ]
-        cmd = [str(bindir / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *cmd]
+        if engine == "ddp":  # torchrun starts the interpreter itself
+            launcher = [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(np)]
+        else:
+            launcher = [str(bindir / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}"]
+            launcher += ["--gloo", sys.executable]
+        cmd = [*launcher, "-m", "training.train", *args]
         env = {
             **os.environ,
             "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -96,18 +95,25 @@ def cpu_report(args: argparse.Namespace) -> dict[str, object]:
     data = f"synthetic:{args.images}"
     torch.set_num_threads(os.cpu_count() or 1)
     plain = plain_loop(data, args.model, args.batch_size, args.epochs, args.lr)
-    one = trainer_run(1, data, args.model, args.batch_size, args.epochs, args.lr)
-    two = trainer_run(2, data, args.model, args.batch_size, args.epochs, args.lr)
+    rates = {
+        f"{engine}_np{np}": trainer_run(
+            np, data, args.model, args.batch_size, args.epochs, args.lr, engine
+        )
+        for engine in ("horovod", "ddp")
+        for np in (1, 2)
+    }
     return {
         "benchmark": "train_throughput",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "method": f"{args.model}, synthetic {args.images} images, batch {args.batch_size}/worker, "
         f"{args.epochs} epochs, training time only",
         "plain_images_per_sec": plain,
-        "horovod_np1_images_per_sec": one,
-        "horovod_np2_images_per_sec": two,
-        "horovod_np1_over_plain": one / plain,
-        "horovod_np2_over_np1": two / one,
+        **{f"{name}_images_per_sec": rate for name, rate in rates.items()},
+        "horovod_np1_over_plain": rates["horovod_np1"] / plain,
+        "horovod_np2_over_np1": rates["horovod_np2"] / rates["horovod_np1"],
+        "ddp_np1_over_plain": rates["ddp_np1"] / plain,
+        "ddp_np2_over_np1": rates["ddp_np2"] / rates["ddp_np1"],
+        "ddp_np2_over_horovod_np2": rates["ddp_np2"] / rates["horovod_np2"],
     }
 
 
