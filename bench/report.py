@@ -324,6 +324,20 @@ def nodes(r: dict[str, Any]) -> list[str]:
         "so between real nodes the gap is wider. Launch overhead: "
         f"{overhead['1 node']:.2f} s on 1 node, {overhead['2 nodes']:.2f} s on 2.",
         "",
+        *_ddp_nodes(r),
+    ]
+
+
+def _ddp_nodes(r: dict[str, Any]) -> list[str]:
+    """The DDP engine's ratios (reports written before it existed have none)."""
+    if "ddp_two_nodes_over_one_images_per_sec" not in r:
+        return []
+    return [
+        "Rows named `ddp, ...` ran the DDP engine (one torchrun per node, c10d rendezvous on "
+        f"the first): 2 nodes at {r['ddp_two_nodes_over_one_images_per_sec']}x the images/s "
+        f"of 1 node, and at {r['ddp_over_horovod_two_nodes_images_per_sec']}x Horovod's on 2 "
+        "nodes.",
+        "",
     ]
 
 
