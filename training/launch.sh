@@ -90,7 +90,8 @@ for node in "${nodes[@]}"; do
     mapfile -d '' words < <(torchrun_words "$node" false "$@")
     # The remote torchrun stops when this ssh ends (its session's stdin closes), so a node
     # that failed here leaves nothing running there.
-    remote="cd $(printf '%q' "$PWD") && exec 3<&0 && { env $(quoted "${forward[@]}" "${words[@]}") & t=\$!;"
+    # (The working directory as horovodrun sets it: the trainer's paths are absolute.)
+    remote="cd $(printf '%q' "$PWD") 2> /dev/null; exec 3<&0 && { env $(quoted "${forward[@]}" "${words[@]}") & t=\$!;"
     remote+=" { cat <&3 > /dev/null; kill \$t 2> /dev/null; } & wait \$t; }"
     ssh "$node" "$remote" < <(sleep 2147483647) &
   fi
