@@ -10,23 +10,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.pipeline import DAG, critical_path
 from tests.conftest import BIN, ROOT, child_env
 
 
-def test_gpu_mode_runs_under_horovodrun(tmp_path: Path, horovodrun: Path) -> None:
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_gpu_mode_runs_under_either_launcher(engine: str, tmp_path: Path, horovodrun: Path) -> None:
     report = tmp_path / "report.json"
+    if engine == "ddp":
+        launcher = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    else:
+        launcher = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"]
+        launcher.append(sys.executable)
     cmd = [
-        str(BIN / "horovodrun"),
-        "-np",
-        "2",
-        "-H",
-        "localhost:2",
-        "--gloo",
-        sys.executable,
+        *launcher,
         "-m",
         "bench.train_throughput",
         "--gpu",
+        "--engine",
+        engine,
         "--allow-cpu",
         "--model",
         "cnn",
@@ -48,7 +52,7 @@ def test_gpu_mode_runs_under_horovodrun(tmp_path: Path, horovodrun: Path) -> Non
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
-    assert data["gpus"] == 2
+    assert data["gpus"] == 2 and data["engine"] == engine
     assert data["images_per_sec_per_gpu"] > 0
     assert data["images_per_sec_total"] > data["images_per_sec_per_gpu"]
 
