@@ -8,9 +8,13 @@ in-memory store, as the Horovod engine does without horovodrun.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
+import sys
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -36,6 +40,41 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def _die_with_launcher() -> None:
+    """Be killed when the torchrun that started this rank dies.
+
+    torchrun starts each rank in a session of its own, so a launcher killed outright (a
+    task killed by its process group, an out-of-memory kill) would leave its ranks training
+    and writing checkpoints beside the next attempt's. Linux only; elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher:  # it died before the request took effect
+        os._exit(1)
+
+
+def _torchrun_store(rank: int, size: int) -> dist.Store:
+    """The store the ranks of this attempt meet in: torchrun's, under a prefix of the attempt.
+
+    torchrun keeps one store for all the attempts of a job, and a restarted attempt that joins
+    Gloo through ``env://`` reads the dead attempt's addresses from it (both ranks then fail
+    with "Connection refused"); a prefix per restart keeps each attempt's keys apart.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        size,
+        is_master=rank == 0 and not agent_store,
+        timeout=timedelta(minutes=10),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"retrain/attempt-{attempt}", store)
+
+
 class DdpEngine:
     name = "ddp"
 
@@ -44,8 +83,11 @@ class DdpEngine:
 
     def start(self, timeline: bool) -> tuple[int, int, int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:  # torchrun's env:// rendezvous
-            dist.init_process_group(backend)
+        if "RANK" in os.environ:  # started by torchrun
+            _die_with_launcher()
+            rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = _torchrun_store(rank, size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size)
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         else:
