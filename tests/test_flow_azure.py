@@ -174,7 +174,7 @@ def test_azure_flow_trains_with_the_ddp_engine(
     """training.engine=ddp on the Azure target: the same task, one torchrun per node started
     by launch.sh on the primary over the task's SSH, every node's exit status collected."""
     fakes = fake_azure_account
-    config = _config(tmp_path, "training.engine=ddp", "training.epochs=2")
+    config = _config(tmp_path, "training.engine=ddp")
     seed(config, digits_source)
     _scripts(fakes, config, nodes)
 
