@@ -211,7 +211,7 @@ def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: 
 def test_the_flow_trains_with_the_ddp_engine(tmp_path: Path, digits_source: Path) -> None:
     """training.engine=ddp: the same flow, the same task spec run by the local cluster, with
     torchrun --standalone in place of horovodrun; the same outputs, scored and promoted."""
-    config = make_config(tmp_path, "training.engine=ddp", "training.epochs=2")
+    config = make_config(tmp_path, "training.engine=ddp")
     seed(config, digits_source)
     state, _, artifacts = run(config)
     assert state.is_completed(), state.message

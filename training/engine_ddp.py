@@ -182,7 +182,8 @@ class DdpEngine:
         return float(world.size * options.backward_passes_per_step)
 
     def start_timeline(self, path: str) -> None:
-        log.warning("--timeline is Horovod's: no timeline is written under --engine ddp")
+        if dist.get_rank() == 0:
+            log.warning("--timeline is Horovod's: no timeline is written under --engine ddp")
 
     def stop_timeline(self) -> None:
         pass
