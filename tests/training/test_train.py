@@ -317,7 +317,7 @@ def test_adasum_without_mpi_or_nccl_is_refused(tmp_path: Path, horovodrun: Path)
 @pytest.mark.parametrize(
     ("engine", "launcher_np", "extra", "named"),
     [
-        ("ddp", 2, ["--adasum"], "--adasum is Horovod's"),
+        ("ddp", 1, ["--adasum"], "--adasum is Horovod's"),
         ("ddp", 1, ["--sync-batchnorm"], "--sync-batchnorm needs GPUs"),
         ("horovod", 1, ["--sync-batchnorm"], "--sync-batchnorm needs --engine ddp"),
         ("horovod", 1, ["--engine", "mpi"], "--engine"),
