@@ -1,4 +1,5 @@
-"""Data-parallel trainer: ``[horovodrun -np N -H localhost:N --gloo] python -m training.train``.
+"""Data-parallel trainer: ``[horovodrun -np N -H localhost:N --gloo] python -m training.train``,
+or with ``--engine ddp`` ``[torchrun --standalone --nproc-per-node N] -m training.train``.
 
 The command line (defined in ``training.args``) is a contract shared with the pipeline's task
 specs; add options, never rename them. Rank 0 owns every file it writes (checkpoints, model,
@@ -31,7 +32,7 @@ from training.args import TrainerArgs, parse_trainer_args
 from training.atomic import atomic_write_json
 from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo, SplitData
-from training.distributed import World
+from training.distributed import GradientOptions, UsageError, World
 from training.models import build_model
 from training.shards import ShardSplit
 
@@ -40,10 +41,6 @@ log = dist.log
 
 class NonFiniteLossError(RuntimeError):
     """Training diverged; continuing would only write a useless model."""
-
-
-class UsageError(ValueError):
-    """An option this Horovod build or machine cannot honour."""
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -149,13 +146,16 @@ class Trainer:
     args: TrainerArgs
     world: World
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer  # the one that steps; its state is what checkpoints hold
     schedule: Schedule
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
     # Wall-clock time of this process's first optimizer step: with the time a launcher started,
     # it gives the launch overhead (bench.nodes).
     first_step_time: float | None = None
+    # The module a training step runs: the model itself, or the engine's wrapper around it
+    # (DDP's); evaluation and the saved state use ``model``.
+    net: nn.Module | None = None
 
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor
@@ -165,9 +165,9 @@ class Trainer:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels.to(self.world.device, non_blocking=True)
 
-    def _forward(self, images: torch.Tensor) -> torch.Tensor:
+    def _forward(self, images: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
         with torch.autocast(self.world.device.type, enabled=self.scaler is not None):
-            return self.model(images)
+            return (module or self.model)(images)
 
     def train_epoch(
         self, epoch: int, loader: DataLoader[Any], step: int
@@ -176,7 +176,8 @@ class Trainer:
         self.model.train()
         k = self.args.backward_passes_per_step
         # With gradient accumulation, a trailing group of fewer than k batches would leave
-        # Horovod's per-parameter pass counters out of step with the other ranks: drop it.
+        # Horovod's per-parameter pass counters (DDP's unsynchronised gradients) out of step
+        # with the other ranks: drop it.
         usable = len(loader) - len(loader) % k
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.world.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.world.device)
@@ -189,14 +190,16 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.schedule.lr(step)
             images, labels = self._prepare(images, labels)
-            logits = self._forward(images)
-            loss = self.loss_fn(logits.float(), labels)
-            scaled = loss / k
-            if self.scaler is not None:
-                self.scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
-            if (i + 1) % k == 0:
+            sync = (i + 1) % k == 0  # the last of k batches: gradients travel now
+            with dist.accumulating(self.net or self.model, sync):
+                logits = self._forward(images, self.net)
+                loss = self.loss_fn(logits.float(), labels)
+                scaled = loss / k
+                if self.scaler is not None:
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+            if sync:
                 self._step()
                 step += 1
             loss_sum += loss.detach().double() * len(labels)
@@ -306,7 +309,7 @@ def _save_checkpoint(job: Job, epoch: int) -> None:
         "format_version": ckpt.FORMAT_VERSION,
         "epoch": epoch,
         "model": trainer.model.state_dict(),
-        "optimizer": job.optimizer.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
         "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
         "rng": rngs,
         "args": args.as_record(),
@@ -328,7 +331,6 @@ class Job:
     data: DatasetInfo
     skipped: list[str]
     trainer: Trainer
-    optimizer: torch.optim.Optimizer  # the plain one, whose state the checkpoints hold
     sampler: DistributedSampler[Any]
     loader: DataLoader[Any]
     steps_per_epoch: int
@@ -349,36 +351,33 @@ def run(args: TrainerArgs, world: World) -> dict[str, Any]:
 
 def _set_up(args: TrainerArgs, world: World) -> Job:
     """Data, model and optimizer on every rank, resumed from the newest checkpoint if any."""
-    if args.adasum and not dist.adasum_available(world):
-        raise UsageError(
-            "--adasum needs Horovod with MPI (CPU) or NCCL (GPU); this build has "
-            "Gloo only: drop --adasum or use the training image's Horovod"
-        )
+    options = GradientOptions(
+        fp16_allreduce=args.fp16_allreduce,
+        backward_passes_per_step=args.backward_passes_per_step,
+        adasum=args.adasum,
+        sync_batchnorm=args.sync_batchnorm,
+    )
+    dist.check_options(world, options)
     _seed_everything(args.seed + world.rank)
     data, skipped = _open_data(args, world)
     # channels_last goes on the inputs only: convolutions then run in NHWC, while weights and
     # so gradients stay contiguous, which Horovod's in-place collectives require.
     model = build_model(args.model, len(data.class_names)).to(world.device)
-    scale = dist.lr_scale(world, args.backward_passes_per_step, args.adasum)
+    scale = dist.lr_scale(world, options)
     base = torch.optim.SGD(
         model.parameters(),
         lr=args.lr * scale,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
     )
+    # Wrapped before resuming, so the state loaded is the stepping optimizer's own.
+    net, optimizer = dist.wrap(model, base, options)
     use_amp = world.device.type == "cuda" and not args.no_amp
     scaler = torch.amp.GradScaler("cuda") if use_amp else None
-    start_epoch, history, resumed_from = _resume(args, world, model, base, scaler)
+    start_epoch, history, resumed_from = _resume(args, world, model, optimizer, scaler)
     if resumed_from:
         log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
-    dist.broadcast_state(model, base)
-    optimizer = dist.distributed_optimizer(
-        base,
-        model,
-        fp16_allreduce=args.fp16_allreduce,
-        backward_passes_per_step=args.backward_passes_per_step,
-        adasum=args.adasum,
-    )
+    dist.broadcast_state(model, optimizer)
     sampler, loader, steps_per_epoch = _train_loader(args, world, data.splits["train"])
     schedule = Schedule(
         args.lr,
@@ -386,14 +385,15 @@ def _set_up(args: TrainerArgs, world: World) -> Job:
         int(args.warmup_epochs * steps_per_epoch),
         args.epochs * steps_per_epoch,
     )
-    trainer = Trainer(args, world, model, optimizer, schedule, scaler, nn.CrossEntropyLoss())
+    trainer = Trainer(
+        args, world, model, optimizer, schedule, scaler, nn.CrossEntropyLoss(), net=net
+    )
     return Job(
         args=args,
         world=world,
         data=data,
         skipped=skipped,
         trainer=trainer,
-        optimizer=base,
         sampler=sampler,
         loader=loader,
         steps_per_epoch=steps_per_epoch,
@@ -571,7 +571,11 @@ def _tensorboard(args: TrainerArgs, world: World) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_trainer_args(argv, description=__doc__)
-    world = dist.init(timeline=args.timeline)
+    try:
+        world = dist.init(args.engine, timeline=args.timeline)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if world.is_root:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
