@@ -22,7 +22,7 @@ from staging.blob import API_VERSION, folder
 if TYPE_CHECKING:
     from azure.storage.blob import BlobServiceClient, ContainerClient
 
-    from flows.config import BlobLocation
+    from core.config import BlobLocation
 
 POOL_SIZE = 32
 CA_BUNDLE_VARS = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from backends.image import ImageResult
+from backends.lines import pipe_lines
 
 
 class DockerUnavailableError(RuntimeError):
@@ -24,8 +25,7 @@ def _run(args: list[str], cwd: Path, on_line: Callable[[str], None]) -> int:
         args, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     assert proc.stdout is not None
-    for line in proc.stdout:
-        on_line(line.rstrip("\n"))
+    pipe_lines(proc.stdout, on_line)
     return proc.wait()
 
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backends.cluster import TaskResult
+from backends.lines import pipe_lines
 from backends.processes import (
     ProcessRecord,
     is_alive,
@@ -30,14 +32,7 @@ from backends.processes import (
     record_of,
     write_record,
 )
-from backends.taskspec import (
-    NFS_MOUNT,
-    SHARE_MOUNT,
-    OutputSpec,
-    TaskResult,
-    TaskSpec,
-    node_environment,
-)
+from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, OutputSpec, TaskSpec, node_environment
 from training.atomic import atomic_write_json
 
 if TYPE_CHECKING:
@@ -59,6 +54,7 @@ def _split_pattern(pattern: str) -> tuple[str, str | None]:
 
 class LocalCluster:
     retries_in_service = False
+    shared = False  # a folder on this machine: only processes here can use it
 
     def __init__(
         self,
@@ -181,10 +177,7 @@ class LocalCluster:
         try:
             assert proc.stdout is not None
             with open(log, "a") as out:
-                for line in proc.stdout:
-                    out.write(line)
-                    out.flush()
-                    on_line(line.rstrip("\n"))
+                pipe_lines(proc.stdout, on_line, copy=out)
             return proc.wait()
         finally:
             timer.cancel()

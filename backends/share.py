@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.atomic import atomic_write_json
+from training.atomic import atomic_write_json, read_json_object
 
 HASHES = ".content-hashes.json"
 
@@ -54,10 +54,7 @@ class LocalShare:
         self.root = root
 
     def _hashes(self) -> dict[str, str]:
-        try:
-            return dict(json.loads((self.root / HASHES).read_text()))
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+        return read_json_object(self.root / HASHES) or {}
 
     def upload(self, files: dict[str, Path]) -> UploadReport:
         self.root.mkdir(parents=True, exist_ok=True)

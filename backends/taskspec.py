@@ -12,16 +12,13 @@ ever placed in a command line or in the plain environment.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Literal
 
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from staging.listing import listing_blob
-
-if TYPE_CHECKING:
-    from azure.storage.blob import ContainerClient
+from training.args import settings_argv
 
 NFS_MOUNT = "nfs"  # relative mount paths under $AZ_BATCH_NODE_MOUNTS_DIR
 SHARE_MOUNT = "scripts"
@@ -60,28 +57,6 @@ class TaskSpec:
     max_wall_clock_seconds: int = 6 * 3600
     max_retries: int = 0  # on Batch the service retries; the local cluster runs once
     reads_training_data: bool = False  # the cluster then provides RETRAIN_DATA_URL
-
-
-@dataclass
-class TaskResult:
-    exit_code: int
-    task_dir: Path | None  # local clusters only
-    uploaded: list[str]
-    seconds: float
-    attempts: int = 1
-
-
-class Cluster(Protocol):
-    """Azure Batch or the local stand-in; the flow sees only this."""
-
-    outputs: ContainerClient
-    retries_in_service: bool  # True when the service itself retries a failed task
-
-    def ensure_pool(self) -> dict[str, Any]: ...
-
-    def run_task(self, spec: TaskSpec, on_line: Callable[[str], None] = ...) -> TaskResult: ...
-
-    def release(self) -> dict[str, Any]: ...
 
 
 # What a task process inherits from the machine it runs on, besides the spec's environment and
@@ -145,8 +120,8 @@ def _bash(script: str) -> str:
 def training_task(
     config: PipelineConfig, task_id: str, training_key: str, output_prefix: str
 ) -> TaskSpec:
-    """Horovod across nodes x processes, on data and checkpoints in NFS (retries resume)."""
-    t = config.training
+    """The trainer across nodes x processes under the configured engine (horovodrun or one
+    torchrun per node, started by launch.sh), on data and checkpoints in NFS (retries resume)."""
     paths = [
         "--data-dir",
         node_path(MOUNTS_DIR, NFS_MOUNT, "data"),
@@ -155,21 +130,7 @@ def training_task(
         "--checkpoint-dir",
         node_path(MOUNTS_DIR, NFS_MOUNT, "checkpoints", training_key),
     ]
-    values = [
-        "--epochs",
-        str(t.epochs),
-        "--batch-size",
-        str(t.batch_size),
-        "--lr",
-        str(t.lr),
-        "--model",
-        t.model,
-        "--seed",
-        str(t.seed),
-        *(["--image-size", str(t.image_size)] if t.image_size else []),
-        *(["--timeline"] if t.timeline else []),
-        *t.extra_args,
-    ]
+    values = [*settings_argv(config.training), *config.training.extra_args]
     # Every config value is quoted, extra_args included: only the paths above expand.
     words = [*paths, *(shlex.quote(v) for v in values)]
     launch = node_path(MOUNTS_DIR, SHARE_MOUNT, "training", "launch.sh")
@@ -181,6 +142,8 @@ def training_task(
         coordination_command=_bash(f"bash {prepare}"),
         environment={
             "RETRAIN_PROCESSES_PER_NODE": str(config.pool.processes_per_node),
+            # The launcher to start; the trainer's --engine (from the same setting) checks it.
+            "RETRAIN_ENGINE": config.training.engine,
             "PYTHONUNBUFFERED": "1",
         },
         outputs=[
@@ -191,13 +154,10 @@ def training_task(
     )
 
 
-def shard_size(config: PipelineConfig) -> int:
-    """The input size staging packs shards at (the trainer's), or 0 with packing switched off."""
-    if not config.nfs.shards:
-        return 0
-    from training.models import default_input_size
-
-    return config.training.image_size or default_input_size(config.training.model)
+def pack_image_size(config: PipelineConfig) -> int:
+    """The side in pixels staging packs shards at (the trainer's input size, decided by the one
+    function the trainer uses), or 0 with packing switched off."""
+    return config.training.input_size() if config.nfs.shards else 0
 
 
 def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> TaskSpec:
@@ -211,7 +171,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m staging.task "
         f"--prefix {shlex.quote(config.data.prefix or '')} "
         f"--dest {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --report {OUTPUT_DIR}/staging.json "
-        f"--listing {STAGING_LISTING} --shards-size {shard_size(config)}"
+        f"--listing {STAGING_LISTING} --pack-image-size {pack_image_size(config)}"
     )
     return TaskSpec(
         id=task_id,

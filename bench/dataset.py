@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from training.data import SyntheticSplit, encode_png, synthetic_templates
+from training.synthetic import SyntheticSplit, encode_png, synthetic_templates
 
 CLASSES = 10
 TEST_EVERY = 5  # one image in five goes to test/

@@ -142,7 +142,7 @@ def startup_cost(repeats: int) -> dict[str, Any]:
 def run_flows(work: Path, epochs: int) -> dict[str, Any]:
     from backends.azurite import running_azurite
     from backends.blob import container_client, upload_directory
-    from flows.config import load_config
+    from core.config import load_config
     from flows.retrain import retrain
     from training.make_images import write_digits
 

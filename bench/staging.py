@@ -44,7 +44,7 @@ from bench.output import dataset_main
 from staging.sync import stage, sync_to_directory
 
 PREFIX = "bench"
-SHARD_SIZE = 32  # the default model's input size
+PACK_IMAGE_SIZE = 32  # the default model's input size: the side of a packed image
 
 
 def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
@@ -185,11 +185,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         staged = work / "packed"
         prefix = f"{PREFIX}/images"
         t_pack = time.perf_counter()
-        packed = stage(container, prefix, staged, SHARD_SIZE, args.workers)
+        packed = stage(container, prefix, staged, PACK_IMAGE_SIZE, args.workers)
         t_pack = time.perf_counter() - t_pack
         changed = change_one_percent(container, prefix, dataset.side_for(args.small_kb))
         t_changed = time.perf_counter()
-        after = stage(container, prefix, staged, SHARD_SIZE, args.workers)
+        after = stage(container, prefix, staged, PACK_IMAGE_SIZE, args.workers)
         t_changed = time.perf_counter() - t_changed
     return {
         "benchmark": "staging",

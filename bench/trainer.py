@@ -22,7 +22,7 @@ from typing import Any
 
 from bench import dataset
 from bench.output import ROOT, dataset_main
-from training.models import default_input_size
+from training.args import default_input_size
 from training.shards import pack_shards
 
 

@@ -118,7 +118,7 @@ class RelaySettings:
 
     def container(self, name: str) -> Any:
         from backends.blob import container_client
-        from flows.config import BlobLocation
+        from core.config import BlobLocation
 
         return container_client(
             BlobLocation(

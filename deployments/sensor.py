@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 
 from backends.blob import container_client, folder
+from core.config import load_config
 from deployments.events import (
     BUSY,
     STARTED,
@@ -29,7 +30,6 @@ from deployments.events import (
     normalize_etag,
     quiet_version,
 )
-from flows.config import load_config
 
 
 def find_versions(

@@ -20,9 +20,9 @@ def ensure(configs: list[str]) -> list[str]:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
+    from core.config import load_config
+    from core.pool_slot import ensure_limit, pool_slot
     from deployments.events import LEGACY_LEDGER, migrate_legacy_ledger
-    from flows.config import load_config
-    from flows.pool_lock import ensure_limit, pool_slot
 
     done = []
     with get_client(sync_client=True) as client:

@@ -30,37 +30,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
+from core.pool_slot import ensure_limit, pool_slot
 
 # Renewed every 90 s while the run holds the slot (Prefect renews at 3/4 of the lease); Prefect's
 # default is 300 s, its minimum 60 s. Shorter: a re-run after a crash waits less; longer: a busy
 # orchestrator has more time to renew.
 LEASE_SECONDS = 120
-
-
-def pool_slot(pool_id: str) -> str:
-    """The name of the pool's global concurrency limit."""
-    return f"retrain-pool-{pool_id}"
-
-
-def ensure_limit(name: str) -> bool:
-    """Create the global concurrency limit ``name`` with one slot unless it exists; True when
-    this call created it. An existing limit is left as its owner set it."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-            return False
-        except ObjectNotFound:
-            pass
-        try:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-        except ObjectAlreadyExists:  # created concurrently: the same result
-            return False
-        return True
 
 
 def _lock(fh: IO[str], wait: bool, say: Callable[[str], None], pool_id: str) -> bool:
@@ -111,15 +87,18 @@ def local_pool_lock(
 
 @contextlib.contextmanager
 def hold_pool(
-    config: PipelineConfig, holder: str, say: Callable[[str], None] = lambda _: None
+    config: PipelineConfig,
+    holder: str,
+    shared: bool,
+    say: Callable[[str], None] = lambda _: None,
 ) -> Iterator[None]:
     """Hold the config's pool for the block, waiting for the run that holds it now: the file
-    lock, then (a Batch pool, with a server configured) one slot of the pool's global
-    concurrency limit."""
+    lock, then (a pool other machines can use too, ``shared``, with a server configured) one
+    slot of the pool's global concurrency limit."""
     from prefect.concurrency.sync import concurrency
 
     with local_pool_lock(config, holder, say=say):
-        if config.target != "azure" or not _server_configured():
+        if not shared or not _server_configured():
             yield
             return
         name = pool_slot(config.pool.id)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
 
-from flows.config import ConfigError, PipelineConfig, load_config
+from core.config import ConfigError, PipelineConfig, load_config
+from core.run import Run
 from flows.pool_lock import hold_pool, local_pool_lock
 
 
@@ -106,7 +106,7 @@ def deployment_config_path(deployment_id: Any) -> str | None:
 def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
     """Crash and cancellation hook: the pool is released even when the flow body cannot, unless
     another run holds it by now (that run releases it; releasing here would stop its tasks)."""
-    from backends import factory
+    from backends.target import target_for
 
     params = flow_run.parameters
     config = resolve_config(
@@ -119,7 +119,7 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
     )
     with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
         if free:
-            factory.cluster(config).release()
+            target_for(config).cluster().release()
 
 
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
@@ -132,14 +132,17 @@ def retrain(
     data_version: str | None = None,
 ) -> dict[str, Any]:
     """One retrain. The ``data_*`` parameters are filled in by the new-data trigger; a manual
-    or nightly run leaves them empty and trains on the config's data location."""
-    from backends import factory
+    or nightly run leaves them empty and trains on the config's data location.
+    ``data_version`` is the version the trigger's event announced (the completion marker's ETag,
+    or a hash of the listing): it is logged and returned, while what is trained, and compared
+    with the champion, is named by the staged version, a hash of the files staging wrote."""
     from backends.blob import blob_link
+    from backends.target import target_for
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
     from tasks.report import report
-    from tasks.steps import record_only
-    from tasks.training import collect_and_score, run_training, training_key
+    from tasks.steps import StepRecord
+    from tasks.train_and_score import collect_and_score, run_training, training_key
     from tasks.validate import validate_data
 
     logger = get_run_logger()
@@ -151,88 +154,77 @@ def retrain(
         data_prefix,
         deployment_config_path(deployment.id),
     )
-    cfg = effective.config
+    run_config = effective.config
     logger.info("config: %s", effective.source)
     if data_version:
         logger.info(
             "started for new data: %s/%s, version %s",
-            cfg.data.container,
-            cfg.data.prefix,
+            run_config.data.container,
+            run_config.data.prefix,
             data_version,
         )
-    run_id = f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{str(flow_run.get_id() or 'local')[:8]}"
-    output_prefix = f"{cfg.output.prefix}/runs/{run_id}".lstrip("/")
-    run_dir = cfg.work_dir / "runs" / run_id
-    cluster = factory.cluster(cfg)
-    steps: list[dict[str, Any]] = []
+    run = Run.start(flow_run.get_id(), run_config.output.prefix, run_config.work_dir)
+    target = target_for(run_config)
+    cluster = target.cluster()
+    steps: list[StepRecord] = []
     # One run per pool at a time, across deployments, shells and machines (flows/pool_lock.py).
-    with hold_pool(cfg, f"flow run {flow_run.get_id() or run_id}", say=logger.info):
+    holder = f"flow run {flow_run.get_id() or run.id}"
+    with hold_pool(run_config, holder, shared=cluster.shared, say=logger.info):
         try:
-            steps.append(validate_data(cfg, run_dir, output_prefix))
-            scripts_f = upload_scripts.submit(cfg)
-            image_f = build_image.submit(cfg)
-            pool_f = ensure_pool.submit(cfg, cluster)
-            # On Azure, staging runs on the pool with the uploaded staging code.
+            steps.append(validate_data(run_config, run).record)
+            scripts_f = upload_scripts.submit(target)
+            image_f = build_image.submit(target)
+            pool_f = ensure_pool.submit(cluster)
             staged_f = stage_data.submit(
-                cfg,
+                target,
                 cluster,
-                run_id,
-                output_prefix,
-                wait_for=[pool_f, scripts_f] if cfg.target == "azure" else [],
+                run,
+                wait_for=[pool_f, scripts_f] if target.stages_on_pool else [],
                 return_state=False,
             )
-            uploaded, staged, image, pool = (
-                f.result() for f in (scripts_f, staged_f, image_f, pool_f)
+            scripts, staged, image, pool = (
+                scripts_f.result(),
+                staged_f.result(),
+                image_f.result(),
+                pool_f.result(),
             )
-            steps += [uploaded, staged, image, pool]
-            key = training_key(
-                cfg, staged["details"]["data_version"], uploaded["details"]["code_version"]
-            )
+            steps += [scripts.record, staged.record, image.record, pool.record]
+            key = training_key(run_config, staged.value.version, scripts.value)
             # Batch retries the task itself on the same nodes; the local cluster needs Prefect to.
             trainer = run_training.with_options(
-                retries=0 if cluster.retries_in_service else cfg.retries.training_attempts - 1,
-                retry_delay_seconds=cfg.retries.backoff_seconds,
+                retries=0
+                if cluster.retries_in_service
+                else run_config.retries.training_attempts - 1,
+                retry_delay_seconds=run_config.retries.backoff_seconds,
             )
-            steps.append(trainer(cfg, cluster, run_id, key, output_prefix))
-            collected = collect_and_score(cfg, cluster, run_id, output_prefix)
-            steps.append(record_only(collected))
-            promotion = promote(
-                cfg,
-                cluster,
-                run_id,
-                output_prefix,
-                collected["score"],
-                staged["details"]["data_version"],
-            )
-            steps.append(record_only(promotion))
+            steps.append(trainer(run_config, cluster, run, key).record)
+            scored = collect_and_score(cluster, run)
+            steps.append(scored.record)
+            promotion = promote(run_config, cluster, run, scored.value.score, staged.value.version)
+            steps.append(promotion.record)
         finally:
-            steps.append(release_pool(cluster))
-    outputs_url = blob_link(cluster.outputs, output_prefix)  # no credential in it
+            steps.append(release_pool(cluster).record)
+    outputs_url = blob_link(cluster.outputs, run.output_prefix)  # no credential in it
+    decision, score = promotion.value, scored.value.score
     report(
-        run_id,
+        run.id,
         steps,
-        collected["metrics"],
-        collected["score"],
-        promotion["decision"],
-        staged["details"],
+        scored.value,
+        decision,
+        staged.value,
         outputs_url,
-        cfg,
+        run_config,
         effective.source,
     )
-    logger.info(
-        "run %s: accuracy %.4f, %s",
-        run_id,
-        collected["score"]["accuracy"],
-        promotion["decision"]["reason"],
-    )
+    logger.info("run %s: accuracy %.4f, %s", run.id, score["accuracy"], decision.reason)
     return {
-        "run_id": run_id,
-        "accuracy": collected["score"]["accuracy"],
-        "promoted": promotion["decision"]["promoted"],
-        "reason": promotion["decision"]["reason"],
+        "run_id": run.id,
+        "accuracy": score["accuracy"],
+        "promoted": decision.promoted,
+        "reason": decision.reason,
         "outputs": outputs_url,
         "data_version": data_version,
-        "steps": steps,
+        "steps": [s.as_dict() for s in steps],
     }
 
 
@@ -261,17 +253,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.plan:
-        if config.target != "azure":
-            print(
-                "error: --plan describes an Azure run; the config has target local", file=sys.stderr
-            )
-            return 2
         import json
 
-        from backends.azure.plan import build_plan
-        from backends.factory import PROJECT_ROOT
+        from backends.azure.plan import PlanError, build_plan
+        from backends.target import PROJECT_ROOT
 
-        print(json.dumps(build_plan(config, PROJECT_ROOT), indent=2))
+        try:
+            plan = build_plan(config, PROJECT_ROOT)
+        except PlanError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(plan, indent=2))
         return 0
     # The flow reads the file again (the run's parameters then say which file and overrides,
     # and its summary shows them); loading it above only checked it before anything starts.

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from backends.azurite import running_azurite  # noqa: E402
 from backends.blob import container_client, upload_directory  # noqa: E402
-from flows.config import load_config  # noqa: E402
+from core.config import load_config  # noqa: E402
 from training.make_images import write_digits  # noqa: E402
 
 

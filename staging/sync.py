@@ -274,20 +274,20 @@ def stage(
     container: ContainerClient,
     prefix: str,
     dest: Path,
-    shard_size: int,
+    pack_image_size: int,
     workers: int = 32,
     listing: list[PinnedBlob] | None = None,
 ) -> dict[str, Any]:
     """The staging step, wherever it runs: sync (exactly ``listing`` when given), then pack
-    shards for a trainer reading ``shard_size`` pixels (0: no packing, and an older pack is
-    removed). Returns the report."""
+    shards of ``pack_image_size`` pixels a side, the trainer's input size (0: no packing, and
+    an older pack is removed). Returns the report."""
     report = sync_to_directory(container, prefix, dest, workers=workers, listing=listing)
     result = report.as_dict()
     # Imported here: packing needs torch (about 2 s to import), a sync does not.
     from training.shards import pack_shards, remove_shards
 
-    if shard_size:
-        result["shards"] = pack_shards(dest, shard_size).as_dict()
+    if pack_image_size:
+        result["shards"] = pack_shards(dest, pack_image_size).as_dict()
     else:
         remove_shards(dest)
         result["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}

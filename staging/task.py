@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         "--listing", type=Path, help="the data gate's pinned listing: stage exactly these blobs"
     )
     p.add_argument(
-        "--shards-size", type=int, default=0, help="pack shards at this input size (0: do not)"
+        "--pack-image-size",
+        type=int,
+        default=0,
+        help="pack shards of images this many pixels a side, the trainer's input size (0: do not)",
     )
     args = p.parse_args(argv)
     url = os.environ.get("RETRAIN_DATA_URL")
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             else None
         )
         report = stage(
-            data_container(url), args.prefix, args.dest, args.shards_size, args.workers, listing
+            data_container(url), args.prefix, args.dest, args.pack_image_size, args.workers, listing
         )
     except (ListingError, UnsafeBlobNameError, ChangedSinceGateError, IntegrityError) as exc:
         atomic_write_json({"error": str(exc)}, args.report)

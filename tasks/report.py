@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
-from flows.config import PipelineConfig
+from backends.promotion import Decision
+from core.config import PipelineConfig
+from tasks.provision import StagedData
+from tasks.steps import StepRecord
+from tasks.train_and_score import Scored
 
 
 def config_markdown(config: PipelineConfig, source: str) -> list[str]:
@@ -25,24 +27,24 @@ def config_markdown(config: PipelineConfig, source: str) -> list[str]:
 
 def summary_markdown(
     run_id: str,
-    steps: list[dict[str, Any]],
-    metrics: dict[str, Any],
-    score: dict[str, Any],
-    decision: dict[str, Any],
-    data: dict[str, Any],
+    steps: list[StepRecord],
+    scored: Scored,
+    decision: Decision,
+    data: StagedData,
     config: PipelineConfig | None = None,
     config_source: str = "",
 ) -> str:
+    metrics, score = scored.metrics, scored.score
     lines = [
         f"# Retrain {run_id}",
         "",
         f"**Test accuracy {score['accuracy']:.4f}** on {score['num_images']} images; "
-        f"{'**promoted**' if decision['promoted'] else 'not promoted'}: {decision['reason']}.",
+        f"{'**promoted**' if decision.promoted else 'not promoted'}: {decision.reason}.",
         "",
         "## Data",
         "",
-        f"{data.get('files')} files, version `{data.get('data_version')}`: "
-        f"{data.get('downloaded')} downloaded, {data.get('unchanged')} unchanged.",
+        f"{data.files} files, version `{data.version}`: "
+        f"{data.downloaded} downloaded, {data.unchanged} unchanged.",
         "",
         "## Steps",
         "",
@@ -51,9 +53,9 @@ def summary_markdown(
     ]
     for s in steps:
         details = ", ".join(
-            f"{k}={v}" for k, v in s["details"].items() if not isinstance(v, (dict, list))
+            f"{k}={v}" for k, v in s.details.items() if not isinstance(v, (dict, list))
         )
-        lines.append(f"| {s['step']} | {s['status']} | {s['seconds']:.2f} | {details} |")
+        lines.append(f"| {s.step} | {s.status} | {s.seconds:.2f} | {details} |")
     lines += [
         "",
         "## Epochs",
@@ -80,17 +82,17 @@ def summary_markdown(
 @task(name="report", cache_policy=NONE)
 def report(
     run_id: str,
-    steps: list[dict[str, Any]],
-    metrics: dict[str, Any],
-    score: dict[str, Any],
-    decision: dict[str, Any],
-    data: dict[str, Any],
+    steps: list[StepRecord],
+    scored: Scored,
+    decision: Decision,
+    data: StagedData,
     outputs_url: str,
     config: PipelineConfig,
     config_source: str,
 ) -> str:
+    score = scored.score
     create_markdown_artifact(
-        summary_markdown(run_id, steps, metrics, score, decision, data, config, config_source),
+        summary_markdown(run_id, steps, scored, decision, data, config, config_source),
         key="retrain-summary",
         description=f"retrain {run_id}",
     )

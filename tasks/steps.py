@@ -1,25 +1,77 @@
-"""What every step reports: whether it ran or found its work already done, and how long it took.
+"""What every step reports, and the one way a step is timed and recorded.
 
-The report artifact and the benchmarks read these records, so they have one shape everywhere.
+A step's body returns ``Done``: whether it ran or found its work already done, the details the
+report shows, and the value later steps need (a code version, a score, a decision). ``step``
+makes it a Prefect task of the step's name that times the body and returns a ``StepResult``:
+the record and the value, kept apart, so nothing downstream digs a payload out of a report.
+The report artifact, the flow's result and the benchmarks read the records, so they have one
+shape everywhere.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Generic, Literal, ParamSpec, TypeVar
 
-STEP_KEYS = ("step", "status", "seconds", "details")
+from prefect import Task
+from prefect.cache_policies import NONE
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
-def record_only(result: dict[str, Any]) -> dict[str, Any]:
-    """The step record out of a task result that also carries a payload (metrics, decision)."""
-    return {k: result[k] for k in STEP_KEYS}
+@dataclass(frozen=True)
+class StepRecord:
+    step: str
+    status: Literal["ran", "skipped"]
+    seconds: float
+    details: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
-def step_record(name: str, started: float, ran: bool, **details: Any) -> dict[str, Any]:
-    return {
-        "step": name,
-        "status": "ran" if ran else "skipped",
-        "seconds": round(time.perf_counter() - started, 3),
-        "details": details,
-    }
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    """What a step's body found: ``ran`` is False when its work was already done."""
+
+    ran: bool
+    value: T
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult(Generic[T]):
+    record: StepRecord
+    value: T
+
+
+def step(
+    name: str, **task_options: Any
+) -> Callable[[Callable[P, Done[T]]], Task[P, StepResult[T]]]:
+    """A Prefect task named ``name`` (the step's name, said once) that times its body.
+
+    Each attempt is timed on its own: a retried step reports the attempt that succeeded.
+    Results are never cached (``cache_policy=NONE``): a step's inputs are clients and
+    clusters, and whether its work is done is for the step itself to find out.
+    """
+
+    def decorate(body: Callable[P, Done[T]]) -> Task[P, StepResult[T]]:
+        @functools.wraps(body)
+        def timed(*args: P.args, **kwargs: P.kwargs) -> StepResult[T]:
+            started = time.perf_counter()
+            done = body(*args, **kwargs)
+            record = StepRecord(
+                name,
+                "ran" if done.ran else "skipped",
+                round(time.perf_counter() - started, 3),
+                done.details,
+            )
+            return StepResult(record, done.value)
+
+        return Task(fn=timed, name=name, cache_policy=NONE, **task_options)
+
+    return decorate

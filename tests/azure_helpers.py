@@ -13,7 +13,7 @@ from typing import Any
 
 from backends.azure.clients import Route, route_through
 from backends.blob import container_client
-from flows.config import BlobLocation, PipelineConfig, load_config
+from core.config import BlobLocation, PipelineConfig, load_config
 from tests.fakes.acr import ARM_HOST, FakeAcr
 from tests.fakes.batch import FakeBatch
 from tests.fakes.files import FakeFiles

@@ -14,7 +14,7 @@ import pytest
 
 from backends.share import collect_files
 from backends.taskspec import TaskSpec, training_task
-from flows.config import load_config
+from core.config import load_config
 from tests.conftest import ROOT
 from tests.fakes.hosts import Node, unavailable_reason
 from tests.fakes.node import PoolNodes, TaskRun

@@ -9,7 +9,7 @@ from typing import Any
 from uuid import UUID
 
 from backends.blob import container_client, upload_directory
-from flows.config import PipelineConfig, load_config
+from core.config import PipelineConfig, load_config
 from tests.conftest import ROOT
 
 

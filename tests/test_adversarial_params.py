@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from flows.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from flows.retrain import main, resolve_config
 from tests.conftest import ROOT, child_env, prefect_api_env
 from tests.reliability import report

@@ -6,6 +6,7 @@ cluster's processes, the fake Batch node that executes command lines, the retrai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ import yaml
 from backends.blob import container_client
 from backends.local_cluster import ClusterError, LocalCluster
 from backends.taskspec import TaskSpec, training_task
-from flows.config import ConfigError, PipelineConfig, load_config
+from core.config import ConfigError, PipelineConfig, load_config
 from tests.conftest import ROOT, prefect_api_env
 from tests.pipeline_helpers import make_config, seed
 from tests.reliability import report
@@ -50,7 +51,7 @@ def storage(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _with_extra_args(config: PipelineConfig, args: list[str]) -> PipelineConfig:
-    training = config.training.model_copy(update={"extra_args": args})
+    training = dataclasses.replace(config.training, extra_args=args)
     pool = config.pool.model_copy(update={"processes_per_node": 1})
     return config.model_copy(update={"training": training, "pool": pool})
 
@@ -104,8 +105,8 @@ def test_hostile_extra_args_run_nothing_on_a_batch_node(
     """The request body the Batch cluster sends, executed as a node executes it."""
     from prefect.blocks.system import Secret
 
-    from backends import factory
     from backends.share import collect_files
+    from backends.target import PROJECT_ROOT, target_for
     from tasks.provision import SCRIPT_PACKAGES
     from tests.azure_helpers import azure_config
     from tests.fakes.node import PoolNodes
@@ -119,7 +120,7 @@ def test_hostile_extra_args_run_nothing_on_a_batch_node(
         azure_config(tmp_path, "pool.dedicated_nodes=1", "retries.training_attempts=1"),
         hostile_args(markers),
     )
-    factory.share(config).upload(collect_files(factory.PROJECT_ROOT, SCRIPT_PACKAGES))
+    target_for(config).share().upload(collect_files(PROJECT_ROOT, SCRIPT_PACKAGES))
     require_emulated_nodes()
     lines: list[str] = []
     with PoolNodes(
@@ -130,7 +131,7 @@ def test_hostile_extra_args_run_nothing_on_a_batch_node(
     ) as node:
         node.attach(fake_azure_account.batch)
         fake_azure_account.batch.allocation_ticks = 1
-        cluster = factory.cluster(config)
+        cluster = target_for(config).cluster()
         cluster.ensure_pool()
         result = cluster.run_task(
             training_task(config, "train-hostile", "key", "runs/hostile"), lines.append
@@ -352,12 +353,12 @@ def test_abort_hook_leaves_alone_a_pool_another_run_holds(tmp_path: Path) -> Non
     from prefect.client.schemas.objects import FlowRun
     from prefect.states import Cancelled
 
-    from backends import factory
+    from backends.target import target_for
     from flows.pool_lock import local_pool_lock
     from flows.retrain import _release_after_abort, retrain
 
     config = make_config(tmp_path)
-    cluster = factory.cluster(config)
+    cluster = target_for(config).cluster()
     cluster.ensure_pool()
     box: dict[str, Any] = {}
     worker = threading.Thread(
@@ -385,7 +386,8 @@ def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) ->
     run hold the pool at a time."""
     from prefect.client.orchestration import get_client
 
-    from flows.pool_lock import hold_pool, pool_slot
+    from core.pool_slot import pool_slot
+    from flows.pool_lock import hold_pool
     from tests.azure_helpers import azure_config
 
     first = azure_config(tmp_path / "machine-a")
@@ -394,11 +396,11 @@ def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) ->
     entered = threading.Event()
 
     def other_machine() -> None:
-        with hold_pool(second, "run on machine b"):
+        with hold_pool(second, "run on machine b", shared=True):
             events.append("b holds")
             entered.set()
 
-    with hold_pool(first, "run on machine a"):
+    with hold_pool(first, "run on machine a", shared=True):
         events.append("a holds")
         with get_client(sync_client=True) as client:
             limit = client.read_global_concurrency_limit_by_name(pool_slot(first.pool.id))

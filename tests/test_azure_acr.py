@@ -22,8 +22,8 @@ REGISTRY = f"{PREFIX}/providers/Microsoft.ContainerRegistry/registries/retrainac
 def _builder(tmp_path: Path) -> AcrBuilder:
     config = azure_config(tmp_path)
     return AcrBuilder(
-        acr_tasks_client(config),
-        registry_client(config),
+        acr_tasks_client(config.azure),
+        registry_client(str(config.image.registry)),
         "retrain-rg",
         "retrainacr.azurecr.io",
         poll_seconds=0.01,

@@ -18,14 +18,12 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from backends.azure.access import node_access
 from backends.azure.batch import BatchCluster, Polling, PoolError, TaskFailedError
 from backends.azure.batch_requests import pool_body, wire
-from backends.azure.clients import batch_client
 from backends.blob import container_client
-from backends.factory import image_reference
+from backends.target import AzureTarget, image_reference
 from backends.taskspec import TaskSpec, scoring_task, training_task
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tests.azure_helpers import azure_config
 from tests.fakes.batch import Attempt, wait_until
 
@@ -34,19 +32,10 @@ SHARE_KEY, REGISTRY_PASSWORD = "ZmlsZXMta2V5LXZhbHVl", "acr-token-password-value
 
 
 def make_cluster(config: PipelineConfig) -> BatchCluster:
-    """The cluster the factory builds, with the pool secrets the Secret blocks would hold."""
-    outputs = container_client(config.output, create=True)
-    data = container_client(config.data, create=True)
+    """The cluster the target builds, with the pool secrets the Secret blocks would hold."""
+    container_client(config.data, create=True)
     password = REGISTRY_PASSWORD if config.image.registry_password_secret else None
-    return BatchCluster(
-        config,
-        batch_client(config),
-        outputs,
-        node_access(config, data, outputs),
-        image_reference(config),
-        lambda: (SHARE_KEY, password),
-        FAST,
-    )
+    return AzureTarget(config).cluster(lambda: (SHARE_KEY, password), FAST)
 
 
 def ready_cluster(tmp_path: Path, *overrides: str) -> tuple[PipelineConfig, BatchCluster]:

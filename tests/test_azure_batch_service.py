@@ -17,7 +17,7 @@ from tests.fakes.batch import Attempt, FakeBatch
 
 
 def _client(tmp_path: Path) -> Any:
-    return batch_client(azure_config(tmp_path))
+    return batch_client(azure_config(tmp_path).azure)
 
 
 def _pool(pool_id: str, **extra: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 from backends.azure.clients import share_service
 from backends.azure.files import HASH_KEY, AzureFilesShare
 from backends.share import collect_files, file_sha256
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 from tests.azure_helpers import ROOT, azure_config
 
 
@@ -37,7 +37,7 @@ def test_upload_creates_share_and_directories_and_records_hashes(
 ) -> None:
     config = _entra_config(tmp_path)
     files = _tree(tmp_path / "src")
-    share = AzureFilesShare(share_service(config), config.share.name)
+    share = AzureFilesShare(share_service(config.share), config.share.name)
 
     report = share.upload(files)
 
@@ -63,7 +63,7 @@ def test_second_upload_sends_nothing_and_a_change_sends_one_file(
 ) -> None:
     config = _entra_config(tmp_path)
     files = _tree(tmp_path / "src")
-    share = AzureFilesShare(share_service(config), config.share.name)
+    share = AzureFilesShare(share_service(config.share), config.share.name)
     first = share.upload(files)
     fake = fake_azure_account.files
     before = len(fake.requests.all())
@@ -109,7 +109,7 @@ def test_paths_are_case_insensitive_on_the_share(fake_azure_account, tmp_path: P
     from backends.azure.files import ShareError
 
     config = _entra_config(tmp_path)
-    share = AzureFilesShare(share_service(config), config.share.name)
+    share = AzureFilesShare(share_service(config.share), config.share.name)
     files = _tree(tmp_path / "src")
     share.upload(files)
     other = tmp_path / "other" / "Training" / "extra.py"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, PipelineConfig, load_config
+from backends.promotion import decide
+from core.config import ConfigError, PipelineConfig, load_config
 from flows.retrain import resolve_config
-from tasks.promote import decide
 from tests.conftest import ROOT, child_env
 
 LOCAL = ROOT / "configs" / "local.yaml"

@@ -20,9 +20,9 @@ import requests
 import yaml
 
 from backends.blob import container_client
+from core.config import BlobLocation
 from deployments.relay import RelaySettings, Watch, create_app
 from deployments.sensor import find_versions, watch_new_data
-from flows.config import BlobLocation
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("prefect_api")

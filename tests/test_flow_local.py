@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -108,7 +109,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     # A second run with nothing changed skips the scripts, data and image; a challenger
     # trained for one epoch only is worse and is not promoted.
     state2, _, _ = run(
-        config.model_copy(update={"training": config.training.model_copy(update={"epochs": 1})})
+        config.model_copy(update={"training": dataclasses.replace(config.training, epochs=1)})
     )
     assert state2.is_completed(), state2.message
     steps = {s["step"]: s for s in state2.result()["steps"]}
@@ -205,3 +206,23 @@ def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: 
     assert "AZ_BATCH_NODE_MOUNTS_DIR=" in seen
     assert "AZURE_STORAGE_CONNECTION_STRING" not in seen and "AccountKey" not in seen
     assert cluster.release()["was"] == "steady" and cluster.state() == "released"
+
+
+def test_the_flow_trains_with_the_ddp_engine(tmp_path: Path, digits_source: Path) -> None:
+    """training.engine=ddp: the same flow, the same task spec run by the local cluster, with
+    torchrun --standalone in place of horovodrun; the same outputs, scored and promoted."""
+    config = make_config(tmp_path, "training.engine=ddp")
+    seed(config, digits_source)
+    state, _, artifacts = run(config)
+    assert state.is_completed(), state.message
+    result = state.result()
+    outputs = container_client(config.output)
+    prefix = f"runs/{result['run_id']}"
+    metrics = json.loads(outputs.download_blob(f"{prefix}/metrics.json").readall())
+    assert metrics["args"]["engine"] == "ddp" and metrics["world_size"] == 2
+    assert len(set(metrics["weights_digest_per_rank"])) == 1
+    stdout = outputs.download_blob(f"{prefix}/logs/stdout.txt").readall().decode()
+    assert "(torchrun)" in stdout and "engine: ddp" in stdout
+    assert result["accuracy"] > 0.5 and result["promoted"] is True
+    progress = [a for a in artifacts if a.key == "training-progress"]
+    assert progress[0].data == 100.0

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from backends.blob import container_client
-from flows.config import PipelineConfig
-from tasks.validate import _cache_path, build_manifest
+from core.config import PipelineConfig
+from gate.manifest import build_manifest, cache_path
 from tests.pipeline_helpers import make_config, seed
 
 
@@ -23,11 +24,15 @@ def seeded(
     return config, seed(config, small_folders)
 
 
+def _build(config: PipelineConfig) -> tuple[list[dict[str, Any]], int]:
+    return build_manifest(config.data, config.work_dir / "gate-cache")
+
+
 def test_unchanged_blobs_are_not_read_again(seeded: tuple[PipelineConfig, int]) -> None:
     config, total = seeded
-    first, cached = build_manifest(config)
+    first, cached = _build(config)
     assert (len(first), cached) == (total, 0)
-    again, cached = build_manifest(config)
+    again, cached = _build(config)
     assert cached == total and again == first  # same rows, no image read
 
     # New content under an old name: that one blob is read again, and what it holds now is
@@ -35,7 +40,7 @@ def test_unchanged_blobs_are_not_read_again(seeded: tuple[PipelineConfig, int]) 
     container = container_client(config.data)
     victim = sorted(r["path"] for r in first if r["split"] == "train")[0]
     container.upload_blob(f"{config.data.prefix}/{victim}", b"not an image", overwrite=True)
-    changed, cached = build_manifest(config)
+    changed, cached = _build(config)
     assert cached == total - 1
     row = next(r for r in changed if r["path"] == victim)
     assert row["readable"] is False and row["bytes"] == len(b"not an image")
@@ -43,10 +48,10 @@ def test_unchanged_blobs_are_not_read_again(seeded: tuple[PipelineConfig, int]) 
 
 def test_damaged_cache_is_ignored(seeded: tuple[PipelineConfig, int]) -> None:
     config, total = seeded
-    build_manifest(config)
-    cache = _cache_path(config)
+    _build(config)
+    cache = cache_path(config.data, config.work_dir / "gate-cache")
     cache.write_text(cache.read_text()[: len(cache.read_text()) // 2])  # cut mid-write
-    rows, cached = build_manifest(config)
+    rows, cached = _build(config)
     assert (len(rows), cached) == (total, 0)
     assert len(json.loads(cache.read_text())) == total  # rewritten whole
 
@@ -58,7 +63,7 @@ def test_new_version_under_a_new_prefix_reads_only_new_content(
     last gate read (same Content-MD5 and size) are not read again under their new names; a
     changed image is, and every row carries its new path."""
     config, total = seeded
-    build_manifest(config)
+    _build(config)
     container = container_client(config.data)
     old = config.data.prefix
     new = f"{old}-v2"
@@ -72,7 +77,7 @@ def test_new_version_under_a_new_prefix_reads_only_new_content(
     container.upload_blob(f"{new}/{changed_rel}", b"new bytes, not an image", overwrite=True)
     v2 = config.model_copy(update={"data": config.data.model_copy(update={"prefix": new})})
 
-    rows, cached = build_manifest(v2)
+    rows, cached = _build(v2)
 
     assert (len(rows), cached) == (total, total - 1)
     assert sorted(r["path"] for r in rows) == sorted(n[len(old) + 1 :] for n in names)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from flows.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from tests.azure_helpers import ROOT
 
 EXAMPLE = ROOT / "configs" / "azure.example.yaml"

@@ -24,13 +24,15 @@ import torch
 from azure.storage.blob import ContainerClient
 from PIL import Image
 
-from flows.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from staging.listing import ChangedSinceGateError, PinnedBlob, listing_json, parse_listing, pin
 from staging.sync import UnsafeBlobNameError, stage, sync_to_directory
 from tests.conftest import ROOT, child_env, run_trainer
 from tests.pipeline_helpers import new_container
 from tests.reliability import report
-from training.data import DatasetError, decode_checked, open_dataset
+from training.data import open_dataset
+from training.dataset import DatasetError
+from training.image_folders import decode_checked
 from training.shards import INDEX, SHARD_DIR, open_shards, pack_shards
 from training.staged_folder import MANIFEST
 
@@ -181,7 +183,9 @@ def _gate(config: Any, files: dict[str, bytes], docs: Path) -> tuple[bool, list[
     """Run the gate's suites on 2 classes x 2 images per split plus ``files``; returns
     whether it passed and, per failed expectation, its column and the files it names."""
     from backends.blob import container_client
-    from tasks.validate import _examples, build_manifest, run_expectations
+    from gate.manifest import build_manifest
+    from gate.report import examples
+    from gate.suites import run_expectations
 
     base = {
         f"{split}/c{c}/{split}{c}{i}.png": _png(100 * c + 10 * i + (split == "test"))
@@ -191,9 +195,9 @@ def _gate(config: Any, files: dict[str, bytes], docs: Path) -> tuple[bool, list[
     }
     container = container_client(config.data, create=True)
     _upload(container, {f"images/v1/{k}": v for k, v in {**base, **files}.items()})
-    rows, _ = build_manifest(config)
-    passed, records = run_expectations(rows, config, docs)
-    failed = [f"{r['column']}: {_examples(rows, r)}" for r in records if not r["success"]]
+    rows, _ = build_manifest(config.data, config.work_dir / "gate-cache")
+    passed, records = run_expectations(rows, config.validation, docs)
+    failed = [f"{r['column']}: {examples(rows, r)}" for r in records if not r["success"]]
     return passed, failed
 
 
@@ -227,13 +231,13 @@ def test_gate_validates_what_is_trained(case: str, gate_config: Any, tmp_path: P
 
 def test_gate_skips_only_the_completion_marker(gate_config: Any, tmp_path: Path) -> None:
     from backends.blob import container_client
-    from tasks.validate import list_dataset
+    from gate.manifest import list_dataset
 
     passed, _ = _gate(gate_config, {}, tmp_path / "docs")
     assert passed
     container = container_client(gate_config.data)
     _upload(container, {"images/v1/_SUCCESS": b"", "images/v1/train/_notes.txt": b"x"})
-    names = {b.name for b in list_dataset(gate_config)}
+    names = {b.name for b in list_dataset(gate_config.data)}
     assert "images/v1/_SUCCESS" not in names and "images/v1/train/_notes.txt" in names
 
 
@@ -255,7 +259,8 @@ def test_eps_named_png_never_reaches_ghostscript(tmp_path: Path) -> None:
     image.write_bytes(EPS)
     script = (
         "import sys; from pathlib import Path\n"
-        "from training.data import DatasetError, ImageFolderSplit, decode_checked\n"
+        "from training.dataset import DatasetError\n"
+        "from training.image_folders import ImageFolderSplit, decode_checked\n"
         f"p = Path({str(image)!r})\n"
         "print('verdict:', decode_checked(p, 32))\n"
         "try:\n    ImageFolderSplit([(p, 0)], 32)[0]\nexcept DatasetError as e:\n"
@@ -290,7 +295,7 @@ class _ZeroStrided:
 
 
 def _cifar(root: Path, batch: Any, meta: Any = None) -> Path:
-    from tests.test_data_formats import write_cifar_pickle
+    from tests.training.test_cifar import write_cifar_pickle
 
     write_cifar_pickle(root)
     with open(root / "data_batch_1", "wb") as fh:
@@ -348,7 +353,7 @@ def test_hostile_cifar_fields_are_named_errors(case: str, tmp_path: Path) -> Non
     batch, meta, expected = HOSTILE_CIFAR[case]
     root = tmp_path / "cifar"
     if batch is None:
-        from tests.test_data_formats import write_cifar_pickle
+        from tests.training.test_cifar import write_cifar_pickle
 
         write_cifar_pickle(root)
         with open(root / "batches.meta", "wb") as fh:

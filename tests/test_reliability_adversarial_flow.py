@@ -132,6 +132,8 @@ def test_azure_staging_task_stages_the_gates_listing_only(
     from prefect import flow
     from prefect.blocks.system import Secret
 
+    from backends.target import AzureTarget
+    from core.run import Run
     from tasks.provision import ensure_pool, stage_data, upload_scripts
     from tasks.validate import validate_data
     from tests.azure_helpers import azure_config
@@ -154,13 +156,14 @@ def test_azure_staging_task_stages_the_gates_listing_only(
 
     @flow
     def gate_then_stage(run_id: str, after_gate: dict[str, bytes]) -> dict[str, Any]:
-        output_prefix = f"runs/{run_id}"
-        validate_data(config, tmp_path / run_id, output_prefix)
+        run = Run(run_id, f"runs/{run_id}", tmp_path / run_id)
+        validate_data(config, run)
         for name, data in after_gate.items():
             container.upload_blob(name, data, overwrite=True)
-        upload_scripts(config)
-        ensure_pool(config, cluster)
-        return stage_data.with_options(retries=0)(config, cluster, run_id, output_prefix)
+        target = AzureTarget(config)
+        upload_scripts(target)
+        ensure_pool(cluster)
+        return stage_data.with_options(retries=0)(target, cluster, run).record.as_dict()
 
     staged = gate_then_stage("r1", {late: first})  # uploaded after the gate
     assert staged["details"]["files"] == sum(1 for _ in source.rglob("*.png"))

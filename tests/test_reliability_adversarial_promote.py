@@ -124,6 +124,7 @@ def test_damaged_champion_record_is_a_named_decision(
     from prefect import flow
 
     from backends.local_cluster import LocalCluster
+    from core.run import Run
     from tasks.promote import promote
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
@@ -135,11 +136,13 @@ def test_damaged_champion_record_is_a_named_decision(
         tmp_path / "work", "p", 1, tmp_path / "nfs", tmp_path / "share", outputs
     )  # a damaged record needs no re-scoring: the pool is never used
 
+    run = Run("run-new", "runs/run-new", tmp_path / "work" / "runs" / "run-new")
+
     @flow
     def promote_once() -> dict[str, Any]:
-        return promote(config, cluster, "run-new", "runs/run-new", {"accuracy": 0.7}, "v9")
+        return promote(config, cluster, run, {"accuracy": 0.7}, "v9").value.record
 
-    decision = promote_once()["decision"]
+    decision = promote_once()
     assert decision["promoted"] is True and decision["champion_record"] == "damaged"
     assert why in decision["reason"] and CHAMPION in decision["reason"]
     kept = decision["damaged_record"]["kept_as"]

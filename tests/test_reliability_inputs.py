@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from backends.blob import StorageConfigError, service_client
-from flows.config import BlobLocation, ConfigError, load_config
+from core.config import BlobLocation, ConfigError, load_config
 from staging.sync import UnsafeBlobNameError, safe_relative_path
 from tests.conftest import ROOT, run_trainer
 from tests.reliability import report

@@ -189,7 +189,7 @@ def test_quiet_period_relay_and_sensor_agree_and_a_failed_send_keeps_the_group(
     azurite: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from backends.blob import container_client
-    from flows.config import BlobLocation
+    from core.config import BlobLocation
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
     name = f"quiet-{uuid.uuid4().hex[:8]}"

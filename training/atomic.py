@@ -1,4 +1,5 @@
-"""Write-then-rename, so a reader sees the whole file or none: a node can die mid-write.
+"""Write-then-rename, so a reader sees the whole file or none: a node can die mid-write; and
+the reading side of the JSON state files written this way.
 
 Kept free of heavy imports: the orchestrator's steps use it as well as the trainer.
 """
@@ -30,3 +31,15 @@ def atomic_write(path: Path, write: Any) -> None:
 
 def atomic_write_json(obj: object, path: Path) -> None:
     atomic_write(path, lambda fh: fh.write(json.dumps(obj, indent=2).encode()))
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when there is none to use: the file is missing, is
+    not JSON (written by something else, or cut short by a full disk), or holds another type.
+    For state that can be rebuilt (caches, content hashes, manifests): its absence costs work,
+    never correctness."""
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):  # JSONDecodeError and UnicodeDecodeError included
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,4 +1,5 @@
-"""The image files the project reads, and the one way they are opened.
+"""The image files the project reads, the splits they are filed under, and the one way they
+are opened.
 
 Only PNG and JPEG, by name and by content. Pillow's ``Image.open`` otherwise identifies a file
 by sniffing its bytes against every format plugin it has, whatever the file is called: an EPS
@@ -16,6 +17,9 @@ from typing import IO
 
 from PIL import Image
 
+# An image-folder dataset: <split>/<class>/<image>, train and test required, val optional.
+SPLITS = ("train", "val", "test")
+REQUIRED_SPLITS = ("train", "test")
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg"})
 IMAGE_FORMATS = ("PNG", "JPEG")  # Pillow's names for the formats the suffixes stand for
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.data import SyntheticSplit, encode_png, synthetic_templates
+from training.synthetic import SyntheticSplit, encode_png, synthetic_templates
 
 
 def write_digits(output: Path, test_fraction: float, seed: int, per_class: int | None) -> int:

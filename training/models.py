@@ -126,11 +126,12 @@ class ResNet(nn.Module):
         return self.head(self.stages(self.stem(x)))
 
 
-MODELS: dict[str, tuple[Callable[[int], nn.Module], int]] = {
-    # name: (constructor, default input size)
-    "cnn": (SmallCNN, 32),
-    "resnet18": (lambda n: ResNet(BasicBlock, (2, 2, 2, 2), n), 224),
-    "resnet50": (lambda n: ResNet(Bottleneck, (3, 4, 6, 3), n), 224),
+# Keyed by the names the trainer's arguments offer (training.args.ModelName), whose input sizes
+# are defined there too: the orchestrator reads them without importing torch.
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "cnn": SmallCNN,
+    "resnet18": lambda n: ResNet(BasicBlock, (2, 2, 2, 2), n),
+    "resnet50": lambda n: ResNet(Bottleneck, (3, 4, 6, 3), n),
 }
 
 
@@ -138,10 +139,4 @@ def build_model(name: str, num_classes: int) -> nn.Module:
     """The named network behind a normalisation layer."""
     if name not in MODELS:
         raise ValueError(f"--model {name!r} is unknown; choose one of {sorted(MODELS)}")
-    return nn.Sequential(Normalize(), MODELS[name][0](num_classes))
-
-
-def default_input_size(name: str) -> int:
-    if name not in MODELS:
-        raise ValueError(f"--model {name!r} is unknown; choose one of {sorted(MODELS)}")
-    return MODELS[name][1]
+    return nn.Sequential(Normalize(), MODELS[name](num_classes))

@@ -17,7 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from training.atomic import atomic_write_json
-from training.data import DatasetError, open_dataset
+from training.data import open_dataset
+from training.dataset import DatasetError
+from training.images import SPLITS
 from training.models import MODELS, build_model
 
 
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.score", description=__doc__)
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--data-dir", required=True)
-    p.add_argument("--split", default="test", choices=["train", "val", "test"])
+    p.add_argument("--split", default="test", choices=SPLITS)
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0, help="must match training for synthetic:N")
     p.add_argument(

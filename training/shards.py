@@ -25,7 +25,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import time
@@ -41,15 +40,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from training.atomic import atomic_write, atomic_write_json
-from training.data import (
-    DatasetError,
-    DatasetInfo,
-    SplitData,
-    decode_checked,
-    labelled_samples,
-    list_image_folders,
-)
+from training.atomic import atomic_write, atomic_write_json, read_json_object
+from training.dataset import DatasetError, DatasetInfo, SplitData
+from training.image_folders import decode_checked, labelled_samples, list_image_folders
 from training.staged_folder import SHARD_DIR, staged_md5s
 
 INDEX = "index.json"
@@ -74,14 +67,6 @@ class PackReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _files(listed: dict[str, dict[str, list[Path]]]) -> Iterator[Path]:
@@ -181,7 +166,7 @@ class _OldRows:
         if not index or index.get("format") != PACK_FORMAT or index.get("image_size") != size:
             return
         for split in index.get("splits", {}).values():
-            keys = _read_json(directory / split.get("keys", ""))
+            keys = read_json_object(directory / split.get("keys", ""))
             if not keys or len(keys.get("keys", [])) != split.get("count"):
                 continue
             rows = iter(keys["keys"])
@@ -244,7 +229,7 @@ def pack_shards(root: Path, image_size: int, workers: int | None = None) -> Pack
     except DatasetError as exc:
         return PackReport("not packed", reason=str(exc))
     directory = root / SHARD_DIR
-    index = _read_json(directory / INDEX)
+    index = read_json_object(directory / INDEX)
     if index is not None and _is_current(index, version, image_size):
         return _unchanged(index)
     directory.mkdir(parents=True, exist_ok=True)
@@ -298,63 +283,20 @@ def _pack(
         return PackReport("not packed", reason=str(exc))
     version, keys = _content_keys(root, listed)
     directory = root / SHARD_DIR
-    index = _read_json(directory / INDEX)
+    index = read_json_object(directory / INDEX)
     if index is not None and _is_current(index, version, image_size):
         return _unchanged(index)
     pack = hashlib.sha256(f"{version}/{image_size}/{PACK_FORMAT}".encode()).hexdigest()[:12]
-    old = _OldRows(directory, index, image_size)
-    report = PackReport("packed")
-    bad: dict[str, str] = {}
-    splits: dict[str, dict[str, Any]] = {}
+    packer = _SplitPacker(directory, image_size, keys, _OldRows(directory, index, image_size))
     labels_of = {name: i for i, name in enumerate(class_names)}
-
-    to_decode = sum(1 for path in keys if keys[path] not in old.where)
+    splits: dict[str, dict[str, Any]] = {}
+    to_decode = sum(1 for key in keys.values() if key not in packer.old.where)
     with _decoder(to_decode, workers) as pool:
         for split, classes in listed.items():
             items = [(p, labels_of[c]) for c, files in classes.items() for p in files]
-            writer = _ShardWriter(directory, f"{split}-{pack}", _row_bytes(image_size))
-            labels: list[int] = []
-            row_keys: list[str] = []
-            try:
-                for start in range(0, len(items), DECODE_BATCH):
-                    batch = items[start : start + DECODE_BATCH]
-                    rows: list[bytes | str | None] = [old.get(keys[p]) for p, _ in batch]
-                    missing = [i for i, row in enumerate(rows) if row is None]
-                    decoded = pool.map(
-                        _decode_row,
-                        [batch[i][0] for i in missing],
-                        [image_size] * len(missing),
-                        chunksize=max(1, len(missing) // (4 * (workers or os.cpu_count() or 1))),
-                    )
-                    for i, fresh in zip(missing, decoded, strict=True):
-                        rows[i] = fresh
-                    for (path, label), row in zip(batch, rows, strict=True):
-                        if isinstance(row, str):
-                            bad[str(path)] = row
-                            continue
-                        assert row is not None  # every missing row was decoded above
-                        writer.write(row)
-                        labels.append(label)
-                        row_keys.append(keys[path])
-                    report.reused += len(batch) - len(missing)
-                shards = writer.close()
-            except BaseException:
-                writer.abort()
-                raise
-            stem = f"{split}-{pack}"
-            atomic_write(
-                directory / f"{stem}.labels",
-                lambda fh, ls=labels: fh.write(np.asarray(ls, dtype=np.int64).tobytes()),
-            )
-            atomic_write_json({"keys": row_keys}, directory / f"{stem}.keys.json")
-            splits[split] = {
-                "count": len(labels),
-                "shards": shards,
-                "labels": f"{stem}.labels",
-                "keys": f"{stem}.keys.json",
-            }
+            splits[split] = packer.pack(pool, f"{split}-{pack}", items, workers)
     try:
-        checked = labelled_samples(class_names, listed, bad)
+        checked = labelled_samples(class_names, listed, packer.bad)
     except DatasetError as exc:
         _remove_unreferenced(directory, index, locked)
         return PackReport("not packed", reason=str(exc))
@@ -370,13 +312,77 @@ def _pack(
     }
     atomic_write_json(new_index, directory / INDEX)
     _remove_unreferenced(directory, new_index, locked)
-    report.images = sum(s["count"] for s in splits.values())
-    report.decoded = report.images - report.reused
-    report.skipped = len(bad)
-    report.shards = sum(len(s["shards"]) for s in splits.values())
-    report.bytes = report.images * _row_bytes(image_size)
-    report.seconds = round(time.perf_counter() - started, 3)
-    return report
+    images = sum(s["count"] for s in splits.values())
+    return PackReport(
+        "packed",
+        images=images,
+        decoded=images - packer.reused,
+        reused=packer.reused,
+        skipped=len(packer.bad),
+        shards=sum(len(s["shards"]) for s in splits.values()),
+        bytes=images * _row_bytes(image_size),
+        seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+class _SplitPacker:
+    """Writes one split's shards, labels and row keys, reusing the old pack's rows of images
+    whose content did not change and decoding the rest; collects the damaged images."""
+
+    def __init__(self, directory: Path, size: int, keys: dict[Path, str], old: _OldRows) -> None:
+        self.directory, self.size, self.keys, self.old = directory, size, keys, old
+        self.bad: dict[str, str] = {}
+        self.reused = 0
+
+    def pack(
+        self, pool: Executor, stem: str, items: list[tuple[Path, int]], workers: int | None
+    ) -> dict[str, Any]:
+        """The split's entry in the index, once its files are written."""
+        writer = _ShardWriter(self.directory, stem, _row_bytes(self.size))
+        labels: list[int] = []
+        row_keys: list[str] = []
+        try:
+            for start in range(0, len(items), DECODE_BATCH):
+                batch = items[start : start + DECODE_BATCH]
+                for (path, label), row in zip(batch, self._rows(pool, batch, workers), strict=True):
+                    if isinstance(row, str):
+                        self.bad[str(path)] = row
+                        continue
+                    writer.write(row)
+                    labels.append(label)
+                    row_keys.append(self.keys[path])
+            shards = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        atomic_write(
+            self.directory / f"{stem}.labels",
+            lambda fh: fh.write(np.asarray(labels, dtype=np.int64).tobytes()),
+        )
+        atomic_write_json({"keys": row_keys}, self.directory / f"{stem}.keys.json")
+        return {
+            "count": len(labels),
+            "shards": shards,
+            "labels": f"{stem}.labels",
+            "keys": f"{stem}.keys.json",
+        }
+
+    def _rows(
+        self, pool: Executor, batch: list[tuple[Path, int]], workers: int | None
+    ) -> list[bytes | str]:
+        """Each image's row (the old pack's, or freshly decoded), or why it is unusable."""
+        rows: list[bytes | str | None] = [self.old.get(self.keys[p]) for p, _ in batch]
+        missing = [i for i, row in enumerate(rows) if row is None]
+        decoded = pool.map(
+            _decode_row,
+            [batch[i][0] for i in missing],
+            [self.size] * len(missing),
+            chunksize=max(1, len(missing) // (4 * (workers or os.cpu_count() or 1))),
+        )
+        for i, fresh in zip(missing, decoded, strict=True):
+            rows[i] = fresh
+        self.reused += len(batch) - len(missing)
+        return [row for row in rows if row is not None]
 
 
 def _referenced(index: dict[str, Any] | None) -> set[str]:
@@ -443,7 +449,7 @@ class ShardSplit(Dataset[tuple[torch.Tensor, int]]):
 def open_shards(root: Path, image_size: int) -> DatasetInfo | str:
     """The packed dataset, or a sentence saying why the loose files must be read instead."""
     directory = root / SHARD_DIR
-    index = _read_json(directory / INDEX)
+    index = read_json_object(directory / INDEX)
     if index is None:
         return "no packed shards"
     if index.get("format") != PACK_FORMAT:

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from training.atomic import atomic_write_json
+from training.atomic import atomic_write_json, read_json_object
 
 MANIFEST = ".staging-manifest.json"
 TEMP_PREFIX = ".staging-"  # a download in progress: ``.staging-<uuid>.part`` beside its target
@@ -35,10 +35,9 @@ def data_version(files: dict[str, dict[str, Any]]) -> str:
 
 def _read(dest: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads((dest / MANIFEST).read_text())
-    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, ValueError):
+        return read_json_object(dest / MANIFEST)
+    except NotADirectoryError:  # the destination is a file: nothing was staged there
         return None
-    return data if isinstance(data, dict) else None
 
 
 def load_entries(dest: Path) -> dict[str, dict[str, Any]]:

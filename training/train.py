@@ -1,14 +1,17 @@
-"""Data-parallel trainer: ``[horovodrun -np N -H localhost:N --gloo] python -m training.train``.
+"""Data-parallel trainer: ``[horovodrun -np N -H localhost:N --gloo] python -m training.train``,
+or with ``--engine ddp`` ``[torchrun --standalone --nproc-per-node N] -m training.train``.
 
-The command line is a contract shared with the pipeline's task specs; add options, never
-rename them. Rank 0 owns every file it writes (checkpoints, model, metrics, TensorBoard), and
-writes each atomically, so a job killed at any moment leaves either the old file or the new.
-Each epoch ends with one machine-readable ``PROGRESS {json}`` line on stdout for orchestrators.
+The command line (defined in ``training.args``) is a contract shared with the pipeline's task
+specs; add options, never rename them. Rank 0 owns every file it writes (checkpoints, model,
+metrics, TensorBoard), and writes each atomically, so a job killed at any moment leaves either
+the old file or the new. Each epoch ends with one machine-readable ``PROGRESS {json}`` line on
+stdout for orchestrators: the epoch's record plus ``resumed_from``, the checkpoint's epoch this
+attempt resumed from (null on a fresh start). An attempt that resumes after the last epoch
+trains nothing and prints one line without ``epoch``: ``{"epochs": E, "resumed_from": E}``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -16,7 +19,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -26,10 +28,12 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from training import checkpoint as ckpt
 from training import distributed as dist
+from training.args import TrainerArgs, parse_trainer_args
 from training.atomic import atomic_write_json
-from training.data import DatasetError, DatasetInfo, SplitData, open_dataset
-from training.distributed import World
-from training.models import build_model, default_input_size
+from training.data import open_dataset
+from training.dataset import DatasetError, DatasetInfo, SplitData
+from training.distributed import GradientOptions, UsageError, World
+from training.models import build_model
 from training.shards import ShardSplit
 
 log = dist.log
@@ -39,61 +43,12 @@ class NonFiniteLossError(RuntimeError):
     """Training diverged; continuing would only write a useless model."""
 
 
-class UsageError(ValueError):
-    """An option this Horovod build or machine cannot honour."""
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__)
-    p.add_argument(
-        "--data-dir", required=True, help="image folders, CIFAR-10 batches, or synthetic:N"
-    )
-    p.add_argument("--output-dir", required=True, type=Path)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=64, help="per worker")
-    p.add_argument(
-        "--lr", type=float, default=0.05, help="single-worker rate; scaled by world size"
-    )
-    p.add_argument("--model", default="cnn", choices=["cnn", "resnet18", "resnet50"])
-    p.add_argument("--checkpoint-dir", type=Path, help="default: <output-dir>/checkpoints")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeline", action="store_true", help="write a Horovod timeline")
-    p.add_argument("--image-size", type=int, help="default: the model's own input size")
-    p.add_argument("--warmup-epochs", type=float, default=1.0)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
-    p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
-    p.add_argument("--backward-passes-per-step", type=int, default=1)
-    p.add_argument("--adasum", action="store_true", help="Adasum instead of averaging")
-    p.add_argument("--no-amp", action="store_true", help="disable mixed precision on GPU")
-    p.add_argument("--workers", type=int, default=-1, help="data loader processes; -1: auto")
-    p.add_argument(
-        "--no-verify-images",
-        action="store_true",
-        help="skip decoding every image at start (when a data gate already did)",
-    )
-    p.add_argument("--keep-checkpoints", type=int, default=3)
-    p.add_argument("--log-every", type=int, default=50, help="steps between loss checks")
-    args = p.parse_args(argv)
-    for name in (
-        "epochs",
-        "batch_size",
-        "backward_passes_per_step",
-        "keep_checkpoints",
-        "log_every",
-    ):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not args.lr > 0 or not math.isfinite(args.lr):
-        p.error("--lr must be a positive number")
-    return args
-
-
 # ---------------------------------------------------------------------------- helpers
 
 
-class ShardSampler(Sampler[int]):
-    """Every rank takes indices rank, rank+N, ...: no padding, so eval counts are exact."""
+class EvalSampler(Sampler[int]):
+    """Every rank takes indices rank, rank+N, ...: no padding (unlike DistributedSampler), so
+    every image is evaluated exactly once and the counts summed across ranks are exact."""
 
     def __init__(self, length: int, world: World) -> None:
         self.indices = list(range(world.rank, length, world.size))
@@ -122,7 +77,7 @@ def _loader_workers(requested: int, world: World, split: SplitData) -> int:
 
 
 def _loader(
-    split: SplitData, sampler: Sampler[int], args: argparse.Namespace, world: World
+    split: SplitData, sampler: Sampler[int], args: TrainerArgs, world: World
 ) -> DataLoader[Any]:
     workers = _loader_workers(args.workers, world, split)
     return DataLoader(
@@ -188,16 +143,19 @@ class Schedule:
 
 @dataclass
 class Trainer:
-    args: argparse.Namespace
+    args: TrainerArgs
     world: World
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer  # the one that steps; its state is what checkpoints hold
     schedule: Schedule
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
     # Wall-clock time of this process's first optimizer step: with the time a launcher started,
     # it gives the launch overhead (bench.nodes).
     first_step_time: float | None = None
+    # The module a training step runs: the model itself, or the engine's wrapper around it
+    # (DDP's); evaluation and the saved state use ``model``.
+    net: nn.Module | None = None
 
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor
@@ -207,9 +165,9 @@ class Trainer:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels.to(self.world.device, non_blocking=True)
 
-    def _forward(self, images: torch.Tensor) -> torch.Tensor:
+    def _forward(self, images: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
         with torch.autocast(self.world.device.type, enabled=self.scaler is not None):
-            return self.model(images)
+            return (module or self.model)(images)
 
     def train_epoch(
         self, epoch: int, loader: DataLoader[Any], step: int
@@ -218,7 +176,8 @@ class Trainer:
         self.model.train()
         k = self.args.backward_passes_per_step
         # With gradient accumulation, a trailing group of fewer than k batches would leave
-        # Horovod's per-parameter pass counters out of step with the other ranks: drop it.
+        # Horovod's per-parameter pass counters (DDP's unsynchronised gradients) out of step
+        # with the other ranks: drop it.
         usable = len(loader) - len(loader) % k
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.world.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.world.device)
@@ -231,14 +190,16 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.schedule.lr(step)
             images, labels = self._prepare(images, labels)
-            logits = self._forward(images)
-            loss = self.loss_fn(logits.float(), labels)
-            scaled = loss / k
-            if self.scaler is not None:
-                self.scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
-            if (i + 1) % k == 0:
+            sync = (i + 1) % k == 0  # the last of k batches: gradients travel now
+            with dist.accumulating(self.net or self.model, sync):
+                logits = self._forward(images, self.net)
+                loss = self.loss_fn(logits.float(), labels)
+                scaled = loss / k
+                if self.scaler is not None:
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+            if sync:
                 self._step()
                 step += 1
             loss_sum += loss.detach().double() * len(labels)
@@ -266,15 +227,7 @@ class Trainer:
         return stats, step
 
     def _step(self) -> None:
-        if self.scaler is not None:
-            # Horovod averages the (scaled) gradients first; GradScaler then unscales and skips
-            # the step on overflow, identically on every rank since gradients are identical.
-            self.optimizer.synchronize()  # type: ignore[attr-defined]
-            with self.optimizer.skip_synchronize():  # type: ignore[attr-defined]
-                self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        dist.optimizer_step(self.optimizer, self.scaler)
         self.optimizer.zero_grad()
         if self.first_step_time is None:
             self.first_step_time = time.time()
@@ -292,7 +245,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, split: SplitData, name: str) -> dict[str, float]:
         self.model.eval()
-        loader = _loader(split, ShardSampler(len(split), self.world), self.args, self.world)
+        loader = _loader(split, EvalSampler(len(split), self.world), self.args, self.world)
         loss_sum = correct = seen = 0.0
         for images, labels in loader:
             images, labels = self._prepare(images, labels)
@@ -313,7 +266,7 @@ class Trainer:
 
 
 def _resume(
-    args: argparse.Namespace,
+    args: TrainerArgs,
     world: World,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -326,7 +279,7 @@ def _resume(
     """
     found = (
         ckpt.newest_valid_checkpoint(
-            args.checkpoint_dir, lambda state: ckpt.mismatch(state, model, optimizer)
+            args.checkpoints, lambda state: ckpt.mismatch(state, model, optimizer)
         )
         if world.is_root
         else None
@@ -345,60 +298,139 @@ def _resume(
     return done + 1, history, (done or None)
 
 
-def _save_checkpoint(
-    args: argparse.Namespace,
-    world: World,
-    epoch: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    history: list[dict[str, Any]],
-) -> None:
+def _save_checkpoint(job: Job, epoch: int) -> None:
+    """Rank 0 writes the state after ``epoch``: weights, optimizer, every rank's random
+    streams, the arguments and the history so far."""
+    args, trainer = job.args, job.trainer
     rngs = dist.gather_objects(_rng_state())  # every rank's, so each resumes its own stream
-    if not world.is_root:
+    if not job.world.is_root:
         return
     state = {
         "format_version": ckpt.FORMAT_VERSION,
         "epoch": epoch,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
         "rng": rngs,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "history": history,
+        "args": args.as_record(),
+        "history": job.history,
     }
-    ckpt.atomic_save(state, ckpt.checkpoint_path(args.checkpoint_dir, epoch))
-    ckpt.prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+    ckpt.atomic_save(state, ckpt.checkpoint_path(args.checkpoints, epoch))
+    ckpt.prune_checkpoints(args.checkpoints, args.keep_checkpoints)
 
 
 # ---------------------------------------------------------------------------- main
 
 
-def _progress(record: dict[str, Any]) -> None:
-    print("PROGRESS " + json.dumps(record), flush=True)
+@dataclass
+class Job:
+    """One training run once set up: what the epochs loop and the finish both read."""
+
+    args: TrainerArgs
+    world: World
+    data: DatasetInfo
+    skipped: list[str]
+    trainer: Trainer
+    sampler: DistributedSampler[Any]
+    loader: DataLoader[Any]
+    steps_per_epoch: int
+    start_epoch: int
+    history: list[dict[str, Any]]
+    resumed_from: int | None  # the checkpoint's epoch this run resumed from
 
 
-def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
-    wall_start = time.perf_counter()
-    if args.adasum and not dist.adasum_available(world):
-        raise UsageError(
-            "--adasum needs Horovod with MPI (CPU) or NCCL (GPU); this build has "
-            "Gloo only: drop --adasum or use the training image's Horovod"
-        )
-    args.checkpoint_dir = args.checkpoint_dir or args.output_dir / "checkpoints"
-    image_size = args.image_size or default_input_size(args.model)
+def run(args: TrainerArgs, world: World) -> dict[str, Any]:
+    """Set up, train the epochs not yet done, finish; returns the metrics (rank 0 also writes
+    them, with the model, to the output folder)."""
+    started = time.perf_counter()
+    job = _set_up(args, world)
+    writer = _tensorboard(args, world)
+    _train(job, writer)
+    return _finish(job, writer, started)
+
+
+def _set_up(args: TrainerArgs, world: World) -> Job:
+    """Data, model and optimizer on every rank, resumed from the newest checkpoint if any."""
+    options = GradientOptions(
+        fp16_allreduce=args.fp16_allreduce,
+        backward_passes_per_step=args.backward_passes_per_step,
+        adasum=args.adasum,
+        sync_batchnorm=args.sync_batchnorm,
+    )
+    dist.check_options(world, options)
     _seed_everything(args.seed + world.rank)
+    data, skipped = _open_data(args, world)
+    # channels_last goes on the inputs only: convolutions then run in NHWC, while weights and
+    # so gradients stay contiguous, which Horovod's in-place collectives require.
+    model = build_model(args.model, len(data.class_names)).to(world.device)
+    scale = dist.lr_scale(world, options)
+    base = torch.optim.SGD(
+        model.parameters(),
+        lr=args.lr * scale,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+    )
+    # Wrapped before resuming, so the state loaded is the stepping optimizer's own.
+    net, optimizer = dist.wrap(model, base, options)
+    use_amp = world.device.type == "cuda" and not args.no_amp
+    scaler = torch.amp.GradScaler("cuda") if use_amp else None
+    start_epoch, history, resumed_from = _resume(args, world, model, optimizer, scaler)
+    if resumed_from:
+        log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
+    dist.broadcast_state(model, optimizer)
+    sampler, loader, steps_per_epoch = _train_loader(args, world, data.splits["train"])
+    schedule = Schedule(
+        args.lr,
+        args.lr * scale,
+        int(args.warmup_epochs * steps_per_epoch),
+        args.epochs * steps_per_epoch,
+    )
+    trainer = Trainer(
+        args, world, model, optimizer, schedule, scaler, nn.CrossEntropyLoss(), net=net
+    )
+    return Job(
+        args=args,
+        world=world,
+        data=data,
+        skipped=skipped,
+        trainer=trainer,
+        sampler=sampler,
+        loader=loader,
+        steps_per_epoch=steps_per_epoch,
+        start_epoch=start_epoch,
+        history=history,
+        resumed_from=resumed_from,
+    )
 
-    info: DatasetInfo = open_dataset(
+
+def _train_loader(
+    args: TrainerArgs, world: World, split: SplitData
+) -> tuple[DistributedSampler[Any], DataLoader[Any], int]:
+    """This rank's shuffled share of the train split, and the optimizer steps in an epoch."""
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        split.dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=args.seed
+    )
+    loader = _loader(split, sampler, args, world)
+    steps_per_epoch = len(loader) // args.backward_passes_per_step
+    if steps_per_epoch == 0:
+        raise DatasetError(
+            f"train split has {len(split)} images: too few for batch size "
+            f"{args.batch_size} x {world.size} workers x {args.backward_passes_per_step} passes"
+        )
+    return sampler, loader, steps_per_epoch
+
+
+def _open_data(args: TrainerArgs, world: World) -> tuple[DatasetInfo, list[str]]:
+    """The dataset at ``--data-dir`` at the input size, and the damaged images left out."""
+    info = open_dataset(
         args.data_dir,
-        image_size,
+        args.input_size(),
         seed=args.seed,
         verify_images=not args.no_verify_images,
         rank=world.rank,
         world=world.size,
         gather=dist.gather_objects,  # type: ignore[arg-type]
     )
-    train_split = info.splits["train"]
     skipped = sorted({s for split in info.splits.values() for s in split.skipped})
     for line in skipped[:20]:
         log.warning("skipped %s", line)
@@ -413,134 +445,123 @@ def run(args: argparse.Namespace, world: World) -> dict[str, Any]:
     )
     for note in info.notes:
         log.info("data: %s", note)
+    return info, skipped
 
-    # channels_last goes on the inputs only: convolutions then run in NHWC, while weights and
-    # so gradients stay contiguous, which Horovod's in-place collectives require.
-    model = build_model(args.model, len(info.class_names)).to(world.device)
-    scale = dist.lr_scale(world, args.backward_passes_per_step, args.adasum)
-    base = torch.optim.SGD(
-        model.parameters(),
-        lr=args.lr * scale,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-    )
-    use_amp = world.device.type == "cuda" and not args.no_amp
-    scaler = torch.amp.GradScaler("cuda") if use_amp else None
 
-    start_epoch, history, resumed_from = _resume(args, world, model, base, scaler)
-    if resumed_from:
-        log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
-    dist.broadcast_state(model, base)
-    optimizer = dist.distributed_optimizer(
-        base,
-        model,
-        fp16_allreduce=args.fp16_allreduce,
-        backward_passes_per_step=args.backward_passes_per_step,
-        adasum=args.adasum,
-    )
-
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        train_split.dataset,
-        num_replicas=world.size,
-        rank=world.rank,
-        shuffle=True,
-        seed=args.seed,
-    )
-    train_loader = _loader(train_split, sampler, args, world)
-    steps_per_epoch = len(train_loader) // args.backward_passes_per_step
-    if steps_per_epoch == 0:
-        raise DatasetError(
-            f"train split has {len(train_split)} images: too few for batch size "
-            f"{args.batch_size} x {world.size} workers x {args.backward_passes_per_step} passes"
-        )
-    schedule = Schedule(
-        args.lr,
-        args.lr * scale,
-        int(args.warmup_epochs * steps_per_epoch),
-        args.epochs * steps_per_epoch,
-    )
-    trainer = Trainer(args, world, model, optimizer, schedule, scaler, nn.CrossEntropyLoss())
-
-    writer = _tensorboard(args, world)
+def _train(job: Job, writer: Any) -> None:
+    """The epochs not yet done: train, evaluate, checkpoint and report each one."""
+    args, world, trainer = job.args, job.world, job.trainer
     if args.timeline:
         dist.start_timeline(str(args.output_dir / "timeline.json"))
-    step = (start_epoch - 1) * steps_per_epoch
-    for epoch in range(start_epoch, args.epochs + 1):
-        sampler.set_epoch(epoch)
-        stats, step = trainer.train_epoch(epoch, train_loader, step)
-        dist.sync_buffers(model)
+    step = (job.start_epoch - 1) * job.steps_per_epoch
+    for epoch in range(job.start_epoch, args.epochs + 1):
+        job.sampler.set_epoch(epoch)
+        stats, step = trainer.train_epoch(epoch, job.loader, step)
+        dist.sync_buffers(trainer.model)
         record: dict[str, Any] = {
             "epoch": epoch,
             "epochs": args.epochs,
             **stats,
-            "lr": schedule.lr(step - 1),
+            "lr": trainer.schedule.lr(step - 1),
             "images_per_sec": stats["images"] / max(stats["seconds"], 1e-9),
         }
-        if "val" in info.splits:
-            val = trainer.evaluate(info.splits["val"], f"val.{epoch}")
+        if "val" in job.data.splits:
+            val = trainer.evaluate(job.data.splits["val"], f"val.{epoch}")
             record["val_accuracy"] = val["accuracy"]
-        history.append(record)
-        _save_checkpoint(args, world, epoch, model, base, scaler, history)
+        job.history.append(record)
+        _save_checkpoint(job, epoch)
         if world.is_root:
-            _progress(record)
-            if writer is not None:
-                for key in ("train_loss", "train_accuracy", "val_accuracy", "lr", "images_per_sec"):
-                    if key in record:
-                        writer.add_scalar(key.replace("_", "/", 1), record[key], epoch)
-                writer.flush()
+            _progress({**record, "resumed_from": job.resumed_from})
+            _add_scalars(writer, record, epoch)
     if args.timeline:
         dist.stop_timeline()
+    if job.start_epoch > args.epochs and world.is_root:
+        # Resumed after the last epoch (a job killed after its last checkpoint): nothing is
+        # trained, but orchestrators still learn where this attempt started.
+        _progress({"epochs": args.epochs, "resumed_from": job.resumed_from})
 
-    test = trainer.evaluate(info.splits["test"], "test")
-    digests = dist.gather_objects(dist.state_digest(model.state_dict()))
+
+def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
+    """Test accuracy, a check that every rank holds the same weights, and the outputs."""
+    test = job.trainer.evaluate(job.data.splits["test"], "test")
+    digests = dist.gather_objects(dist.state_digest(job.trainer.model.state_dict()))
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks ended with different weights: {digests}")
-    images = sum(r["images"] for r in history)
-    seconds = sum(r["seconds"] for r in history)
-    metrics = {
-        "epochs": history,
+    metrics = _metrics(job, test, digests, time.perf_counter() - started)
+    if job.world.is_root:
+        _write_outputs(job, metrics, writer)
+    return metrics
+
+
+def _metrics(
+    job: Job, test: dict[str, float], digests: list[object], wall_seconds: float
+) -> dict[str, Any]:
+    args, world = job.args, job.world
+    images = sum(r["images"] for r in job.history)
+    seconds = sum(r["seconds"] for r in job.history)
+    return {
+        "epochs": job.history,
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
         "images_per_sec": images / seconds if seconds else None,
         "images_per_sec_per_worker": images / seconds / world.size if seconds else None,
         "world_size": world.size,
-        "wall_seconds": time.perf_counter() - wall_start,
-        "first_step_time": trainer.first_step_time,
+        "wall_seconds": wall_seconds,
+        "first_step_time": job.trainer.first_step_time,
         "model": args.model,
-        "input_size": image_size,
-        "class_names": info.class_names,
-        "dataset": {"kind": info.kind, **{f"num_{k}": len(v) for k, v in info.splits.items()}},
-        "skipped_images": {"count": len(skipped), "files": skipped},
-        "resumed_from_epoch": resumed_from,
+        "input_size": args.input_size(),
+        "class_names": job.data.class_names,
+        "dataset": {
+            "kind": job.data.kind,
+            **{f"num_{k}": len(v) for k, v in job.data.splits.items()},
+        },
+        "skipped_images": {"count": len(job.skipped), "files": job.skipped},
+        "resumed_from_epoch": job.resumed_from,
         "weights_digest_per_rank": digests,
         "device": str(world.device),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args.as_record(),
     }
-    if world.is_root:
-        ckpt.atomic_save(
-            {
-                "state_dict": model.state_dict(),
-                "class_names": info.class_names,
-                "model_name": args.model,
-                "input_size": image_size,
-            },
-            args.output_dir / "model.pt",
-        )
-        atomic_write_json(metrics, args.output_dir / "metrics.json")
-        if writer is not None:
-            writer.add_scalar("test/accuracy", test["accuracy"], args.epochs)
-            writer.close()
-        log.info(
-            "test accuracy %.4f; %.1f images/sec over %d workers; outputs in %s",
-            test["accuracy"],
-            metrics["images_per_sec"] or 0.0,
-            world.size,
-            args.output_dir,
-        )
-    return metrics
 
 
-def _tensorboard(args: argparse.Namespace, world: World) -> Any:
+def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
+    """model.pt (with what the scorer needs to read it), metrics.json, the last scalar."""
+    args = job.args
+    ckpt.atomic_save(
+        {
+            "state_dict": job.trainer.model.state_dict(),
+            "class_names": job.data.class_names,
+            "model_name": args.model,
+            "input_size": args.input_size(),
+        },
+        args.output_dir / "model.pt",
+    )
+    atomic_write_json(metrics, args.output_dir / "metrics.json")
+    if writer is not None:
+        writer.add_scalar("test/accuracy", metrics["test_accuracy"], args.epochs)
+        writer.close()
+    log.info(
+        "test accuracy %.4f; %.1f images/sec over %d workers; outputs in %s",
+        metrics["test_accuracy"],
+        metrics["images_per_sec"] or 0.0,
+        job.world.size,
+        args.output_dir,
+    )
+
+
+def _progress(record: dict[str, Any]) -> None:
+    print("PROGRESS " + json.dumps(record), flush=True)
+
+
+def _add_scalars(writer: Any, record: dict[str, Any], epoch: int) -> None:
+    if writer is None:
+        return
+    for key in ("train_loss", "train_accuracy", "val_accuracy", "lr", "images_per_sec"):
+        if key in record:
+            writer.add_scalar(key.replace("_", "/", 1), record[key], epoch)
+    writer.flush()
+
+
+def _tensorboard(args: TrainerArgs, world: World) -> Any:
     if not world.is_root:
         return None
     from torch.utils.tensorboard import SummaryWriter  # heavy: import only on the writing rank
@@ -549,8 +570,12 @@ def _tensorboard(args: argparse.Namespace, world: World) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    world = dist.init(timeline=args.timeline)
+    args = parse_trainer_args(argv, description=__doc__)
+    try:
+        world = dist.init(args.engine, timeline=args.timeline)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if world.is_root:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:

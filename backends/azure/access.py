@@ -19,13 +19,17 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backends.taskspec import TaskSpec
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
 SIGNATURE = re.compile(r"([?&]sig=)[^&\s\"']+", re.IGNORECASE)
 CLOCK_SKEW = timedelta(minutes=5)  # between us and Storage, on both ends of a token
+# A task's SAS permissions, the least its use needs: read the training data; write the outputs
+# (read and list too, for a retry that finds what an earlier attempt uploaded).
+DATA_PERMISSIONS = ("read", "list")
+OUTPUT_PERMISSIONS = ("read", "list", "create", "write")
 
 
 def redact(text: str) -> str:
@@ -115,24 +119,30 @@ class AccessIssuer:
 
     def for_task(self, spec: TaskSpec) -> NodeAccess:
         if self.identity:
-            return NodeAccess(
-                self.data.url if self.data else "",
-                self.outputs.url if self.outputs else "",
-                self.identity,
-                self.identity_client_id,
+            return self._by_identity(
+                self.data.url if self.data else "", self.outputs.url if self.outputs else ""
             )
         if self.data is None or self.outputs is None:
             raise RuntimeError("an AccessIssuer without containers can only describe access")
         start = datetime.now(UTC) - CLOCK_SKEW
         expiry = datetime.now(UTC) + self.lifetime(spec)
-        read = _container_sas(self.data, start, expiry, read=True, list=True)
+        read = _container_sas(self.data, start, expiry, **dict.fromkeys(DATA_PERMISSIONS, True))
         write = _container_sas(
-            self.outputs, start, expiry, read=True, list=True, create=True, write=True
+            self.outputs, start, expiry, **dict.fromkeys(OUTPUT_PERMISSIONS, True)
         )
         return NodeAccess(f"{self.data.url}?{read}", f"{self.outputs.url}?{write}")
 
+    def describe(self, spec: TaskSpec, data_url: str, output_url: str) -> NodeAccess:
+        """What ``for_task`` would issue for ``spec``, its tokens described, not signed (each is
+        signed at submission for the task's own lifetime): what ``--plan`` shows."""
+        if self.identity:
+            return self._by_identity(data_url, output_url)
+        hours = self.lifetime(spec).total_seconds() / 3600
+        expires = f"expires {hours:.1f} h after submission"
+        return NodeAccess(
+            f"{data_url}?<SAS {','.join(DATA_PERMISSIONS)}; {expires}>",
+            f"{output_url}?<SAS {','.join(OUTPUT_PERMISSIONS)}; {expires}>",
+        )
 
-def node_access(
-    config: PipelineConfig, data: ContainerClient, outputs: ContainerClient
-) -> AccessIssuer:
-    return AccessIssuer(config, data, outputs)
+    def _by_identity(self, data_url: str, output_url: str) -> NodeAccess:
+        return NodeAccess(data_url, output_url, self.identity, self.identity_client_id)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.azure import service_name
 from backends.image import ImageResult, context_archive
+from backends.lines import read_new_lines
 
 if TYPE_CHECKING:
     from azure.containerregistry import ContainerRegistryClient
@@ -113,12 +114,11 @@ class AcrBuilder:
 
         try:
             size = log.get_blob_properties().size
-            if size <= offset:
-                return offset
-            data = log.download_blob(offset=offset, length=size - offset).readall()
+            return read_new_lines(
+                size,
+                offset,
+                lambda start, end: log.download_blob(offset=start, length=end - start).readall(),
+                on_line,
+            )
         except (ResourceNotFoundError, HttpResponseError):
             return offset  # the log blob appears once the run starts writing
-        end = data.rfind(b"\n") + 1
-        for line in data[:end].decode(errors="replace").splitlines():
-            on_line(line)
-        return offset + end

@@ -26,13 +26,16 @@ from backends.azure.batch_requests import (
     CREDENTIALS_KEY,
     job_body,
     job_completion_body,
+    job_id,
     pool_body,
     resize_body,
     task_body,
 )
 from backends.blob import folder
-from backends.taskspec import TaskResult, TaskSpec
-from flows.config import PipelineConfig
+from backends.cluster import TaskResult
+from backends.lines import read_new_lines
+from backends.taskspec import TaskSpec
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.batch import BatchClient
@@ -121,6 +124,7 @@ def _metadata(pool: Any) -> dict[str, str]:
 
 class BatchCluster:
     retries_in_service = True
+    shared = True  # any orchestrator with the account's credentials can use the pool
 
     def __init__(
         self,
@@ -353,7 +357,7 @@ class BatchCluster:
 
     # -- tasks --------------------------------------------------------------------------------
     def job_id(self, spec: TaskSpec) -> str:
-        return f"{self.pool_id}-{spec.id}"[:64]
+        return job_id(self.pool_id, spec.id)
 
     def run_task(
         self, spec: TaskSpec, on_line: Callable[[str], None] = lambda _: None
@@ -508,16 +512,15 @@ class BatchCluster:
             return offset
         if size < offset:
             offset = 0
-        if size == offset:
-            return offset
-        chunks = self.client.download_task_file(
-            job_id, task_id, "stdout.txt", ocp_range=f"bytes={offset}-{size - 1}"
-        )
-        data = b"".join(chunks)
-        end = data.rfind(b"\n") + 1  # only whole lines; the rest comes with the next read
-        for line in data[:end].decode(errors="replace").splitlines():
-            on_line(line)
-        return offset + end
+
+        def read(start: int, end: int) -> bytes:
+            return b"".join(
+                self.client.download_task_file(
+                    job_id, task_id, "stdout.txt", ocp_range=f"bytes={start}-{end - 1}"
+                )
+            )
+
+        return read_new_lines(size, offset, read, on_line)
 
     def _uploaded(self, spec: TaskSpec) -> list[str]:
         """What the node actually uploaded, listed from the output container."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.azure.access import NodeAccess
 from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, TaskSpec
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
 
 if TYPE_CHECKING:
     from azure.batch import models as batch_models
@@ -162,6 +162,12 @@ def resize_body(dedicated: int, low_priority: int) -> batch_models.BatchPoolResi
         target_low_priority_nodes=low_priority,
         node_deallocation_option="taskcompletion" if dedicated + low_priority else "requeue",
     )
+
+
+def job_id(pool_id: str, task_id: str) -> str:
+    """The job a task runs in: one job per task, named for the pool and the task, cut to the
+    64 characters a Batch job id may have."""
+    return f"{pool_id}-{task_id}"[:64]
 
 
 def job_body(config: PipelineConfig, job_id: str) -> batch_models.BatchJobCreateOptions:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from flows.config import PipelineConfig
+from core.config import AzureConfig, ShareConfig
 
 if TYPE_CHECKING:
     from azure.batch import BatchClient
@@ -80,46 +80,47 @@ def account_name(url: str) -> str:
     return host.split(".", 1)[0]
 
 
-def batch_client(config: PipelineConfig) -> BatchClient:
+def batch_client(azure: AzureConfig) -> BatchClient:
     from azure.batch import BatchClient
     from azure.core.credentials import AzureNamedKeyCredential
 
-    url = str(config.azure.batch_account_url)
+    url = str(azure.batch_account_url)
     cred: Any = credential()
-    if config.azure.batch_key_secret:
-        cred = AzureNamedKeyCredential(account_name(url), secret(config.azure.batch_key_secret))
+    if azure.batch_key_secret:
+        cred = AzureNamedKeyCredential(account_name(url), secret(azure.batch_key_secret))
     return BatchClient(url, cred, **_transport())
 
 
-def share_service(config: PipelineConfig) -> ShareServiceClient:
+def share_service(share: ShareConfig) -> ShareServiceClient:
     from azure.core.credentials import AzureNamedKeyCredential
     from azure.storage.fileshare import ShareServiceClient
 
-    url = str(config.share.account_url)
-    if config.share.account_key_secret:
-        key = AzureNamedKeyCredential(account_name(url), secret(config.share.account_key_secret))
+    url = str(share.account_url)
+    if share.account_key_secret:
+        key = AzureNamedKeyCredential(account_name(url), secret(share.account_key_secret))
         return ShareServiceClient(url, credential=key, **_transport())
     # Entra ID on the Files REST API requires the backup intent (RBAC: Storage File Data
     # Privileged Contributor).
     return ShareServiceClient(url, credential=credential(), token_intent="backup", **_transport())
 
 
-def acr_tasks_client(config: PipelineConfig) -> ContainerRegistryTasksMgmtClient:
+def acr_tasks_client(azure: AzureConfig) -> ContainerRegistryTasksMgmtClient:
     from azure.mgmt.containerregistrytasks import ContainerRegistryTasksMgmtClient
 
     return ContainerRegistryTasksMgmtClient(
         credential(),
-        str(config.azure.subscription_id),
+        str(azure.subscription_id),
         base_url=_route.arm_url if _route else ARM_URL,
         **_transport(),
     )
 
 
-def registry_client(config: PipelineConfig) -> ContainerRegistryClient:
+def registry_client(login_server: str) -> ContainerRegistryClient:
+    """``login_server``: <registry>.azurecr.io."""
     from azure.containerregistry import ContainerRegistryClient
 
     return ContainerRegistryClient(
-        f"https://{config.image.registry}",
+        f"https://{login_server}",
         credential(),
         audience="https://containerregistry.azure.net",
         **_transport(),

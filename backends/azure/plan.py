@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends.azure.access import AccessIssuer, NodeAccess
+from backends.azure.access import AccessIssuer
 from backends.azure.batch_requests import (
     container_run_options,
     has_infiniband,
     job_body,
     job_completion_body,
+    job_id,
     nccl_topology,
     pool_body,
     resize_body,
@@ -24,9 +25,14 @@ from backends.azure.batch_requests import (
 )
 from backends.image import content_tag
 from backends.taskspec import scoring_task, staging_task, training_task
-from flows.config import PipelineConfig
+from core.config import PipelineConfig
+from core.run import output_prefix as run_output_prefix
 
 RUN_ID = "{run_id}"
+
+
+class PlanError(ValueError):
+    """The config describes no Azure run to plan."""
 
 
 def _container_url(location: Any) -> str:
@@ -34,37 +40,21 @@ def _container_url(location: Any) -> str:
     return f"{base}/{location.container}"
 
 
-def _access(config: PipelineConfig, spec: Any) -> NodeAccess:
-    """What ``spec``'s request would carry: identity references, or its SAS tokens described
-    (each signed at submission for the task's own lifetime)."""
-    azure = config.azure
-    if azure.identity_resource_id:
-        return NodeAccess(
-            _container_url(config.data),
-            _container_url(config.output),
-            azure.identity_resource_id,
-            azure.identity_client_id,
-        )
-    hours = AccessIssuer(config).lifetime(spec).total_seconds() / 3600
-    expires = f"expires {hours:.1f} h after submission"
-    return NodeAccess(
-        f"{_container_url(config.data)}?<SAS read,list; {expires}>",
-        f"{_container_url(config.output)}?<SAS read,list,create,write; {expires}>",
-    )
-
-
 def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
-    from backends.factory import image_reference
+    from backends.target import image_reference
 
+    if config.target != "azure":
+        raise PlanError(f"--plan describes an Azure run; the config has target {config.target}")
     image = image_reference(config)
     access = AccessIssuer(config)
+    data_url, output_url = _container_url(config.data), _container_url(config.output)
     share_key = f"<secret from Prefect Secret block {config.share.account_key_secret!r}>"
     password = (
         f"<secret from Prefect Secret block {config.image.registry_password_secret!r}>"
         if config.image.registry_password_secret
         else None
     )
-    output_prefix = f"{config.output.prefix}/runs/{RUN_ID}".lstrip("/")
+    output_prefix = run_output_prefix(config.output.prefix, RUN_ID)
     specs = [
         staging_task(config, f"stage-{RUN_ID}-1", output_prefix),
         training_task(config, f"train-{RUN_ID}", "{training_key}", output_prefix),
@@ -98,22 +88,24 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
         },
     ]
     for spec in specs:
-        job_id = f"{pool_id}-{spec.id}"[:64]
+        job = job_id(pool_id, spec.id)
         step = spec.id.split("-", 1)[0]
         requests.append(
             {
                 "step": step,
                 "method": "POST",
                 "path": "/jobs",
-                "body": wire(job_body(config, job_id)),
+                "body": wire(job_body(config, job)),
             }
         )
         requests.append(
             {
                 "step": step,
                 "method": "POST",
-                "path": f"/jobs/{job_id}/tasks",
-                "body": wire(task_body(config, spec, image, _access(config, spec))),
+                "path": f"/jobs/{job}/tasks",
+                "body": wire(
+                    task_body(config, spec, image, access.describe(spec, data_url, output_url))
+                ),
             }
         )
         requests.append(
@@ -121,7 +113,7 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
                 "step": step,
                 "when": "once the task exists: the job then ends with it",
                 "method": "PATCH",
-                "path": f"/jobs/{job_id}",
+                "path": f"/jobs/{job}",
                 "body": wire(job_completion_body()),
             }
         )

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import run_trainer
-from training.models import build_model, default_input_size
+from training.args import default_input_size
+from training.models import build_model
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,17 @@ environment variable or a Prefect block, and resolved inside the tasks that need
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from training.args import TrainingSettings, about, field_metadata
 
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
 _POOL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # Batch REST spec, Pool.id
@@ -191,29 +195,23 @@ class PoolConfig(_Section):
         return self
 
 
-class TrainingConfig(_Section):
-    """The trainer's own arguments (see ``python -m training.train --help``)."""
+@dataclass
+class TrainingConfig(TrainingSettings):
+    """The trainer's arguments a run sets (see ``python -m training.train --help``), defined
+    with their types, defaults, bounds and help in ``training.args``, which pydantic reads."""
 
-    epochs: int = Field(5, ge=1)
-    batch_size: int = Field(
-        64,
-        ge=1,
-        le=8192,
-        description="images per process and step; at most 8192 (a batch of 8192 images at "
-        "224 px is already 4.9 GB of float32 input on one GPU)",
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    # A run records a Horovod timeline unless told not to: it costs little next to a run, and
+    # is the first thing to read when one is slow. The trainer alone writes one when asked.
+    timeline: bool = field(default=True, metadata=field_metadata(TrainingSettings, "timeline"))
+    extra_args: list[str] = field(
+        default_factory=list,
+        metadata=about(
+            "further trainer options, e.g. [--fp16-allreduce]; passed on as they are, each one "
+            "quoted"
+        ),
     )
-    lr: float = Field(0.05, gt=0)
-    model: Literal["cnn", "resnet18", "resnet50"] = "cnn"
-    image_size: int | None = Field(
-        None,
-        ge=8,
-        le=1024,
-        description="input size in pixels; default the model's own (32 or 224); at most 1024, "
-        "where one image is 3 MB in the shards and 12 MB as the model's float32 input",
-    )
-    seed: int = 0
-    timeline: bool = True
-    extra_args: list[str] = Field(default_factory=list)
 
 
 class RetryConfig(_Section):
@@ -333,6 +331,7 @@ class ConfigError(ValueError):
 
 MAX_CONFIG_BYTES = 1 << 20  # a pipeline config is a few KB; anything this large is another file
 _NULLS = ("", "~", "null", "Null", "NULL")  # YAML's spellings of "no value"
+_EXTRA = "Extra inputs are not permitted"  # pydantic's message for an unknown field
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$|^[0-9]{1,6}$")  # names, list indices
 
 
@@ -356,10 +355,10 @@ def _field_type(dotted: list[str]) -> tuple[str, bool]:
     model: Any = PipelineConfig
     annotation: Any = None
     for part in dotted:
-        fields = getattr(model, "model_fields", None)
-        if not isinstance(fields, dict) or part not in fields:
+        fields = _annotations(model)
+        if fields is None or part not in fields:
             return "text", False
-        annotation = fields[part].annotation
+        annotation = fields[part]
         members = [a for a in get_args(annotation) or (annotation,) if a is not type(None)]
         model = members[0] if len(members) == 1 else None
     union = get_origin(annotation) in (Union, UnionType)
@@ -371,6 +370,16 @@ def _field_type(dotted: list[str]) -> tuple[str, bool]:
     if all(get_origin(m) is list and all(_is_text(a) for a in get_args(m)) for m in members):
         return "text-list", optional
     return "yaml", optional
+
+
+def _annotations(section: Any) -> dict[str, Any] | None:
+    """Field name -> type of a config section: a pydantic model, or the trainer's settings (a
+    dataclass); None for anything else."""
+    if isinstance(getattr(section, "model_fields", None), dict):
+        return {name: f.annotation for name, f in section.model_fields.items()}
+    if isinstance(section, type) and dataclasses.is_dataclass(section):
+        return get_type_hints(section)
+    return None
 
 
 def _parse_set(key: str, raw: str, dotted: list[str]) -> Any:
@@ -437,7 +446,10 @@ def _describe(exc: ValidationError, source: str, origins: dict[str, str]) -> str
         origin = next(
             (o for k, o in origins.items() if field == k or field.startswith(f"{k}.")), None
         )
-        lines.append(f"  {field}: {err['msg']}{f' ({origin})' if origin else ''}")
+        # An unknown key of the training section (a dataclass) is an "unexpected keyword
+        # argument" to pydantic; it reads as in every other section.
+        msg = _EXTRA if err["type"] == "unexpected_keyword_argument" else err["msg"]
+        lines.append(f"  {field}: {msg}{f' ({origin})' if origin else ''}")
     return "\n".join(lines)
 
 

@@ -14,7 +14,8 @@ from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION, upload_directory
 from staging.sync import safe_relative_path, stage
-from training.data import DatasetError, encode_png, open_dataset
+from training.data import open_dataset
+from training.dataset import DatasetError
 from training.make_images import write_synthetic
 from training.shards import (
     INDEX,
@@ -24,6 +25,7 @@ from training.shards import (
     open_shards,
     pack_shards,
 )
+from training.synthetic import encode_png
 
 SIZE = 32
 

@@ -1,0 +1,42 @@
+"""The cluster the flow runs task specs on: an Azure Batch pool, or the local stand-in.
+
+The flow and its tasks see only this protocol; what differs between the two is said by the
+attributes below, never by asking which target the config names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from backends.taskspec import TaskSpec
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
+
+
+@dataclass
+class TaskResult:
+    exit_code: int
+    task_dir: Path | None  # local clusters only
+    uploaded: list[str]
+    seconds: float
+    attempts: int = 1
+
+
+class Cluster(Protocol):
+    """Azure Batch or the local stand-in; the flow sees only this."""
+
+    outputs: ContainerClient
+    retries_in_service: bool  # True when the service itself retries a failed task
+    # True when orchestrators on other machines can use the same pool (a Batch pool): runs
+    # then take turns through the Prefect server, not only through a lock on this machine.
+    shared: bool
+
+    def ensure_pool(self) -> dict[str, Any]: ...
+
+    def run_task(self, spec: TaskSpec, on_line: Callable[[str], None] = ...) -> TaskResult: ...
+
+    def release(self) -> dict[str, Any]: ...

@@ -1,0 +1,169 @@
+"""The gate's manifest: one row per blob under the data prefix, from the listing plus one small
+ranged read per image (enough for the header, and usually the whole file).
+
+So the gate costs seconds, and no GPU is provisioned and no data copied, for a dataset that
+would fail. What each read found is kept in the work folder by content: the blob's Content-MD5
+and size from the listing (by name and ETag for a blob stored without an MD5). A nightly run over
+unchanged data lists the container and reads nothing, and a new version under a new prefix (the
+trigger's layout) reads only the images whose content is new: per-request cost, not bandwidth,
+is what a gate over many small images pays. Reusing a row by MD5 is sound because staging checks
+every byte it stages against that same MD5.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from backends.blob import container_client
+from core.config import BlobLocation
+from staging.blob import list_pinned
+from staging.listing import PinnedBlob
+from training.atomic import atomic_write, read_json_object
+from training.images import SPLITS, is_image_name, open_image
+
+HEADER_BYTES = 64 * 1024
+# Written last by an uploader, directly under the version's prefix; the relay and the sensor
+# wait for it. It is the one blob that is neither validated nor staged.
+COMPLETION_MARKER = "_SUCCESS"
+# Bumped when what a row says about an image changes, so cached rows of older rules are not
+# reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content).
+DESCRIBE_VERSION = 3
+# What a cached row holds: what the image's bytes say, nothing that depends on its name.
+CONTENT_FIELDS = ("width", "height", "channels", "readable", "md5")
+
+
+def list_dataset(location: BlobLocation, retries: int = 3) -> list[PinnedBlob]:
+    """Every blob under the prefix but the completion marker, as the gate validates it and
+    staging stages it (a name starting with ``_`` elsewhere is data like any other)."""
+    container = container_client(location, retries)
+    prefix = location.prefix
+    marker = f"{prefix}/{COMPLETION_MARKER}" if prefix else COMPLETION_MARKER
+    return [b for b in list_pinned(container, prefix) if b.name != marker]
+
+
+def _path_fields(rel: str, size: int) -> dict[str, Any]:
+    """What a row says from the blob's path below the prefix and its size alone."""
+    parts = rel.split("/")
+    return {
+        "path": rel,
+        "split": parts[0] if len(parts) == 3 else None,
+        "label": parts[1] if len(parts) == 3 else None,
+        "bytes": int(size),
+    }
+
+
+def _describe_image(container: Any, blob: PinnedBlob, prefix: str) -> dict[str, Any]:
+    rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
+    return {**_path_fields(rel, blob.size), **_content(container, blob, rel)}
+
+
+def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
+    """What the blob's bytes say (:data:`CONTENT_FIELDS`): one ranged read of its head."""
+    row: dict[str, Any] = {
+        "width": None,
+        "height": None,
+        "channels": None,
+        "readable": False,
+        "md5": blob.md5,
+    }
+    if blob.size == 0 or not is_image_name(rel):  # the trainer reads only .png/.jpg/.jpeg
+        return row
+    head = container.download_blob(
+        blob.name, offset=0, length=min(blob.size, HEADER_BYTES)
+    ).readall()
+    if row["md5"] is None and len(head) == blob.size:
+        row["md5"] = base64.b64encode(hashlib.md5(head, usedforsecurity=False).digest()).decode()
+    try:
+        with open_image(io.BytesIO(head)) as image:
+            row.update(
+                width=image.width,
+                height=image.height,
+                channels=len(image.getbands()),
+                readable=True,
+            )
+    except Exception:  # PIL raises many types for garbage; the gate reports them as unreadable
+        pass
+    return row
+
+
+def cache_path(location: BlobLocation, cache_dir: Path) -> Path:
+    """The cache file of one data container (account, container) under ``cache_dir``. Not
+    keyed by prefix: a new version under a new prefix shares the rows of its content."""
+    where = f"{DESCRIBE_VERSION}|{location.account_url or ''}|{location.container}"
+    key = hashlib.sha256(where.encode()).hexdigest()[:16]
+    return cache_dir / f"{location.container}-{key}.json"
+
+
+def _content_key(blob: PinnedBlob) -> str:
+    """The cache key of a blob's content: its MD5 and size from the listing when the service
+    stores an MD5, else its name and ETag (a blob's ETag changes with its content)."""
+    return f"md5:{blob.md5}:{blob.size}" if blob.md5 else f"etag:{blob.name}:{blob.etag}"
+
+
+def _flag_leaks(rows: list[dict[str, Any]]) -> None:
+    """``leak``: the same content (by MD5) in train and in test or val."""
+    by_split: dict[str, set[str]] = {}
+    for row in rows:
+        if row["md5"]:
+            by_split.setdefault(row["split"] or "", set()).add(row["md5"])
+    train = by_split.get("train", set())
+    test = by_split.get("test", set()) | by_split.get("val", set())
+    for row in rows:
+        row["leak"] = bool(row["md5"]) and row["md5"] in train and row["md5"] in test
+
+
+def build_manifest(
+    location: BlobLocation,
+    cache_dir: Path,
+    retries: int = 3,
+    blobs: list[PinnedBlob] | None = None,
+) -> tuple[list[dict[str, Any]], int]:
+    """One row per blob (``blobs``, default: :func:`list_dataset`), and how many rows came
+    from the cache (unchanged blobs)."""
+    container = container_client(location, retries)
+    if blobs is None:
+        blobs = list_dataset(location, retries)
+    cache_file = cache_path(location, cache_dir)
+    cache = read_json_object(cache_file) or {}  # none usable: every image is read again
+
+    prefix = location.prefix
+
+    def describe(blob: PinnedBlob) -> tuple[dict[str, Any], bool]:
+        """The blob's row, and whether its content's part came from the cache."""
+        rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
+        if blob.size == 0 or not is_image_name(rel):  # nothing to read: never from the cache
+            return _describe_image(container, blob, prefix), False
+        hit = cache.get(_content_key(blob))
+        if isinstance(hit, dict) and set(hit) == set(CONTENT_FIELDS):
+            return {**_path_fields(rel, blob.size), **hit}, True
+        return _describe_image(container, blob, prefix), False
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        described = list(pool.map(describe, blobs))
+    rows = [row for row, _ in described]
+    reused = sum(1 for _, from_cache in described if from_cache)
+    entries = {
+        _content_key(b): {k: row[k] for k in CONTENT_FIELDS}
+        for b, row in zip(blobs, rows, strict=True)
+    }
+    atomic_write(
+        cache_file, lambda fh: fh.write(json.dumps(entries, separators=(",", ":")).encode())
+    )
+    _flag_leaks(rows)
+    return rows, reused
+
+
+def class_counts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Images per class and split: the rows of the gate's second table."""
+    labels = sorted({r["label"] for r in rows if r["label"]})
+    counts = []
+    for label in labels:
+        per = {s: sum(1 for r in rows if r["label"] == label and r["split"] == s) for s in SPLITS}
+        counts.append({"label": label, **{f"{s}_images": n for s, n in per.items()}})
+    return counts

@@ -1,0 +1,58 @@
+"""What the gate says: a Markdown report of the failed expectations, naming the files behind
+each, and the error that stops the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DataValidationError(RuntimeError):
+    """The data gate failed; the message lists each failed expectation with its counts."""
+
+
+def examples(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
+    """File names behind a failed column expectation, so the report points at the data."""
+    column = record["column"]
+    if record["table"] != "images" or not column or not record["examples"]:
+        return record["examples"]
+    bad = set(record["examples"])
+    return [r["path"] for r in rows if str(r.get(column)) in bad][:5]
+
+
+def gate_markdown(
+    success: bool,
+    rows: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    where: str,
+    docs_url: str,
+) -> str:
+    """The ``data-gate`` artifact: the verdict, the counts, and a row per failed expectation."""
+    failed = [r for r in records if not r["success"]]
+    lines = [
+        f"# Data gate: {'passed' if success else 'FAILED'}",
+        "",
+        f"{len(rows)} images under `{where}`; "
+        f"{len(records) - len(failed)} of {len(records)} expectations met. "
+        f"Data Docs: {docs_url}",
+        "",
+        "| table | expectation | column | unexpected | examples |",
+        "|---|---|---|---|---|",
+    ]
+    for r in failed:
+        lines.append(
+            f"| {r['table']} | {r['expectation']} | {r['column']} | {r['unexpected']} "
+            f"| {', '.join(examples(rows, r))} |"
+        )
+    return "\n".join(lines)
+
+
+def failure(rows: list[dict[str, Any]], records: list[dict[str, Any]]) -> DataValidationError:
+    """The error a failed gate raises: each failed expectation, its count, example files."""
+    summary = "; ".join(
+        f"{r['expectation']}({r['column'] or r['table']}): "
+        f"{r['unexpected'] if r['unexpected'] is not None else 'failed'} "
+        f"unexpected, e.g. {', '.join(examples(rows, r)) or '-'}"
+        for r in records
+        if not r["success"]
+    )
+    return DataValidationError(f"data gate failed, nothing was provisioned: {summary}")

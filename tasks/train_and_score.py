@@ -1,0 +1,134 @@
+"""Step 6: the Horovod job, and step 7: collect its outputs and score the model.
+
+The job is the multi-instance task spec the Batch backend would submit. Its checkpoints live in
+NFS under a key derived from data, code and training settings, so a retry (Prefect's, after a
+killed or failed attempt) and a re-run with the same inputs resume instead of starting over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, cast
+from uuid import UUID
+
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from backends.cluster import Cluster
+from backends.scoring import run_scorer
+from backends.taskspec import training_task
+from core.config import PipelineConfig
+from core.run import Run
+from tasks.steps import Done, step
+
+REQUIRED_OUTPUTS = ("model.pt", "metrics.json", "logs/stdout.txt")
+
+
+class TrainingFailedError(RuntimeError):
+    """The training task exited non-zero; the message carries the end of its log."""
+
+
+def training_key(config: PipelineConfig, staged_version: str, code_version: str) -> str:
+    """Names the checkpoint folder: same data, code and settings, same folder (resume)."""
+    settings = json.dumps(
+        {
+            "training": dataclasses.asdict(config.training),
+            "processes": config.pool.nodes * config.pool.processes_per_node,
+            "data": staged_version,
+            "code": code_version,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(settings.encode()).hexdigest()[:16]
+
+
+@step("run-training")
+def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -> Done[None]:
+    logger = get_run_logger()
+    spec = training_task(config, f"train-{run.id}", key, run.output_prefix)
+    progress_id = cast(
+        UUID,
+        create_progress_artifact(
+            0.0, key="training-progress", description=f"training {run.id}: starting"
+        ),
+    )
+    epochs: list[dict[str, Any]] = []
+    resumed: list[int] = []
+    tail: deque[str] = deque(maxlen=30)
+
+    def on_line(line: str) -> None:
+        tail.append(line)
+        logger.info(line)
+        if "PROGRESS " in line:
+            record = json.loads(line.split("PROGRESS ", 1)[1])
+            if record.get("resumed_from") is not None:
+                resumed.append(record["resumed_from"])
+            if "epoch" not in record:
+                return  # an attempt that resumed after the last epoch: nothing trained
+            epochs.append(record)
+            update_progress_artifact(
+                progress_id,
+                100.0 * record["epoch"] / record["epochs"],
+                description=f"epoch {record['epoch']} of {record['epochs']}: loss "
+                f"{record['train_loss']:.4f}, accuracy {record['train_accuracy']:.4f}",
+            )
+
+    result = cluster.run_task(spec, on_line)
+    if result.exit_code != 0:
+        raise TrainingFailedError(
+            f"training task {spec.id} exited with {result.exit_code}; "
+            "last lines:\n" + "\n".join(tail)
+        )
+    update_progress_artifact(progress_id, 100.0, description="training finished")
+    missing = [
+        name for name in REQUIRED_OUTPUTS if f"{run.output_prefix}/{name}" not in result.uploaded
+    ]
+    if missing:
+        raise TrainingFailedError(
+            f"training task {spec.id} succeeded but did not produce {missing}"
+        )
+    return Done(
+        True,
+        None,
+        {
+            "task": spec.id,
+            "checkpoint_key": key,
+            "resumed_from_epoch": resumed[-1] if resumed else None,
+            "epochs_run": [e["epoch"] for e in epochs],
+            "outputs": len(result.uploaded),
+            "attempts": result.attempts,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The trained model's figures: the trainer's metrics and the scorer's report."""
+
+    metrics: dict[str, Any]  # metrics.json
+    score: dict[str, Any]  # score.json: accuracy, per class, confusion matrix, num_images
+    outputs: list[str]  # every blob of the run's outputs
+
+
+@step("collect-and-score", retries=2, retry_delay_seconds=5)
+def collect_and_score(cluster: Cluster, run: Run) -> Done[Scored]:
+    logger = get_run_logger()
+    task_id = f"score-{run.id}"
+    prefix = run.output_prefix
+    code, score = run_scorer(cluster, task_id, f"{prefix}/model.pt", prefix, "score", logger.info)
+    if code != 0 or score is None or "error" in score:
+        why = f": {score['error']}" if score and "error" in score else ""
+        raise TrainingFailedError(f"scoring task {task_id} exited with {code}{why}")
+    outputs = cluster.outputs
+    metrics = json.loads(outputs.download_blob(f"{prefix}/metrics.json").readall())
+    listed = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{prefix}/"))
+    logger.info("score: accuracy %.4f on %d test images", score["accuracy"], score["num_images"])
+    return Done(
+        True,
+        Scored(metrics, score, listed),
+        {"accuracy": score["accuracy"], "files": len(listed)},
+    )

@@ -1,0 +1,224 @@
+"""The trainer's arguments, defined once: names, types, defaults, choices, bounds and help.
+
+Three readers share this one definition:
+
+* the pipeline config embeds :class:`TrainingSettings` as its ``training`` section: pydantic
+  validates it from the metadata below (it reads a dataclass field's ``description``, ``ge``,
+  ``gt``, ``le`` and ``allow_inf_nan``), and the Prefect UI renders it as a form;
+* the task spec turns a run's settings into the trainer's command line (:func:`settings_argv`);
+* ``python -m training.train`` parses its command line into :class:`TrainerArgs`
+  (:func:`parse_trainer_args`), with the same bounds.
+
+The input image size is decided here too (:meth:`TrainingSettings.input_size`), for staging's
+packed shards and for the trainer alike: the trainer reads shards only at its own size, so two
+answers would make it silently fall back to the loose files.
+
+This module imports neither torch nor pydantic: the orchestrator imports it (and must not pay
+for torch), and the training image has no pydantic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+ModelName = Literal["cnn", "resnet18", "resnet50"]
+EngineName = Literal["horovod", "ddp"]
+# The side in pixels each network was designed for: CIFAR's 32 for the small CNN, ImageNet's
+# 224 for the ResNets.
+MODEL_INPUT_SIZES: dict[str, int] = {"cnn": 32, "resnet18": 224, "resnet50": 224}
+
+BOUNDS = ("ge", "gt", "le")
+
+
+def about(description: str, **bounds: float | bool) -> dict[str, Any]:
+    """A field's metadata: its help, and bounds under pydantic's ``Field`` keyword names."""
+    return {"description": description, **bounds}
+
+
+def field_metadata(cls: type, name: str) -> Any:
+    """The metadata (help, bounds) of field ``name`` of the dataclass ``cls``: for a subclass
+    that gives the field another default."""
+    return {f.name: f for f in fields(cls)}[name].metadata
+
+
+def default_input_size(model: str) -> int:
+    """The side in pixels ``model`` reads when no ``--image-size`` is given."""
+    if model not in MODEL_INPUT_SIZES:
+        raise ValueError(f"--model {model!r} is unknown; choose one of {sorted(MODEL_INPUT_SIZES)}")
+    return MODEL_INPUT_SIZES[model]
+
+
+@dataclass
+class TrainingSettings:
+    """What a pipeline run sets of the trainer (see ``python -m training.train --help``)."""
+
+    epochs: int = field(default=5, metadata=about("passes over the training data", ge=1))
+    batch_size: int = field(
+        default=64,
+        metadata=about(
+            "images per process and step; at most 8192 (a batch of 8192 images at 224 px is "
+            "already 4.9 GB of float32 input on one GPU)",
+            ge=1,
+            le=8192,
+        ),
+    )
+    lr: float = field(
+        default=0.05,
+        metadata=about(
+            "single-worker learning rate; scaled by the number of workers",
+            gt=0,
+            allow_inf_nan=False,
+        ),
+    )
+    model: ModelName = field(default="cnn", metadata=about("the network to train"))
+    image_size: int | None = field(
+        default=None,
+        metadata=about(
+            "input size in pixels; default the model's own (32 or 224); at most 1024, where one "
+            "image is 3 MB in the shards and 12 MB as the model's float32 input",
+            ge=8,
+            le=1024,
+        ),
+    )
+    seed: int = field(default=0, metadata=about("seed of every random stream (plus the rank)"))
+    timeline: bool = field(
+        default=False, metadata=about("write a Horovod timeline (the horovod engine only)")
+    )
+    engine: EngineName = field(
+        default="horovod",
+        metadata=about(
+            "the data-parallel engine: horovod (under horovodrun) or ddp (PyTorch's "
+            "DistributedDataParallel under torchrun; needs no Horovod build)"
+        ),
+    )
+
+    def input_size(self) -> int:
+        """The side in pixels of every image the trainer reads, and so of the packed shards."""
+        return self.image_size or default_input_size(self.model)
+
+
+@dataclass(kw_only=True)
+class TrainerArgs(TrainingSettings):
+    """Everything ``python -m training.train`` takes: a run's settings, where its data and
+    outputs are, and the tuning a pipeline passes through ``training.extra_args``."""
+
+    data_dir: str = field(metadata=about("image folders, CIFAR-10 batches, or synthetic:N"))
+    output_dir: Path = field(metadata=about("model.pt, metrics.json, TensorBoard, timeline"))
+    checkpoint_dir: Path | None = field(
+        default=None, metadata=about("default: <output-dir>/checkpoints")
+    )
+    warmup_epochs: float = field(
+        default=1.0, metadata=about("epochs of linear warm-up to the scaled rate", ge=0)
+    )
+    momentum: float = field(default=0.9, metadata=about("SGD momentum", ge=0))
+    weight_decay: float = field(default=5e-4, metadata=about("SGD weight decay", ge=0))
+    fp16_allreduce: bool = field(
+        default=False,
+        metadata=about("compress gradients to fp16 (horovod: Compression.fp16; ddp: a comm hook)"),
+    )
+    backward_passes_per_step: int = field(
+        default=1, metadata=about("batches whose gradients add up to one step", ge=1)
+    )
+    adasum: bool = field(
+        default=False, metadata=about("Adasum instead of averaging (the horovod engine only)")
+    )
+    sync_batchnorm: bool = field(
+        default=False,
+        metadata=about("batch-norm statistics over all ranks' batches (the ddp engine on GPU)"),
+    )
+    no_amp: bool = field(default=False, metadata=about("disable mixed precision on GPU"))
+    workers: int = field(default=-1, metadata=about("data loader processes; -1: auto", ge=-1))
+    no_verify_images: bool = field(
+        default=False,
+        metadata=about("skip decoding every image at start (when a data gate already did)"),
+    )
+    keep_checkpoints: int = field(default=3, metadata=about("newest checkpoints kept", ge=1))
+    log_every: int = field(default=50, metadata=about("steps between loss checks", ge=1))
+
+    @property
+    def checkpoints(self) -> Path:
+        """Where checkpoints are written and resumed from."""
+        return self.checkpoint_dir or self.output_dir / "checkpoints"
+
+    def as_record(self) -> dict[str, Any]:
+        """The arguments as plain values (paths as text), for metrics.json and checkpoints."""
+        values = {**asdict(self), "checkpoint_dir": self.checkpoints}
+        return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def settings_argv(settings: TrainingSettings) -> list[str]:
+    """The trainer's options for ``settings``: ``--name value`` per field and a switch when
+    true; an unset field (None) or a switch that is off is left out, so the trainer's own
+    default applies. Only the fields of :class:`TrainingSettings`, whatever subclass is given."""
+    words: list[str] = []
+    for f in fields(TrainingSettings):
+        value = getattr(settings, f.name)
+        if value is None or value is False:
+            continue
+        words.append(flag(f.name))
+        if value is not True:
+            words.append(str(value))
+    return words
+
+
+def _option_type(annotation: Any) -> tuple[Any, tuple[str, ...] | None]:
+    """The argparse type of a field's annotation and its choices (a Literal's values)."""
+    if get_origin(annotation) in (Union, UnionType):
+        (annotation,) = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is Literal:
+        return str, get_args(annotation)
+    return annotation, None
+
+
+def _out_of_bounds(f: Field[Any], value: Any) -> str | None:
+    """Why ``value`` is outside the field's bounds, or None."""
+    meta = f.metadata
+    if isinstance(value, float) and not math.isfinite(value) and meta.get("allow_inf_nan") is False:
+        return "must be a positive number" if meta.get("gt") == 0 else "must be a finite number"
+    if "ge" in meta and not value >= meta["ge"]:
+        return f"must be at least {meta['ge']}"
+    if "gt" in meta and not value > meta["gt"]:
+        return "must be a positive number" if meta["gt"] == 0 else f"must exceed {meta['gt']}"
+    if "le" in meta and not value <= meta["le"]:
+        return f"must be at most {meta['le']}"
+    return None
+
+
+def trainer_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The trainer's command line, one option per field of :class:`TrainerArgs` (the required
+    ones first); a bool field is a switch, off unless given."""
+    p = argparse.ArgumentParser(prog="python -m training.train", description=description)
+    hints = get_type_hints(TrainerArgs)
+    ordered = sorted(fields(TrainerArgs), key=lambda f: f.default is not MISSING)
+    for f in ordered:
+        kind, choices = _option_type(hints[f.name])
+        help_text = f.metadata.get("description")
+        if kind is bool:
+            p.add_argument(flag(f.name), action="store_true", help=help_text)
+        elif f.default is MISSING:
+            p.add_argument(flag(f.name), type=kind, required=True, help=help_text)
+        else:
+            p.add_argument(
+                flag(f.name), type=kind, default=f.default, choices=choices, help=help_text
+            )
+    return p
+
+
+def parse_trainer_args(argv: list[str] | None, description: str | None = None) -> TrainerArgs:
+    """The trainer's arguments; an option out of its bounds exits 2 naming it."""
+    p = trainer_parser(description)
+    parsed = vars(p.parse_args(argv))
+    for f in fields(TrainerArgs):
+        value = parsed[f.name]
+        if value is not None and not isinstance(value, bool) and (why := _out_of_bounds(f, value)):
+            p.error(f"{flag(f.name)} {why}")
+    return TrainerArgs(**parsed)

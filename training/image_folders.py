@@ -1,0 +1,136 @@
+"""Image-folder datasets: ``D/train/<class>/*.png|jpg|jpeg``, ``D/test/<class>/...``, optional
+``D/val``; sorted class names give the label ids.
+
+The listing and the damaged-file checks are shared by the trainer's loose-file reader and by
+the shard packer (``training.shards``), so both drop exactly the same files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from training.dataset import DatasetError, DatasetInfo, Gather, SplitData, to_model_input
+from training.images import REQUIRED_SPLITS, SPLITS, is_image_name, open_image
+
+
+class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
+    """Decodes lazily, so memory stays flat however large the split is."""
+
+    def __init__(self, samples: Sequence[tuple[Path, int]], size: int) -> None:
+        self.samples = list(samples)
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        try:
+            with open_image(path) as image:
+                return to_model_input(image, self.size), label
+        except (OSError, UnidentifiedImageError, ValueError) as exc:
+            raise DatasetError(f"cannot decode image {path}: {exc}") from exc
+
+
+def decode_checked(path: Path, size: int | None) -> torch.Tensor | str | None:
+    """Fully decode ``path`` (a valid header is not enough): the model input at ``size``, or
+    None when no size is asked for; a string saying why when the file is unusable."""
+    try:
+        if path.stat().st_size == 0:
+            return "zero-byte file"
+        with open_image(path) as image:
+            image.load()
+            return None if size is None else to_model_input(image, size)
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
+        return f"unreadable image ({type(exc).__name__}: {exc})"
+
+
+def _check_image(path: Path) -> str | None:
+    verdict = decode_checked(path, None)
+    return verdict if isinstance(verdict, str) else None
+
+
+def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
+    split_dir = root / split
+    if not split_dir.is_dir():
+        raise DatasetError(f"missing split: {split_dir} does not exist (expected {split}/<class>/)")
+    classes: dict[str, list[Path]] = {}
+    for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+        files = sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
+        if not files:
+            raise DatasetError(f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images")
+        classes[class_dir.name] = files
+    if not classes:
+        raise DatasetError(f"split {split_dir} has no class folders")
+    return classes
+
+
+def list_image_folders(root: Path) -> tuple[list[str], dict[str, dict[str, list[Path]]]]:
+    """The class names and, per split present, each class's image files; checks that every
+    split has the same classes (a model cannot score a class it never saw)."""
+    listed = {
+        s: _list_split(root, s) for s in SPLITS if s in REQUIRED_SPLITS or (root / s).is_dir()
+    }
+    class_names = sorted(listed["train"])
+    for split, classes in listed.items():
+        if sorted(classes) != class_names:
+            only_here = sorted(set(classes) - set(class_names))
+            missing = sorted(set(class_names) - set(classes))
+            raise DatasetError(
+                f"class sets differ between train and {split}: "
+                f"only in {split}: {only_here or 'none'}; missing from {split}: {missing or 'none'}"
+            )
+    return class_names, listed
+
+
+def labelled_samples(
+    class_names: list[str], listed: dict[str, dict[str, list[Path]]], bad: dict[str, str]
+) -> dict[str, tuple[list[tuple[Path, int]], list[str]]]:
+    """Per split, the usable (file, label) pairs and the damaged files left out with why.
+
+    A class whose every file is damaged in some split is an error, not a silent gap.
+    """
+    labels = {name: i for i, name in enumerate(class_names)}
+    result: dict[str, tuple[list[tuple[Path, int]], list[str]]] = {}
+    for split, classes in listed.items():
+        samples: list[tuple[Path, int]] = []
+        skipped: list[str] = []
+        for name, files in classes.items():
+            for path in files:
+                if str(path) in bad:
+                    skipped.append(f"{path}: {bad[str(path)]}")
+                else:
+                    samples.append((path, labels[name]))
+            if all(str(p) in bad for p in files):
+                raise DatasetError(
+                    f"class {name!r} in split {split} has no readable images "
+                    f"({len(files)} files, all damaged, e.g. {files[0]})"
+                )
+        result[split] = (samples, skipped)
+    return result
+
+
+def load_image_folders(
+    root: Path, size: int, verify: bool, rank: int, world: int, gather: Gather
+) -> DatasetInfo:
+    """The image folders under ``root`` as loose files, decoded lazily; with ``verify``, every
+    file is decoded once first and the damaged ones are left out (and reported)."""
+    class_names, listed = list_image_folders(root)
+    bad: dict[str, str] = {}
+    if verify:
+        # Each rank decodes its own share of the files; the verdicts are then shared, so every
+        # rank drops exactly the same files and the samplers stay aligned.
+        everything = [p for classes in listed.values() for fs in classes.values() for p in fs]
+        mine = {str(p): why for p in everything[rank::world] if (why := _check_image(p))}
+        for part in gather(mine):
+            bad.update(part)
+    splits = {
+        split: SplitData(ImageFolderSplit(samples, size), skipped)
+        for split, (samples, skipped) in labelled_samples(class_names, listed, bad).items()
+    }
+    return DatasetInfo("image-folders", class_names, splits)
