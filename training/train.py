@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from training import checkpoint as ckpt
 from training import distributed as dist
+from training import speed as fast
 from training.args import TrainerArgs, parse_trainer_args
 from training.atomic import atomic_write_json
 from training.data import open_dataset
@@ -153,6 +154,8 @@ class Trainer:
     schedule: Schedule
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
+    speed: fast.Speed
+    forward: Any  # the model, or its compiled form (see training.speed.forward_fn)
     # Wall-clock time of this process's first optimizer step: with the time a launcher started,
     # it gives the launch overhead (bench.nodes).
     first_step_time: float | None = None
@@ -160,14 +163,28 @@ class Trainer:
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        images = images.to(self.world.device, non_blocking=True).float()
-        if self.world.device.type == "cuda":
-            images = images.contiguous(memory_format=torch.channels_last)
-        return images, labels.to(self.world.device, non_blocking=True)
+        return fast.to_input(images, self.speed), labels.to(self.world.device, non_blocking=True)
 
     def _forward(self, images: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.world.device.type, enabled=self.scaler is not None):
-            return self.model(images)
+        with fast.autocast(self.speed):
+            return cast(torch.Tensor, self.forward(images))
+
+    def train_step(
+        self, images: torch.Tensor, labels: torch.Tensor, *, accumulate: int = 1, apply: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one batch already on the device (its loss divided by
+        ``accumulate``, the batches summed into one step); with ``apply``, the optimizer step.
+        Returns the batch's loss and logits, detached."""
+        logits = self._forward(images)
+        loss = self.loss_fn(logits.float(), labels)
+        scaled = loss / accumulate
+        if self.scaler is not None:
+            self.scaler.scale(scaled).backward()
+        else:
+            scaled.backward()
+        if apply:
+            self._step()
+        return loss.detach(), logits.detach()
 
     def train_epoch(
         self, epoch: int, loader: DataLoader[Any], step: int
@@ -189,17 +206,10 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.schedule.lr(step)
             images, labels = self._prepare(images, labels)
-            logits = self._forward(images)
-            loss = self.loss_fn(logits.float(), labels)
-            scaled = loss / k
-            if self.scaler is not None:
-                self.scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
-            if (i + 1) % k == 0:
-                self._step()
-                step += 1
-            loss_sum += loss.detach().double() * len(labels)
+            apply = (i + 1) % k == 0
+            loss, logits = self.train_step(images, labels, accumulate=k, apply=apply)
+            step += apply
+            loss_sum += loss.double() * len(labels)
             correct += (logits.argmax(1) == labels).sum().double()
             seen += len(labels)
             if (i + 1) % self.args.log_every == 0:
@@ -225,7 +235,7 @@ class Trainer:
 
     def _step(self) -> None:
         dist.optimizer_step(self.optimizer, self.scaler)
-        self.optimizer.zero_grad()
+        fast.zero_grads(self.optimizer, keep=self.speed.channels_last)
         if self.first_step_time is None:
             self.first_step_time = time.time()
 
@@ -356,22 +366,22 @@ def _set_up(args: TrainerArgs, world: World) -> Job:
         )
     _seed_everything(args.seed + world.rank)
     data, skipped = _open_data(args, world)
-    # channels_last goes on the inputs only: convolutions then run in NHWC, while weights and
-    # so gradients stay contiguous, which Horovod's in-place collectives require.
+    speed = _speed(args, world)
     model = build_model(args.model, len(data.class_names)).to(world.device)
     scale = dist.lr_scale(world, args.backward_passes_per_step, args.adasum)
-    base = torch.optim.SGD(
+    base = fast.sgd(
         model.parameters(),
+        speed,
         lr=args.lr * scale,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
     )
-    use_amp = world.device.type == "cuda" and not args.no_amp
-    scaler = torch.amp.GradScaler("cuda") if use_amp else None
+    scaler = fast.grad_scaler(speed)
     start_epoch, history, resumed_from = _resume(args, world, model, base, scaler)
     if resumed_from:
         log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
     dist.broadcast_state(model, base)
+    fast.set_layout(model, speed)
     optimizer = dist.distributed_optimizer(
         base,
         model,
@@ -386,7 +396,17 @@ def _set_up(args: TrainerArgs, world: World) -> Job:
         int(args.warmup_epochs * steps_per_epoch),
         args.epochs * steps_per_epoch,
     )
-    trainer = Trainer(args, world, model, optimizer, schedule, scaler, nn.CrossEntropyLoss())
+    trainer = Trainer(
+        args,
+        world,
+        model,
+        optimizer,
+        schedule,
+        scaler,
+        nn.CrossEntropyLoss(),
+        speed,
+        fast.forward_fn(model, speed),
+    )
     return Job(
         args=args,
         world=world,
@@ -401,6 +421,24 @@ def _set_up(args: TrainerArgs, world: World) -> Job:
         history=history,
         resumed_from=resumed_from,
     )
+
+
+def _speed(args: TrainerArgs, world: World) -> fast.Speed:
+    """The step's switches on this device; a choice the device can't honour is a usage error."""
+    try:
+        speed = fast.resolve(
+            device=world.device,
+            precision=args.precision,
+            no_amp=args.no_amp,
+            channels_last=args.channels_last,
+            compile_model=args.compile,
+            optimizer_kernel=args.optimizer_kernel,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    fast.configure_backends(speed)
+    log.info("speed: %s", ", ".join(f"{k}={v}" for k, v in speed.describe().items()))
+    return speed
 
 
 def _train_loader(
@@ -519,6 +557,7 @@ def _metrics(
         "resumed_from_epoch": job.resumed_from,
         "weights_digest_per_rank": digests,
         "device": str(world.device),
+        "speed": job.trainer.speed.describe(),
         "args": args.as_record(),
     }
 
