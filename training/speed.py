@@ -14,6 +14,7 @@ place, keeping its layout, and the step zeroes it in place instead of freeing it
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -120,6 +121,8 @@ def keep_grads_contiguous(params: Iterable[nn.Parameter]) -> None:
     """A zeroed, contiguous gradient buffer for every parameter, before any backward pass (see
     the module docstring: Horovod's collectives refuse channels-last gradients). A gradient
     left by the optimizer state's broadcast was converted with its weight: replace it too."""
+    # Autograd warns once that such a gradient breaks its layout contract: here it is the point.
+    warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
     for p in params:
         if p.requires_grad:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)

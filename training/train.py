@@ -351,13 +351,13 @@ def run(args: TrainerArgs, world: World) -> dict[str, Any]:
     """Set up, train the epochs not yet done, finish; returns the metrics (rank 0 also writes
     them, with the model, to the output folder)."""
     started = time.perf_counter()
-    job = _set_up(args, world)
+    job = set_up(args, world)
     writer = _tensorboard(args, world)
     _train(job, writer)
     return _finish(job, writer, started)
 
 
-def _set_up(args: TrainerArgs, world: World) -> Job:
+def set_up(args: TrainerArgs, world: World) -> Job:
     """Data, model and optimizer on every rank, resumed from the newest checkpoint if any."""
     if args.adasum and not dist.adasum_available(world):
         raise UsageError(
@@ -608,9 +608,14 @@ def _tensorboard(args: TrainerArgs, world: World) -> Any:
     return SummaryWriter(log_dir=str(args.output_dir / "tensorboard"))
 
 
+def start_world(args: TrainerArgs) -> World:
+    """Join the job's process group (also what the GPU benchmark calls before ``set_up``)."""
+    return dist.init(timeline=args.timeline)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_trainer_args(argv, description=__doc__)
-    world = dist.init(timeline=args.timeline)
+    world = start_world(args)
     if world.is_root:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
