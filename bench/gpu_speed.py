@@ -38,6 +38,7 @@ STEPS: list[tuple[str, list[str]]] = [
     ("channels-last weights", ["--channels-last", "--optimizer-kernel", "auto"]),
     ("batch 256 per GPU", ["--batch-size", "256"]),
     ("torch.compile", ["--compile"]),
+    ("fp16 autocast instead of bf16 (with loss scaling)", ["--precision", "fp16"]),
 ]
 BASE = ["--model", "resnet50", "--image-size", "224", "--batch-size", "64"]
 
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fed-images", type=int, default=16000, help="0: skip the shards run")
     p.add_argument("--work", type=Path, default=ROOT / ".bench" / "gpu_speed")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-steps", action="store_true", help="only the memory and shards runs")
+    p.add_argument("--final", help="trainer options of the memory and shards runs")
     # Under the launcher: --result FILE {rate|memory} <trainer options>
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
@@ -284,7 +287,7 @@ def _launch(args: argparse.Namespace) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2))
 
-    for engine in args.engines:
+    for engine in [] if args.skip_steps else args.engines:
         rows: list[dict[str, Any]] = []
         report["engines"][engine] = {"steps": rows}
         for i, (name, _) in enumerate(STEPS):
@@ -297,7 +300,7 @@ def _launch(args: argparse.Namespace) -> int:
             rows.append({"step": name, **row})
             print(f"   {row.get('images_per_sec', row.get('error'))}", flush=True)
             save()
-    final = step_options(len(STEPS) - 1)
+    final = step_options(len(STEPS) - 1) if args.final is None else args.final.split()
     eager = [w for w in final if w != "--compile"]
     first = args.engines[0]
     if not args.skip_memory:
