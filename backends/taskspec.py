@@ -146,7 +146,8 @@ def _bash(script: str) -> str:
 def training_task(
     config: PipelineConfig, task_id: str, training_key: str, output_prefix: str
 ) -> TaskSpec:
-    """Horovod across nodes x processes, on data and checkpoints in NFS (retries resume)."""
+    """The trainer across nodes x processes under the configured engine (horovodrun or one
+    torchrun per node, started by launch.sh), on data and checkpoints in NFS (retries resume)."""
     paths = [
         "--data-dir",
         node_path(MOUNTS_DIR, NFS_MOUNT, "data"),
@@ -167,6 +168,8 @@ def training_task(
         coordination_command=_bash(f"bash {prepare}"),
         environment={
             "RETRAIN_PROCESSES_PER_NODE": str(config.pool.processes_per_node),
+            # The launcher to start; the trainer's --engine (from the same setting) checks it.
+            "RETRAIN_ENGINE": config.training.engine,
             "PYTHONUNBUFFERED": "1",
         },
         outputs=[

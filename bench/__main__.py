@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         horovodrun = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(gpus)]
         _run("train_throughput", ["--gpu"], GPU_RESULTS / "train_throughput.json", horovodrun)
+        torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(gpus)]
+        _run(
+            "train_throughput",
+            ["--gpu", "--engine", "ddp"],
+            GPU_RESULTS / "train_throughput-ddp.json",
+            [*torchrun, "--no-python"],  # it runs _run's own interpreter command
+        )
         for path in GPU_RESULTS.glob("*.json"):
             _stamp(path)
     return render([str(args.results), str(args.output)])

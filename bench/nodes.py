@@ -6,6 +6,7 @@ training task the pipeline sends to Batch runs, with the same data, model and wo
   (a) 1 node x 2 processes: the ranks talk over the node's loopback, started locally,
   (b) 2 nodes x 1 process: the ranks talk over eth0 through the bridge, the second started
       over SSH,
+each with the Horovod engine and again with the DDP engine (one torchrun per node),
 and reports training images/s of each and the ratio b/a (the cost of the network stack between
 hosts; the bridge has no real wire, so it is a floor for what a network adds), and the launch
 overhead of each: seconds from the application command's start to rank 0's first optimizer
@@ -27,9 +28,17 @@ from typing import Any
 from bench.output import ROOT, emit
 
 SHAPES = {"1 node x 2 processes": (1, 2), "2 nodes x 1 process": (2, 1)}
+DDP = "ddp, "  # the DDP engine's shapes are named with this prefix; Horovod's are not
 
 
-def _run(pool: Any, nodes: int, ppn: int, args: argparse.Namespace, repeat: int) -> dict[str, Any]:
+def _engine(name: str) -> tuple[str, str]:
+    """The engine and the shape of a measured row's name."""
+    return ("ddp", name[len(DDP) :]) if name.startswith(DDP) else ("horovod", name)
+
+
+def _run(
+    pool: Any, nodes: int, ppn: int, args: argparse.Namespace, repeat: int, engine: str
+) -> dict[str, Any]:
     from tests.nodes_helpers import metrics, run_task, training_spec
 
     shutil.rmtree(pool.nfs_dir / "checkpoints", ignore_errors=True)  # no run resumes another
@@ -40,6 +49,7 @@ def _run(pool: Any, nodes: int, ppn: int, args: argparse.Namespace, repeat: int)
         f"training.batch_size={args.batch_size}",
         f"training.seed={repeat}",
         "training.extra_args=['--warmup-epochs', '0']",
+        f"training.engine={engine}",
     )
     run = run_task(pool, spec)
     if run.exit_code != 0:
@@ -90,16 +100,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
     half = len(cores) // 2 or 1
     split = [cores[:half], cores[half:] or cores[:half]]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SHAPES}
+    names = [*SHAPES, *(DDP + name for name in SHAPES)]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     nfs = args.work / "nfs"
     with (
         PoolNodes(args.work / "one", NODES[:1], nfs, copy_scripts, cpus=[cores]) as one,
         PoolNodes(args.work / "two", NODES, nfs, copy_scripts, cpus=split) as two,
     ):
         pools = {"1 node x 2 processes": one, "2 nodes x 1 process": two}
-        for repeat in range(args.repeats):  # alternate, so drift on a shared machine hits both
-            for name, (nodes, ppn) in SHAPES.items():
-                runs[name].append(_run(pools[name], nodes, ppn, args, repeat))
+        for repeat in range(args.repeats):  # alternate, so drift on a shared machine hits all
+            for name in names:
+                engine, shape = _engine(name)
+                nodes, ppn = SHAPES[shape]
+                runs[name].append(_run(pools[shape], nodes, ppn, args, repeat, engine))
     load = os.getloadavg()[1]  # the last 5 minutes: other work on a shared machine
     shapes = {
         name: {
@@ -110,6 +123,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name, results in runs.items()
     }
     one, two = (shapes[name] for name in SHAPES)
+    ddp_one, ddp_two = (shapes[DDP + name] for name in SHAPES)
     return {
         **report,
         "shapes": shapes,
@@ -117,6 +131,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_5min": round(load, 2),
         "two_nodes_over_one_images_per_sec": round(
             two["images_per_sec"] / one["images_per_sec"], 3
+        ),
+        "ddp_two_nodes_over_one_images_per_sec": round(
+            ddp_two["images_per_sec"] / ddp_one["images_per_sec"], 3
+        ),
+        "ddp_over_horovod_two_nodes_images_per_sec": round(
+            ddp_two["images_per_sec"] / two["images_per_sec"], 3
         ),
         "launch_overhead_seconds": {
             "1 node": round(one["launch_overhead_seconds"], 2),

@@ -269,7 +269,21 @@ def train_throughput(r: dict[str, Any]) -> list[str]:
         f"{r['horovod_np1_over_plain']:.3f} of plain |",
         f"| trainer under `horovodrun -np 2` | {r['horovod_np2_images_per_sec']:,.0f} | "
         f"{r['horovod_np2_over_np1']:.3f} of np 1 |",
+        *_ddp_rows(r),
         "",
+    ]
+
+
+def _ddp_rows(r: dict[str, Any]) -> list[str]:
+    """The DDP engine's rows (reports written before it existed have none)."""
+    if "ddp_np1_images_per_sec" not in r:
+        return []
+    return [
+        f"| trainer, `--engine ddp`, `torchrun --nproc-per-node 1` | "
+        f"{r['ddp_np1_images_per_sec']:,.0f} | {r['ddp_np1_over_plain']:.3f} of plain |",
+        f"| trainer, `--engine ddp`, `torchrun --nproc-per-node 2` | "
+        f"{r['ddp_np2_images_per_sec']:,.0f} | {r['ddp_np2_over_np1']:.3f} of np 1, "
+        f"{r['ddp_np2_over_horovod_np2']:.3f} of Horovod np 2 |",
     ]
 
 
@@ -309,6 +323,20 @@ def nodes(r: dict[str, Any]) -> list[str]:
         "over TCP on eth0 and the bridge) instead of loopback. The bridge adds no wire latency, "
         "so between real nodes the gap is wider. Launch overhead: "
         f"{overhead['1 node']:.2f} s on 1 node, {overhead['2 nodes']:.2f} s on 2.",
+        "",
+        *_ddp_nodes(r),
+    ]
+
+
+def _ddp_nodes(r: dict[str, Any]) -> list[str]:
+    """The DDP engine's ratios (reports written before it existed have none)."""
+    if "ddp_two_nodes_over_one_images_per_sec" not in r:
+        return []
+    return [
+        "Rows named `ddp, ...` ran the DDP engine (one torchrun per node, c10d rendezvous on "
+        f"the first): 2 nodes at {r['ddp_two_nodes_over_one_images_per_sec']}x the images/s "
+        f"of 1 node, and at {r['ddp_over_horovod_two_nodes_images_per_sec']}x Horovod's on 2 "
+        "nodes.",
         "",
     ]
 

@@ -4,12 +4,15 @@ Default mode (CPU is fine): the same synthetic data, model and batch size throug
   (a) a plain single-process PyTorch loop (no Horovod at all),
   (b) the trainer under ``horovodrun -np 1`` (what Horovod's machinery costs on one worker),
   (c) the trainer under ``horovodrun -np 2`` (scaling on this machine's cores),
-and prints images/sec and the ratios b/a and c/b.
+  (d), (e) the trainer with ``--engine ddp`` under ``torchrun --standalone --nproc-per-node 1``
+  and ``2`` (PyTorch's DistributedDataParallel over Gloo),
+and prints images/sec and the ratios b/a, c/b, d/a, e/d and e/c.
 
 ``--gpu`` mode reproduces Horovod's synthetic benchmark: ResNet-50 on random 224x224 batches
 resident on the GPU, AMP and channels_last, timed over several iterations after a warm-up;
-run it as ``horovodrun -np <gpus> python -m bench.train_throughput --gpu`` and it reports
-images/sec per GPU and in total.
+run it as ``horovodrun -np <gpus> python -m bench.train_throughput --gpu`` (or
+``torchrun --nproc-per-node <gpus> -m bench.train_throughput --gpu --engine ddp``) and it
+reports images/sec per GPU and in total.
 """
 
 from __future__ import annotations
@@ -58,31 +61,28 @@ def plain_loop(data: str, model_name: str, batch_size: int, epochs: int, lr: flo
 
 
 def trainer_run(
-    np: int, data: str, model_name: str, batch_size: int, epochs: int, lr: float
+    np: int,
+    data: str,
+    model_name: str,
+    batch_size: int,
+    epochs: int,
+    lr: float,
+    engine: str = "horovod",
 ) -> float:
     """Images/sec the trainer itself reports (training time only, like the plain loop)."""
     bindir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "training.train",
-            "--data-dir",
-            data,
-            "--output-dir",
-            out,
-            "--epochs",
-            str(epochs),
-            "--batch-size",
-            str(batch_size),
-            "--lr",
-            str(lr),
-            "--model",
-            model_name,
-            "--warmup-epochs",
-            "0",
+        args = [
+            *("--data-dir", data, "--output-dir", out, "--epochs", str(epochs)),
+            *("--batch-size", str(batch_size), "--lr", str(lr), "--model", model_name),
+            *("--warmup-epochs", "0", "--engine", engine),
         ]
-        cmd = [str(bindir / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *cmd]
+        if engine == "ddp":  # torchrun starts the interpreter itself
+            launcher = [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(np)]
+        else:
+            launcher = [str(bindir / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}"]
+            launcher += ["--gloo", sys.executable]
+        cmd = [*launcher, "-m", "training.train", *args]
         env = {
             **os.environ,
             "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -96,44 +96,51 @@ def cpu_report(args: argparse.Namespace) -> dict[str, object]:
     data = f"synthetic:{args.images}"
     torch.set_num_threads(os.cpu_count() or 1)
     plain = plain_loop(data, args.model, args.batch_size, args.epochs, args.lr)
-    one = trainer_run(1, data, args.model, args.batch_size, args.epochs, args.lr)
-    two = trainer_run(2, data, args.model, args.batch_size, args.epochs, args.lr)
+    rates = {
+        f"{engine}_np{np}": trainer_run(
+            np, data, args.model, args.batch_size, args.epochs, args.lr, engine
+        )
+        for engine in ("horovod", "ddp")
+        for np in (1, 2)
+    }
     return {
         "benchmark": "train_throughput",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "method": f"{args.model}, synthetic {args.images} images, batch {args.batch_size}/worker, "
         f"{args.epochs} epochs, training time only",
         "plain_images_per_sec": plain,
-        "horovod_np1_images_per_sec": one,
-        "horovod_np2_images_per_sec": two,
-        "horovod_np1_over_plain": one / plain,
-        "horovod_np2_over_np1": two / one,
+        **{f"{name}_images_per_sec": rate for name, rate in rates.items()},
+        "horovod_np1_over_plain": rates["horovod_np1"] / plain,
+        "horovod_np2_over_np1": rates["horovod_np2"] / rates["horovod_np1"],
+        "ddp_np1_over_plain": rates["ddp_np1"] / plain,
+        "ddp_np2_over_np1": rates["ddp_np2"] / rates["ddp_np1"],
+        "ddp_np2_over_horovod_np2": rates["ddp_np2"] / rates["horovod_np2"],
     }
 
 
 def gpu_benchmark(args: argparse.Namespace) -> dict[str, object] | None:
-    """Horovod's synthetic benchmark method; only rank 0 returns the report."""
-    import horovod.torch as hvd
-
+    """Horovod's synthetic benchmark method, through the trainer's own engine layer (so
+    ``--engine ddp`` under torchrun measures the same step); only rank 0 returns the report."""
+    from training import distributed as dist
     from training.models import build_model
 
-    hvd.init()
+    world = dist.init(args.engine)
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         raise SystemExit("--gpu: no CUDA device here (pass --allow-cpu for a smoke run)")
-    device = torch.device("cuda", hvd.local_rank()) if cuda else torch.device("cpu")
+    device = world.device
     if cuda:
-        torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     model = build_model(args.model, 1000).to(device)  # channels_last on inputs: see trainer
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
-    optimizer = hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none,
+    options = dist.GradientOptions(
+        fp16_allreduce=args.fp16_allreduce,
+        backward_passes_per_step=1,
+        adasum=False,
+        sync_batchnorm=False,
     )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    base = torch.optim.SGD(model.parameters(), lr=0.01 * world.size)
+    net, optimizer = dist.wrap(model, base, options)
+    dist.broadcast_state(model, optimizer)
     scaler = torch.amp.GradScaler("cuda", enabled=cuda)
     data = (
         torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), device=device)
@@ -145,13 +152,10 @@ def gpu_benchmark(args: argparse.Namespace) -> dict[str, object] | None:
 
     def step() -> None:
         with torch.autocast(device.type, enabled=cuda):
-            loss = loss_fn(model(data).float(), target)
+            loss = loss_fn(net(data).float(), target)
         optimizer.zero_grad()
         scaler.scale(loss).backward()
-        optimizer.synchronize()
-        with optimizer.skip_synchronize():
-            scaler.step(optimizer)
-        scaler.update()
+        dist.optimizer_step(optimizer, scaler)
 
     for _ in range(args.warmup_batches):
         step()
@@ -167,16 +171,18 @@ def gpu_benchmark(args: argparse.Namespace) -> dict[str, object] | None:
         rates.append(args.batch_size * args.batches_per_iter / (time.perf_counter() - started))
     mean = statistics.mean(rates)
     spread = 1.96 * statistics.stdev(rates) if len(rates) > 1 else 0.0
-    all_means = hvd.allgather_object(mean)
-    if hvd.rank() != 0:
+    all_means = [float(m) for m in dist.gather_objects(mean)]  # type: ignore[arg-type]
+    dist.shutdown()
+    if world.rank != 0:
         return None
     return {
         "benchmark": "train_throughput --gpu",
         "machine": torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.machine()})",
         "method": f"{args.model} {args.image_size}x{args.image_size}, batch {args.batch_size}/GPU, "
         f"AMP={cuda}, channels_last, {args.iters}x{args.batches_per_iter} batches "
-        f"after {args.warmup_batches} warm-up",
-        "gpus": hvd.size(),
+        f"after {args.warmup_batches} warm-up, engine {args.engine}",
+        "engine": args.engine,
+        "gpus": world.size,
         "images_per_sec_per_gpu": mean,
         "images_per_sec_per_gpu_ci95": spread,
         "images_per_sec_total": sum(all_means),
@@ -200,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches-per-iter", type=int, default=10, help="--gpu mode")
     p.add_argument("--warmup-batches", type=int, default=10, help="--gpu mode")
     p.add_argument("--fp16-allreduce", action="store_true", help="--gpu mode")
+    p.add_argument(
+        "--engine",
+        choices=("horovod", "ddp"),
+        default="horovod",
+        help="--gpu mode: under horovodrun, or ddp under torchrun",
+    )
     p.add_argument("--allow-cpu", action="store_true", help="--gpu mode without a GPU (smoke)")
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)

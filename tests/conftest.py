@@ -40,20 +40,30 @@ class Result:
         return json.loads((self.output_dir / "metrics.json").read_text())
 
 
-def trainer_command(np: int, data_dir: str | Path, output_dir: Path, *extra: str) -> list[str]:
-    """The trainer's documented command line, under horovodrun when np > 1."""
-    train = [
-        sys.executable,
-        "-m",
-        "training.train",
-        "--data-dir",
-        str(data_dir),
-        "--output-dir",
-        str(output_dir),
-        *extra,
-    ]
+ENGINES = ("horovod", "ddp")
+
+
+def trainer_command(
+    np: int, data_dir: str | Path, output_dir: Path, *extra: str, engine: str = "horovod"
+) -> list[str]:
+    """The trainer's documented command line for ``engine``: under horovodrun (horovod) or
+    torchrun (ddp) when np > 1, a plain process otherwise."""
+    args = ["--data-dir", str(data_dir), "--output-dir", str(output_dir), *extra]
+    if engine != "horovod":
+        args += ["--engine", engine]
+    train = [sys.executable, "-m", "training.train", *args]
     if np == 1:
         return train
+    if engine == "ddp":
+        return [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            str(np),
+            "-m",
+            "training.train",
+            *args,
+        ]
     return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *train]
 
 
@@ -65,10 +75,15 @@ def child_env() -> dict[str, str]:
 
 
 def run_trainer(
-    np: int, data_dir: str | Path, output_dir: Path, *extra: str, timeout: float = 600
+    np: int,
+    data_dir: str | Path,
+    output_dir: Path,
+    *extra: str,
+    timeout: float = 600,
+    engine: str = "horovod",
 ) -> Result:
     proc = subprocess.run(
-        trainer_command(np, data_dir, output_dir, *extra),
+        trainer_command(np, data_dir, output_dir, *extra, engine=engine),
         cwd=ROOT,
         env=child_env(),
         stdout=subprocess.PIPE,

@@ -10,23 +10,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.pipeline import DAG, critical_path
 from tests.conftest import BIN, ROOT, child_env
 
 
-def test_gpu_mode_runs_under_horovodrun(tmp_path: Path, horovodrun: Path) -> None:
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_gpu_mode_runs_under_either_launcher(engine: str, tmp_path: Path, horovodrun: Path) -> None:
     report = tmp_path / "report.json"
+    if engine == "ddp":
+        launcher = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    else:
+        launcher = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"]
+        launcher.append(sys.executable)
     cmd = [
-        str(BIN / "horovodrun"),
-        "-np",
-        "2",
-        "-H",
-        "localhost:2",
-        "--gloo",
-        sys.executable,
+        *launcher,
         "-m",
         "bench.train_throughput",
         "--gpu",
+        "--engine",
+        engine,
         "--allow-cpu",
         "--model",
         "cnn",
@@ -48,7 +52,7 @@ def test_gpu_mode_runs_under_horovodrun(tmp_path: Path, horovodrun: Path) -> Non
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
-    assert data["gpus"] == 2
+    assert data["gpus"] == 2 and data["engine"] == engine
     assert data["images_per_sec_per_gpu"] > 0
     assert data["images_per_sec_total"] > data["images_per_sec_per_gpu"]
 
@@ -134,3 +138,30 @@ def test_nodes_section_renders_what_was_measured() -> None:
     assert "| 2 nodes x 1 process | 600 | 4.25 s | 1.50 s | 9.0 s | 0.900 |" in text
     assert "at 0.75x the images/s" in text and "4.25 s on 1 node, 5.50 s on 2" in text
     assert "Not measured on this machine: needs root" in "\n".join(nodes({"not_run": "needs root"}))
+    ddp = {
+        **report,
+        "ddp_two_nodes_over_one_images_per_sec": 0.7,
+        "ddp_over_horovod_two_nodes_images_per_sec": 1.1,
+    }
+    assert "2 nodes at 0.7x the images/s of 1 node, and at 1.1x Horovod's" in "\n".join(nodes(ddp))
+
+
+def test_throughput_section_renders_both_engines() -> None:
+    from bench.report import train_throughput
+
+    report = {
+        "method": "m",
+        "plain_images_per_sec": 100.0,
+        "horovod_np1_images_per_sec": 90.0,
+        "horovod_np2_images_per_sec": 150.0,
+        "horovod_np1_over_plain": 0.9,
+        "horovod_np2_over_np1": 1.667,
+        "ddp_np1_images_per_sec": 95.0,
+        "ddp_np2_images_per_sec": 160.0,
+        "ddp_np1_over_plain": 0.95,
+        "ddp_np2_over_np1": 1.684,
+        "ddp_np2_over_horovod_np2": 1.067,
+    }
+    text = "\n".join(train_throughput(report))
+    assert "| trainer, `--engine ddp`, `torchrun --nproc-per-node 2` | 160 | 1.684 of np 1" in text
+    assert "1.067 of Horovod np 2" in text

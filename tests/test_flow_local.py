@@ -206,3 +206,23 @@ def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: 
     assert "AZ_BATCH_NODE_MOUNTS_DIR=" in seen
     assert "AZURE_STORAGE_CONNECTION_STRING" not in seen and "AccountKey" not in seen
     assert cluster.release()["was"] == "steady" and cluster.state() == "released"
+
+
+def test_the_flow_trains_with_the_ddp_engine(tmp_path: Path, digits_source: Path) -> None:
+    """training.engine=ddp: the same flow, the same task spec run by the local cluster, with
+    torchrun --standalone in place of horovodrun; the same outputs, scored and promoted."""
+    config = make_config(tmp_path, "training.engine=ddp", "training.epochs=2")
+    seed(config, digits_source)
+    state, _, artifacts = run(config)
+    assert state.is_completed(), state.message
+    result = state.result()
+    outputs = container_client(config.output)
+    prefix = f"runs/{result['run_id']}"
+    metrics = json.loads(outputs.download_blob(f"{prefix}/metrics.json").readall())
+    assert metrics["args"]["engine"] == "ddp" and metrics["world_size"] == 2
+    assert len(set(metrics["weights_digest_per_rank"])) == 1
+    stdout = outputs.download_blob(f"{prefix}/logs/stdout.txt").readall().decode()
+    assert "(torchrun)" in stdout and "engine: ddp" in stdout
+    assert result["accuracy"] > 0.5 and result["promoted"] is True
+    progress = [a for a in artifacts if a.key == "training-progress"]
+    assert progress[0].data == 100.0

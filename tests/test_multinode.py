@@ -61,7 +61,8 @@ def test_two_nodes_train_as_one_job(two_nodes: TaskRun, pool: PoolNodes) -> None
     assert len(digests) == 4 and len(set(digests)) == 1  # every rank holds the same weights
     assert m["test_accuracy"] > 0.6  # chance is 0.1
     assert (
-        "launch: 4 processes on 2 node(s): 10.211.0.4:2,10.211.0.5:2" in two_nodes.primary.stdout()
+        "launch: 4 processes on 2 node(s): 10.211.0.4:2,10.211.0.5:2 (horovodrun)"
+        in two_nodes.primary.stdout()
     )
     # The second node's ranks came in over its own sshd, with the key the primary made.
     secondary = two_nodes.subtasks[1]
@@ -122,3 +123,40 @@ def test_sockets_reach_across_nodes_only_through_eth0(pool: PoolNodes) -> None:
         server.kill()
         second.kill_processes("5999")
     assert socket.gethostname() not in {n.name for n in pool}
+
+
+def test_ddp_trains_across_nodes_with_one_torchrun_per_node(
+    two_nodes: TaskRun, pool: PoolNodes
+) -> None:
+    """The same task with training.engine=ddp: one torchrun per node meets at the rendezvous
+    the primary hosts, and learns what Horovod learned on the same nodes and data."""
+    run = run_task(pool, training_spec(2, 2, "training.engine=ddp"))
+    out = run.primary.stdout()
+    assert run.exit_code == 0, out[-3000:] + run.primary.stderr()[-3000:]
+    m, horovod = metrics(run), metrics(two_nodes)
+    assert m["world_size"] == 4 and m["args"]["engine"] == "ddp"
+    assert len(set(m["weights_digest_per_rank"])) == 1
+    assert abs(m["test_accuracy"] - horovod["test_accuracy"]) <= 0.05
+    assert "(torchrun per node, rendezvous 10.211.0.4:29400)" in out
+    # Both nodes' exit statuses were collected; the second node's torchrun came in over SSH.
+    assert "launch: node 10.211.0.4 exited 0" in out and "launch: node 10.211.0.5 exited 0" in out
+    log = (run.subtasks[1].task_dir / "shared" / ".retrain-ssh" / "sshd.log").read_text()
+    assert "Accepted publickey for root from 10.211.0.4" in log
+
+
+def test_ddp_task_fails_when_a_node_fails(pool: PoolNodes) -> None:
+    """The primary's torchrun cannot host the rendezvous (its port is taken): the task fails
+    with that node's status, and the other node's torchrun is stopped, not left waiting."""
+    first, _second = pool
+    holder = listen_on(first, 29411)
+    try:
+        spec = training_spec(2, 1, "training.engine=ddp")
+        run = run_task(pool, spec, RETRAIN_MAX_RESTARTS="0", RETRAIN_RENDEZVOUS_PORT="29411")
+    finally:
+        holder.kill()
+        first.kill_processes("29411")
+    out = run.primary.stdout()
+    assert run.exit_code not in (0, None), out[-3000:]
+    assert "launch: node 10.211.0.4 exited " in out and "launch: node 10.211.0.5 exited " in out
+    assert "launch: node 10.211.0.4 exited 0" not in out
+    assert "test accuracy" not in out

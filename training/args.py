@@ -29,6 +29,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 ModelName = Literal["cnn", "resnet18", "resnet50"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 OptimizerKernel = Literal["auto", "fused", "foreach"]
+EngineName = Literal["horovod", "ddp"]
 # The side in pixels each network was designed for: CIFAR's 32 for the small CNN, ImageNet's
 # 224 for the ResNets.
 MODEL_INPUT_SIZES: dict[str, int] = {"cnn": 32, "resnet18": 224, "resnet50": 224}
@@ -87,7 +88,16 @@ class TrainingSettings:
         ),
     )
     seed: int = field(default=0, metadata=about("seed of every random stream (plus the rank)"))
-    timeline: bool = field(default=False, metadata=about("write a Horovod timeline"))
+    timeline: bool = field(
+        default=False, metadata=about("write a Horovod timeline (the horovod engine only)")
+    )
+    engine: EngineName = field(
+        default="horovod",
+        metadata=about(
+            "the data-parallel engine: horovod (under horovodrun) or ddp (PyTorch's "
+            "DistributedDataParallel under torchrun; needs no Horovod build)"
+        ),
+    )
 
     def input_size(self) -> int:
         """The side in pixels of every image the trainer reads, and so of the packed shards."""
@@ -109,11 +119,20 @@ class TrainerArgs(TrainingSettings):
     )
     momentum: float = field(default=0.9, metadata=about("SGD momentum", ge=0))
     weight_decay: float = field(default=5e-4, metadata=about("SGD weight decay", ge=0))
-    fp16_allreduce: bool = field(default=False, metadata=about("compress gradients to fp16"))
+    fp16_allreduce: bool = field(
+        default=False,
+        metadata=about("compress gradients to fp16 (horovod: Compression.fp16; ddp: a comm hook)"),
+    )
     backward_passes_per_step: int = field(
         default=1, metadata=about("batches whose gradients add up to one step", ge=1)
     )
-    adasum: bool = field(default=False, metadata=about("Adasum instead of averaging"))
+    adasum: bool = field(
+        default=False, metadata=about("Adasum instead of averaging (the horovod engine only)")
+    )
+    sync_batchnorm: bool = field(
+        default=False,
+        metadata=about("batch-norm statistics over all ranks' batches (the ddp engine on GPU)"),
+    )
     no_amp: bool = field(default=False, metadata=about("disable mixed precision on GPU"))
     precision: Precision = field(
         default="auto",

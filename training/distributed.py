@@ -1,6 +1,13 @@
-"""The Horovod pieces of the trainer, kept apart so the training loop reads as plain PyTorch.
+"""The data-parallel engine behind the trainer, chosen once where the process group starts.
 
-Horovod is initialised in every run, single process included (world size 1), so the same code
+Two engines keep one contract: Horovod under ``horovodrun`` (the default) and PyTorch's
+DistributedDataParallel under ``torchrun`` (``--engine ddp``). :func:`init` starts the chosen
+one; the functions below hand each collective to it, so the training loop reads as plain
+PyTorch and never asks which engine runs it. Each engine lives in a module of its own
+(``training.engine_horovod``, ``training.engine_ddp``), imported only when chosen: a user of
+``ddp`` needs no Horovod build.
+
+An engine is started in every run, single process included (world size 1), so the same code
 path is exercised by a laptop smoke run and by a 64-GPU Batch job.
 """
 
@@ -10,13 +17,18 @@ import hashlib
 import logging
 import os
 import sys
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
-import horovod.torch as hvd
 import torch
 from torch import nn
 
 log = logging.getLogger("training")
+
+
+class UsageError(ValueError):
+    """An option this engine, build or machine cannot honour."""
 
 
 def usable_cpus() -> int:
@@ -40,25 +52,122 @@ class World:
         return self.rank == 0
 
 
-def init(timeline: bool = False) -> World:
-    """Start Horovod, pin one GPU per local rank, and share the CPU fairly between ranks.
+@dataclass(frozen=True)
+class GradientOptions:
+    """How gradients travel between ranks; each engine honours them its own way."""
 
-    ``timeline`` lets the run start and stop a Horovod timeline itself (only the epochs, not
+    fp16_allreduce: bool
+    backward_passes_per_step: int
+    adasum: bool
+    sync_batchnorm: bool
+
+
+class Engine(Protocol):
+    """What the trainer needs of a data-parallel engine (one implementation per engine)."""
+
+    name: str
+    # Whether its collectives take contiguous tensors only (Horovod's do); then channels-last
+    # weights need gradient buffers of their own layout (training.speed).
+    contiguous_tensors: bool
+
+    def start(self, timeline: bool) -> tuple[int, int, int, int]:
+        """Join the process group; returns rank, size, local rank, local size."""
+        ...
+
+    def allreduce_sum(self, values: torch.Tensor, name: str) -> torch.Tensor: ...
+
+    def gather_objects(self, value: object) -> list[object]: ...
+
+    def broadcast_object(self, value: object) -> object: ...
+
+    def sync_buffers(self, model: nn.Module) -> None: ...
+
+    def check_options(self, world: World, options: GradientOptions) -> None: ...
+
+    def wrap(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, options: GradientOptions
+    ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def accumulating(self, net: nn.Module, sync: bool) -> AbstractContextManager[None]: ...
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> None: ...
+
+    def lr_scale(self, world: World, options: GradientOptions) -> float: ...
+
+    def start_timeline(self, path: str) -> None: ...
+
+    def stop_timeline(self) -> None: ...
+
+    def barrier(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+_active: Engine | None = None
+_world: World | None = None
+
+
+def engine() -> Engine:
+    if _active is None:
+        raise RuntimeError("no data-parallel engine started: call training.distributed.init")
+    return _active
+
+
+def _new_engine(name: str) -> Engine:
+    """The engine called ``name``, checked against the launcher that started this process:
+    ranks of one launcher that each believe they are alone would all write the outputs."""
+    under_horovodrun = "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if name == "ddp":
+        if under_horovodrun:
+            raise UsageError(
+                "--engine ddp was started by horovodrun (or mpirun): start it with torchrun, "
+                "or use --engine horovod"
+            )
+        from training.engine_ddp import DdpEngine
+
+        return DdpEngine()
+    if name == "horovod":
+        if under_torchrun:
+            raise UsageError(
+                "--engine horovod was started by torchrun: start it with horovodrun, "
+                "or use --engine ddp"
+            )
+        from training.engine_horovod import HorovodEngine
+
+        return HorovodEngine()
+    raise UsageError(f"--engine {name!r} is unknown; choose horovod or ddp")
+
+
+def init(engine_name: str = "horovod", timeline: bool = False) -> World:
+    """Start ``engine_name``, pin one GPU per local rank, share the CPU fairly between ranks.
+
+    ``timeline`` lets a Horovod run start and stop a timeline itself (only the epochs, not
     start-up), which Horovod allows only when asked for before init.
     """
-    if timeline:
-        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
-    hvd.init()
+    global _active, _world
+    chosen = _new_engine(engine_name)
     if torch.cuda.is_available():
-        torch.cuda.set_device(hvd.local_rank())
-        device = torch.device("cuda", hvd.local_rank())
+        # Before the process group starts: NCCL binds the current device.
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+    rank, size, local_rank, local_size = chosen.start(timeline)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
         # Every rank on a node otherwise starts one thread per core: N ranks x N threads
         # oversubscribes the CPU and is several times slower than one share each.
-        torch.set_num_threads(max(1, usable_cpus() // hvd.local_size()))
-    world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
+        torch.set_num_threads(max(1, usable_cpus() // local_size))
+    world = World(rank, size, local_rank, local_size, device)
+    _active, _world = chosen, world
     _configure_logging(world)
+    log.info("engine: %s, %d process(es) on %s", chosen.name, size, device.type)
     return world
 
 
@@ -73,30 +182,29 @@ def _configure_logging(world: World) -> None:
 
 def gather_objects(value: object) -> list[object]:
     """Every rank's value, in rank order, on every rank."""
-    return list(hvd.allgather_object(value))
+    return engine().gather_objects(value)
 
 
 def broadcast_object(value: object) -> object:
-    return hvd.broadcast_object(value, root_rank=0)
+    """Rank 0's value on every rank."""
+    return engine().broadcast_object(value)
 
 
 def allreduce_sum(values: list[float], name: str) -> list[float]:
     """Sum a few scalars across ranks (exact counts, unlike averaging per-rank means)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    return [float(v) for v in hvd.allreduce(tensor, op=hvd.Sum, name=name)]
+    device = _world.device if _world is not None else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    return [float(v) for v in engine().allreduce_sum(tensor, name).cpu()]
 
 
 def sync_buffers(model: nn.Module) -> None:
     """Average BatchNorm running statistics across ranks, broadcast integer buffers.
 
-    Buffers are not gradients, so Horovod never touches them: without this each rank ends an
-    epoch with its own statistics and rank 0's saved model would not match distributed eval.
+    Buffers are not gradients, so neither engine averages them (DDP is told not to broadcast
+    them at every forward): without this each rank ends an epoch with its own statistics and
+    rank 0's saved model would not match distributed eval.
     """
-    for name, buffer in model.named_buffers():
-        if buffer.is_floating_point():
-            hvd.allreduce_(buffer, op=hvd.Average, name=f"buffer.{name}")
-        else:
-            hvd.broadcast_(buffer, root_rank=0, name=f"buffer.{name}")
+    engine().sync_buffers(model)
 
 
 def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
@@ -108,76 +216,69 @@ def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def distributed_optimizer(
-    optimizer: torch.optim.Optimizer,
-    model: nn.Module,
-    *,
-    fp16_allreduce: bool,
-    backward_passes_per_step: int,
-    adasum: bool,
-) -> torch.optim.Optimizer:
-    compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
-    return hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=model.named_parameters(),
-        compression=compression,
-        backward_passes_per_step=backward_passes_per_step,
-        op=hvd.Adasum if adasum else hvd.Average,
-    )
+def contiguous_tensors() -> bool:
+    """Whether the running engine's collectives take contiguous tensors only."""
+    return engine().contiguous_tensors
+
+
+def check_options(world: World, options: GradientOptions) -> None:
+    """Refuse, by name, an option the running engine or this machine cannot honour."""
+    engine().check_options(world, options)
+
+
+def wrap(
+    model: nn.Module, optimizer: torch.optim.Optimizer, options: GradientOptions
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The module the training step runs and the optimizer that steps it.
+
+    Horovod wraps the optimizer (the module is the model itself); DDP wraps the module (the
+    optimizer is the plain one). Either way the model's and the stepping optimizer's state
+    dicts are plain PyTorch ones, so a checkpoint written under one engine resumes under the
+    other.
+    """
+    return engine().wrap(model, optimizer, options)
+
+
+def accumulating(net: nn.Module, sync: bool) -> AbstractContextManager[None]:
+    """Around one batch's forward and backward: ``sync`` false for the batches whose gradients
+    only accumulate (DDP's ``no_sync``; Horovod counts the passes itself)."""
+    return engine().accumulating(net, sync)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-    """One step of ``optimizer`` (Horovod's DistributedOptimizer) on the averaged gradients.
-
-    With mixed precision, Horovod averages the (scaled) gradients first; GradScaler then
-    unscales them and skips the step on overflow, identically on every rank since the
-    gradients are identical.
-    """
-    if scaler is None:
-        optimizer.step()
-        return
-    optimizer.synchronize()  # type: ignore[attr-defined]
-    with optimizer.skip_synchronize():  # type: ignore[attr-defined]
-        scaler.step(optimizer)
-    scaler.update()
+    """One step of ``optimizer`` on the gradients averaged across ranks (unscaled first with
+    mixed precision: a skipped step on overflow is skipped on every rank alike)."""
+    engine().optimizer_step(optimizer, scaler)
 
 
-def adasum_available(world: World) -> bool:
-    """Horovod implements Adasum over MPI (CPU) or NCCL (GPU), not over Gloo alone."""
-    return bool(hvd.mpi_enabled() or (world.device.type == "cuda" and hvd.nccl_built()))
-
-
-def lr_scale(world: World, backward_passes_per_step: int, adasum: bool) -> float:
+def lr_scale(world: World, options: GradientOptions) -> float:
     """How much the single-worker learning rate grows with the effective batch.
 
     Averaging gradients over N workers x k passes is an N*k times larger batch (Goyal et al.:
-    scale the rate linearly). Adasum combines gradients adaptively and needs no scaling, except
-    across the local GPUs that NCCL sums hierarchically.
+    scale the rate linearly); the engine may know better (Horovod's Adasum).
     """
-    if adasum:
-        return float(world.local_size) if world.device.type == "cuda" and hvd.nccl_built() else 1.0
-    return float(world.size * backward_passes_per_step)
+    return engine().lr_scale(world, options)
 
 
 def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Make every rank start from rank 0's weights and optimizer state (fresh or resumed).
-
-    Optimizer state goes first: on a rank whose optimizer has no state yet, Horovod creates it
-    by taking one step with zero gradients, and weight decay makes that step move the weights.
-    When resuming, only rank 0 has state, so broadcasting weights first would let the other
-    ranks drift; the weights' broadcast must come last.
-    """
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """Make every rank start from rank 0's weights and optimizer state (fresh or resumed)."""
+    engine().broadcast_state(model, optimizer)
 
 
 def start_timeline(path: str) -> None:
-    hvd.start_timeline(path, mark_cycles=False)
+    engine().start_timeline(path)
 
 
 def stop_timeline() -> None:
-    hvd.stop_timeline()
+    engine().stop_timeline()
+
+
+def barrier() -> None:
+    engine().barrier()
 
 
 def shutdown() -> None:
-    hvd.shutdown()
+    global _active, _world
+    if _active is not None:
+        _active.shutdown()
+    _active = _world = None

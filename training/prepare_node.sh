@@ -3,9 +3,9 @@
 # for all of them to exit 0, then runs the application command (launch.sh) on the primary only.
 # A node that cannot train fails here, and says which node it is and why.
 #
-# More than one node: horovodrun on the primary starts the other ranks over SSH, so each node
-# starts an sshd of its own for this task and returns; the daemon keeps serving after this
-# script exits (see docs/azure.md, "Multi-node training"). Nothing depends on $HOME or on the
+# More than one node: horovodrun (or, for ddp, launch.sh's own ssh) on the primary starts the
+# other nodes' ranks over SSH, so each node starts an sshd of its own for this task and
+# returns; the daemon keeps serving after this script exits (see docs/azure.md, "Multi-node training"). Nothing depends on $HOME or on the
 # user's ~/.ssh: sshd and ssh are told where their keys are, and every file lives in a folder of
 # this task, so what a dead node or an earlier attempt left behind is never read:
 #   $AZ_BATCH_TASK_SHARED_DIR/.retrain-ssh       node-local: host key, sshd config and log; on
@@ -21,8 +21,13 @@ for mount in nfs scripts; do
 done
 py=${RETRAIN_PYTHON:-python}
 export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-"$py" -c "import horovod.torch, torch; print('prepare_node: torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
-  || fail "cannot import horovod.torch and torch with $py"
+# The engine's own import only: a ddp image needs no Horovod build.
+case ${RETRAIN_ENGINE:-horovod} in
+  ddp) modules="torch.distributed" ;;
+  *) modules="horovod.torch" ;;
+esac
+"$py" -c "import torch, $modules; print('prepare_node: torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+  || fail "cannot import $modules and torch with $py"
 
 IFS=',' read -ra hosts <<< "${AZ_BATCH_HOST_LIST:-localhost}"
 [ "${#hosts[@]}" -gt 1 ] || exit 0
@@ -72,7 +77,7 @@ Host *
   LogLevel ERROR
   ConnectTimeout 10
 EOF
-# horovodrun and mpirun call `ssh` by name; launch.sh puts this one first on PATH.
+# horovodrun, mpirun and launch.sh call `ssh` by name; launch.sh puts this one first on PATH.
 printf '#!/bin/sh\nexec %q -F %q "$@"\n' "$ssh_bin" "$state/ssh_config" > "$state/bin/ssh"
 chmod 755 "$state/bin/ssh"
 

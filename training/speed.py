@@ -34,6 +34,12 @@ class Speed:
     channels_last: bool
     compile: bool
     fused_optimizer: bool
+    contiguous_grads: bool  # the engine's collectives take contiguous gradients only
+
+    @property
+    def keeps_grads(self) -> bool:
+        """Whether gradients live in buffers of their own layout (zeroed, never freed)."""
+        return self.channels_last and self.contiguous_grads
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -96,6 +102,7 @@ def resolve(
         channels_last=channels_last,
         compile=compile_model,
         fused_optimizer=fused,
+        contiguous_grads=contiguous_grads,
     )
 
 
@@ -114,7 +121,21 @@ def set_layout(model: nn.Module, speed: Speed) -> None:
     the parameters stay the same objects, so the optimizer keeps them."""
     if speed.channels_last:
         model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        keep_grads_contiguous(model.parameters())
+        if speed.contiguous_grads:
+            keep_grads_contiguous(model.parameters())
+
+
+def match_state_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each weight's optimizer state (momentum) the weight's own layout. A state loaded
+    from a checkpoint keeps the layout it was saved in, and the fused kernel, which reads
+    weight and momentum as flat memory, would pair the wrong elements."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                tensor = isinstance(value, torch.Tensor) and value.shape == p.shape
+                if tensor and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p).copy_(value)
 
 
 def keep_grads_contiguous(params: Iterable[nn.Parameter]) -> None:

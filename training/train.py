@@ -1,4 +1,5 @@
-"""Data-parallel trainer: ``[horovodrun -np N -H localhost:N --gloo] python -m training.train``.
+"""Data-parallel trainer: ``[horovodrun -np N -H localhost:N --gloo] python -m training.train``,
+or with ``--engine ddp`` ``[torchrun --standalone --nproc-per-node N] -m training.train``.
 
 The command line (defined in ``training.args``) is a contract shared with the pipeline's task
 specs; add options, never rename them. Rank 0 owns every file it writes (checkpoints, model,
@@ -32,7 +33,7 @@ from training.args import TrainerArgs, parse_trainer_args
 from training.atomic import atomic_write_json
 from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo, SplitData
-from training.distributed import World
+from training.distributed import GradientOptions, UsageError, World
 from training.models import build_model
 from training.shards import ShardSplit
 
@@ -41,10 +42,6 @@ log = dist.log
 
 class NonFiniteLossError(RuntimeError):
     """Training diverged; continuing would only write a useless model."""
-
-
-class UsageError(ValueError):
-    """An option this Horovod build or machine cannot honour."""
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -150,7 +147,7 @@ class Trainer:
     args: TrainerArgs
     world: World
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer  # the one that steps; its state is what checkpoints hold
     schedule: Schedule
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
@@ -159,29 +156,35 @@ class Trainer:
     # Wall-clock time of this process's first optimizer step: with the time a launcher started,
     # it gives the launch overhead (bench.nodes).
     first_step_time: float | None = None
+    # The module a training step runs: the model itself, or the engine's wrapper around it
+    # (DDP's); evaluation and the saved state use ``model``.
+    net: nn.Module | None = None
 
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return fast.to_input(images, self.speed), labels.to(self.world.device, non_blocking=True)
 
-    def _forward(self, images: torch.Tensor) -> torch.Tensor:
+    def _forward(self, images: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
+        """The training forward (compiled, through the engine's wrapper) or ``module``'s."""
         with fast.autocast(self.speed):
-            return cast(torch.Tensor, self.forward(images))
+            return cast(torch.Tensor, (module or self.forward)(images))
 
     def train_step(
         self, images: torch.Tensor, labels: torch.Tensor, *, accumulate: int = 1, apply: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one batch already on the device (its loss divided by
-        ``accumulate``, the batches summed into one step); with ``apply``, the optimizer step.
-        Returns the batch's loss and logits, detached."""
-        logits = self._forward(images)
-        loss = self.loss_fn(logits.float(), labels)
-        scaled = loss / accumulate
-        if self.scaler is not None:
-            self.scaler.scale(scaled).backward()
-        else:
-            scaled.backward()
+        ``accumulate``, the batches summed into one step); with ``apply`` (the last of the
+        batches: gradients travel now), the optimizer step. Returns the batch's loss and
+        logits, detached."""
+        with dist.accumulating(self.net or self.model, apply):
+            logits = self._forward(images)
+            loss = self.loss_fn(logits.float(), labels)
+            scaled = loss / accumulate
+            if self.scaler is not None:
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
         if apply:
             self._step()
         return loss.detach(), logits.detach()
@@ -193,7 +196,8 @@ class Trainer:
         self.model.train()
         k = self.args.backward_passes_per_step
         # With gradient accumulation, a trailing group of fewer than k batches would leave
-        # Horovod's per-parameter pass counters out of step with the other ranks: drop it.
+        # Horovod's per-parameter pass counters (DDP's unsynchronised gradients) out of step
+        # with the other ranks: drop it.
         usable = len(loader) - len(loader) % k
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.world.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.world.device)
@@ -235,7 +239,7 @@ class Trainer:
 
     def _step(self) -> None:
         dist.optimizer_step(self.optimizer, self.scaler)
-        fast.zero_grads(self.optimizer, keep=self.speed.channels_last)
+        fast.zero_grads(self.optimizer, keep=self.speed.keeps_grads)
         if self.first_step_time is None:
             self.first_step_time = time.time()
 
@@ -256,7 +260,7 @@ class Trainer:
         loss_sum = correct = seen = 0.0
         for images, labels in loader:
             images, labels = self._prepare(images, labels)
-            logits = self._forward(images).float()
+            logits = self._forward(images, self.model).float()
             loss_sum += float(self.loss_fn(logits, labels)) * len(labels)
             correct += float((logits.argmax(1) == labels).sum())
             seen += len(labels)
@@ -316,7 +320,7 @@ def _save_checkpoint(job: Job, epoch: int) -> None:
         "format_version": ckpt.FORMAT_VERSION,
         "epoch": epoch,
         "model": trainer.model.state_dict(),
-        "optimizer": job.optimizer.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
         "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
         "rng": rngs,
         "args": args.as_record(),
@@ -338,7 +342,6 @@ class Job:
     data: DatasetInfo
     skipped: list[str]
     trainer: Trainer
-    optimizer: torch.optim.Optimizer  # the plain one, whose state the checkpoints hold
     sampler: DistributedSampler[Any]
     loader: DataLoader[Any]
     steps_per_epoch: int
@@ -359,16 +362,20 @@ def run(args: TrainerArgs, world: World) -> dict[str, Any]:
 
 def set_up(args: TrainerArgs, world: World) -> Job:
     """Data, model and optimizer on every rank, resumed from the newest checkpoint if any."""
-    if args.adasum and not dist.adasum_available(world):
-        raise UsageError(
-            "--adasum needs Horovod with MPI (CPU) or NCCL (GPU); this build has "
-            "Gloo only: drop --adasum or use the training image's Horovod"
-        )
+    options = GradientOptions(
+        fp16_allreduce=args.fp16_allreduce,
+        backward_passes_per_step=args.backward_passes_per_step,
+        adasum=args.adasum,
+        sync_batchnorm=args.sync_batchnorm,
+    )
+    dist.check_options(world, options)
     _seed_everything(args.seed + world.rank)
     data, skipped = _open_data(args, world)
     speed = _speed(args, world)
     model = build_model(args.model, len(data.class_names)).to(world.device)
-    scale = dist.lr_scale(world, args.backward_passes_per_step, args.adasum)
+    if not speed.contiguous_grads:
+        fast.set_layout(model, speed)  # before DDP builds its buckets on the weights' layout
+    scale = dist.lr_scale(world, options)
     base = fast.sgd(
         model.parameters(),
         speed,
@@ -376,19 +383,16 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         momentum=args.momentum,
         weight_decay=args.weight_decay,
     )
+    # Wrapped before resuming, so the state loaded is the stepping optimizer's own.
+    net, optimizer = dist.wrap(model, base, options)
     scaler = fast.grad_scaler(speed)
-    start_epoch, history, resumed_from = _resume(args, world, model, base, scaler)
+    start_epoch, history, resumed_from = _resume(args, world, model, optimizer, scaler)
     if resumed_from:
         log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
-    dist.broadcast_state(model, base)
-    fast.set_layout(model, speed)
-    optimizer = dist.distributed_optimizer(
-        base,
-        model,
-        fp16_allreduce=args.fp16_allreduce,
-        backward_passes_per_step=args.backward_passes_per_step,
-        adasum=args.adasum,
-    )
+    dist.broadcast_state(model, optimizer)
+    if speed.contiguous_grads:
+        fast.set_layout(model, speed)  # after Horovod's broadcast, which takes contiguous tensors
+    fast.match_state_layout(optimizer)
     sampler, loader, steps_per_epoch = _train_loader(args, world, data.splits["train"])
     schedule = Schedule(
         args.lr,
@@ -405,7 +409,8 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         scaler,
         nn.CrossEntropyLoss(),
         speed,
-        fast.forward_fn(model, speed),
+        fast.forward_fn(net, speed),
+        net=net,
     )
     return Job(
         args=args,
@@ -413,7 +418,6 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         data=data,
         skipped=skipped,
         trainer=trainer,
-        optimizer=base,
         sampler=sampler,
         loader=loader,
         steps_per_epoch=steps_per_epoch,
@@ -433,6 +437,7 @@ def _speed(args: TrainerArgs, world: World) -> fast.Speed:
             channels_last=args.channels_last,
             compile_model=args.compile,
             optimizer_kernel=args.optimizer_kernel,
+            contiguous_grads=dist.contiguous_tensors(),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -610,12 +615,16 @@ def _tensorboard(args: TrainerArgs, world: World) -> Any:
 
 def start_world(args: TrainerArgs) -> World:
     """Join the job's process group (also what the GPU benchmark calls before ``set_up``)."""
-    return dist.init(timeline=args.timeline)
+    return dist.init(args.engine, timeline=args.timeline)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_trainer_args(argv, description=__doc__)
-    world = start_world(args)
+    try:
+        world = start_world(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if world.is_root:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:

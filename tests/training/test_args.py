@@ -82,6 +82,7 @@ def test_a_runs_settings_reach_the_trainer_as_set() -> None:
         "training.image_size=40",
         "training.seed=11",
         "training.timeline=false",
+        "training.engine=ddp",
         "training.extra_args=[--warmup-epochs, '0', --fp16-allreduce]",
     ]
     config = load_config(LOCAL, overrides)
@@ -89,6 +90,14 @@ def test_a_runs_settings_reach_the_trainer_as_set() -> None:
     for f in fields(TrainingSettings):
         assert getattr(trainer, f.name) == getattr(config.training, f.name), f.name
     assert trainer.warmup_epochs == 0 and trainer.fp16_allreduce is True
+    # launch.sh starts the launcher the same setting names
+    spec = training_task(config, "t", "key", "out")
+    assert spec.environment["RETRAIN_ENGINE"] == trainer.engine == "ddp"
+
+
+def test_an_unknown_engine_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"training\.engine"):
+        load_config(LOCAL, ["training.engine=mpi"])
 
 
 def test_the_config_and_the_trainer_share_defaults() -> None:

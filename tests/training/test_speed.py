@@ -97,9 +97,10 @@ def test_bf16_channels_last_forward_and_step() -> None:
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
-def test_channels_last_weights_under_two_horovod_ranks(tmp_path: Path) -> None:
-    """Horovod's allreduce refuses non-contiguous tensors; channels-last weights would give it
-    channels-last gradients."""
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_channels_last_weights_under_two_ranks(engine: str, tmp_path: Path) -> None:
+    """Horovod's collectives refuse non-contiguous tensors, which channels-last weights would
+    give them as gradients; DDP builds its buckets on the weights' layout."""
     result = run_trainer(
         2,
         "synthetic:400",
@@ -111,6 +112,7 @@ def test_channels_last_weights_under_two_horovod_ranks(tmp_path: Path) -> None:
         "--channels-last",
         "--precision",
         "bf16",
+        engine=engine,
     )
     assert result.returncode == 0, result.output
     m = result.metrics
@@ -122,6 +124,43 @@ def test_channels_last_weights_under_two_horovod_ranks(tmp_path: Path) -> None:
     }
     assert m["weights_digest_per_rank"][0] == m["weights_digest_per_rank"][1]
     assert m["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
+
+
+def test_momentum_loaded_in_another_layout_takes_the_weights_layout() -> None:
+    """A checkpoint's momentum keeps the layout it was saved in; the fused kernel pairs weight
+    and momentum as flat memory, so a resumed channels-last run must convert it."""
+    reference = build_model("cnn", 10)
+    plain = _speed(optimizer_kernel="fused")
+    saved = copy.deepcopy(reference)
+    optimizer = fast.sgd(saved.parameters(), plain, lr=0.1, momentum=0.9)
+    images = fast.to_input(torch.randint(0, 256, (8, 3, 32, 32)), plain)
+    torch.nn.functional.cross_entropy(saved.eval()(images), torch.arange(8)).backward()
+    optimizer.step()
+    state = copy.deepcopy(optimizer.state_dict())
+
+    def resumed(speed: fast.Speed) -> list[torch.Tensor]:
+        model = copy.deepcopy(saved)
+        fast.set_layout(model, speed)
+        opt = fast.sgd(model.parameters(), speed, lr=0.1, momentum=0.9)
+        opt.load_state_dict(copy.deepcopy(state))  # loading shares the tensors
+        fast.match_state_layout(opt)
+        for p in model.parameters():
+            assert opt.state[p]["momentum_buffer"].stride() == p.stride()
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    channels_last = fast.resolve(
+        device=CPU,
+        precision="fp32",
+        no_amp=False,
+        channels_last=True,
+        compile_model=False,
+        optimizer_kernel="fused",
+        contiguous_grads=False,  # as under DDP
+    )
+    want, got = resumed(plain), resumed(channels_last)
+    assert max(float((a - b).abs().max()) for a, b in zip(want, got, strict=True)) < 1e-6
 
 
 def test_compiled_model_trains_and_saves_plain_keys(tmp_path: Path) -> None:

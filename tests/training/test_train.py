@@ -1,5 +1,6 @@
-"""The trainer under real horovodrun: learning, outputs, identical ranks, resume after a kill;
-bad arguments, a diverging loss and an unusable option refused by name."""
+"""The trainer under both engines' real launchers (horovodrun, torchrun): learning, outputs,
+identical ranks, resume after a kill, checkpoints either engine resumes; bad arguments, a
+diverging loss and an unusable option refused by name."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, Result, child_env, run_trainer, trainer_command
+from tests.conftest import ENGINES, ROOT, Result, child_env, run_trainer, trainer_command
 from training.checkpoint import list_checkpoints
 from training.distributed import state_digest
 
@@ -21,11 +23,26 @@ pytestmark = pytest.mark.usefixtures("horovodrun")
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(digits_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Result:
-    out = tmp_path_factory.mktemp("hvd2") / "out"
-    result = run_trainer(2, digits_dir, out, "--epochs", "3", "--timeline", "--seed", "3")
-    assert result.returncode == 0, result.output
-    return result
+def two_rank_runs(
+    digits_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Result]:
+    """An engine's 2-process run on the digits, run once per module when first asked for."""
+    done: dict[str, Result] = {}
+
+    def run(engine: str) -> Result:
+        if engine not in done:
+            out = tmp_path_factory.mktemp(f"{engine}2") / "out"
+            args = ("--epochs", "3", "--timeline", "--seed", "3")
+            done[engine] = run_trainer(2, digits_dir, out, *args, engine=engine)
+            assert done[engine].returncode == 0, done[engine].output
+        return done[engine]
+
+    return run
+
+
+@pytest.fixture(params=ENGINES)
+def two_rank_run(request: pytest.FixtureRequest, two_rank_runs: Callable[[str], Result]) -> Result:
+    return two_rank_runs(request.param)
 
 
 def test_two_ranks_learn_far_above_chance(two_rank_run: Result) -> None:
@@ -43,15 +60,39 @@ def test_two_ranks_learn_far_above_chance(two_rank_run: Result) -> None:
     assert m["epochs"][0]["images"] == m["dataset"]["num_train"] + m["dataset"]["num_train"] % 2
 
 
+def test_both_engines_learn_alike(two_rank_runs: Callable[[str], Result]) -> None:
+    """The same data, seeds, model and schedule: both engines average the same gradients, so
+    they learn alike (not bit for bit: the reductions add in another order)."""
+    metrics = {engine: two_rank_runs(engine).metrics for engine in ENGINES}
+    accuracy = {engine: m["test_accuracy"] for engine, m in metrics.items()}
+    assert max(accuracy.values()) - min(accuracy.values()) < 0.05, accuracy
+    for m in metrics.values():
+        assert [e["lr"] for e in m["epochs"]] == [e["lr"] for e in metrics["horovod"]["epochs"]]
+        assert set(m) == set(metrics["horovod"])  # the same metrics.json keys
+
+
 def test_outputs_are_complete(two_rank_run: Result) -> None:
     out = two_rank_run.output_dir
     saved = torch.load(out / "model.pt", weights_only=True)
     assert saved["model_name"] == "cnn" and saved["input_size"] == 32
     assert saved["class_names"] == two_rank_run.metrics["class_names"]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    timeline = json.loads((out / "timeline.json").read_text())
-    assert any("ALLREDUCE" in json.dumps(event) for event in timeline)
+    if two_rank_run.metrics["args"]["engine"] == "horovod":
+        timeline = json.loads((out / "timeline.json").read_text())
+        assert any("ALLREDUCE" in json.dumps(event) for event in timeline)
+    else:
+        assert "no timeline is written under --engine ddp" in two_rank_run.output
     assert [e for e, _ in list_checkpoints(out / "checkpoints")] == [3, 2, 1]
+    # The stepping optimizer's state, momentum included, so a resumed run goes on as it was.
+    state = torch.load(out / "checkpoints" / "checkpoint-3.pt", weights_only=True)
+    momenta = state["optimizer"]["state"]
+    params = [i for group in state["optimizer"]["param_groups"] for i in group["params"]]
+    assert sorted(momenta) == sorted(params)
+    # ... as it was after epoch 3, not as it was before the first step
+    earlier = torch.load(out / "checkpoints" / "checkpoint-2.pt", weights_only=True)
+    for index, entry in momenta.items():
+        before = earlier["optimizer"]["state"][index]["momentum_buffer"]
+        assert not torch.equal(entry["momentum_buffer"], before), index
     progress = [line for line in two_rank_run.output.splitlines() if "PROGRESS " in line]
     assert len(progress) == 3  # rank 0 only: one line per epoch, not one per rank
 
@@ -93,9 +134,26 @@ def test_scorer_agrees_with_metrics(two_rank_run: Result, digits_dir: Path, tmp_
     assert set(score["per_class"]["digit_3"]) == {"precision", "recall", "f1", "support"}
 
 
-def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> None:
+def _progress(output: str) -> list[dict[str, object]]:
+    return [
+        json.loads(line.split("PROGRESS ", 1)[1])
+        for line in output.splitlines()
+        if "PROGRESS " in line
+    ]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes], seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, "training ended before it could be killed"
+        assert time.monotonic() < deadline, f"no {path.name} within {seconds:.0f} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_killed_job_resumes_at_next_epoch(engine: str, digits_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    cmd = trainer_command(2, digits_dir, out, "--epochs", "4", "--seed", "5")
+    cmd = trainer_command(2, digits_dir, out, "--epochs", "4", "--seed", "5", engine=engine)
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -104,12 +162,8 @@ def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> N
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 300
     try:
-        while not (out / "checkpoints" / "checkpoint-2.pt").exists():
-            assert proc.poll() is None, "training ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint-2.pt within 300 s"
-            time.sleep(0.05)
+        _wait_for(out / "checkpoints" / "checkpoint-2.pt", proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, mid-epoch
         proc.wait()
@@ -117,20 +171,77 @@ def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> N
     k = list_checkpoints(out / "checkpoints")[0][0]
     assert 2 <= k < 4
 
-    result = run_trainer(2, digits_dir, out, "--epochs", "4", "--seed", "5")
+    result = run_trainer(2, digits_dir, out, "--epochs", "4", "--seed", "5", engine=engine)
     assert result.returncode == 0, result.output
     assert f"resuming from checkpoint-{k}.pt: starting at epoch {k + 1}" in result.output
-    progress = [
-        json.loads(line.split("PROGRESS ", 1)[1])
-        for line in result.output.splitlines()
-        if "PROGRESS " in line
-    ]
+    progress = _progress(result.output)
     assert [p["epoch"] for p in progress] == list(range(k + 1, 5))
     assert {p["resumed_from"] for p in progress} == {k}  # what orchestrators report
     m = result.metrics
     assert m["resumed_from_epoch"] == k
     assert [e["epoch"] for e in m["epochs"]] == [1, 2, 3, 4]
     assert m["test_accuracy"] > 0.6
+
+
+def _rank_pids(launcher: int, rank: int) -> list[int]:
+    """The processes below ``launcher`` whose environment says they are ``rank``."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = int(status.read_text().split("PPid:")[1].split()[0])
+            environ = (status.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            found.append(int(status.parent.name))
+    return found
+
+
+def test_torchrun_restarts_the_ranks_when_one_dies(digits_dir: Path, tmp_path: Path) -> None:
+    """One rank killed after epoch k: torchrun (--max-restarts) starts every rank again in the
+    same job, and they go on from checkpoint k at epoch k+1."""
+    out = tmp_path / "out"
+    cmd = trainer_command(2, digits_dir, out, "--epochs", "4", "--seed", "5", engine="ddp")
+    cmd[1:1] = ["--max-restarts", "1"]
+    log_path = tmp_path / "log.txt"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=child_env(), stdout=log_file, stderr=subprocess.STDOUT
+        )
+        try:
+            _wait_for(out / "checkpoints" / "checkpoint-2.pt", proc)
+            (victim,) = _rank_pids(proc.pid, 1)
+            os.kill(victim, signal.SIGKILL)
+            assert proc.wait(timeout=300) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    output = log_path.read_text()
+    k = int(output.split("resuming from checkpoint-")[1].split(".pt")[0])
+    assert 2 <= k < 4
+    assert f"resuming from checkpoint-{k}.pt: starting at epoch {k + 1}" in output
+    resumed = [p for p in _progress(output) if p["resumed_from"] is not None]
+    assert [p["epoch"] for p in resumed] == list(range(k + 1, 5))
+    m = Result(0, output, out).metrics
+    assert m["resumed_from_epoch"] == k and m["test_accuracy"] > 0.6
+    assert m["weights_digest_per_rank"][0] == m["weights_digest_per_rank"][1]
+
+
+@pytest.mark.parametrize(("first", "then"), [("horovod", "ddp"), ("ddp", "horovod")])
+def test_either_engine_resumes_the_others_checkpoint(first: str, then: str, tmp_path: Path) -> None:
+    args = ("--batch-size", "16", "--seed", "2")
+    out = tmp_path / "out"
+    before = run_trainer(1, "synthetic:200", out, "--epochs", "1", *args, engine=first)
+    assert before.returncode == 0, before.output
+    saved = torch.load(out / "checkpoints" / "checkpoint-1.pt", weights_only=True)
+    after = run_trainer(2, "synthetic:200", out, "--epochs", "2", *args, engine=then)
+    assert after.returncode == 0, after.output
+    assert "resuming from checkpoint-1.pt: starting at epoch 2" in after.output
+    m = after.metrics
+    assert m["args"]["engine"] == then and m["world_size"] == 2
+    assert [e["epoch"] for e in m["epochs"]] == [1, 2]
+    assert m["epochs"][0] == saved["history"][0]  # epoch 1 as the other engine recorded it
 
 
 def test_a_rerun_after_the_last_epoch_says_where_it_resumed(tmp_path: Path) -> None:
@@ -150,8 +261,10 @@ def test_a_rerun_after_the_last_epoch_says_where_it_resumed(tmp_path: Path) -> N
     assert again.metrics["resumed_from_epoch"] == 1
 
 
-def test_gradient_options_keep_ranks_in_step(tmp_path: Path) -> None:
-    """fp16 compression and gradient accumulation still leave both ranks identical."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gradient_options_keep_ranks_in_step(engine: str, tmp_path: Path) -> None:
+    """fp16 compression and gradient accumulation (DDP: no_sync) still leave both ranks
+    identical."""
     result = run_trainer(
         2,
         "synthetic:400",
@@ -163,6 +276,7 @@ def test_gradient_options_keep_ranks_in_step(tmp_path: Path) -> None:
         "2",
         "--batch-size",
         "16",
+        engine=engine,
     )
     assert result.returncode == 0, result.output
     m = result.metrics
@@ -198,3 +312,64 @@ def test_adasum_without_mpi_or_nccl_is_refused(tmp_path: Path, horovodrun: Path)
     result = run_trainer(2, "synthetic:200", tmp_path / "out", "--adasum", "--epochs", "1")
     assert result.returncode != 0
     assert "--adasum needs Horovod with MPI (CPU) or NCCL (GPU)" in result.output
+
+
+@pytest.mark.parametrize(
+    ("engine", "launcher_np", "extra", "named"),
+    [
+        ("ddp", 2, ["--adasum"], "--adasum is Horovod's"),
+        ("ddp", 1, ["--sync-batchnorm"], "--sync-batchnorm needs GPUs"),
+        ("horovod", 1, ["--sync-batchnorm"], "--sync-batchnorm needs --engine ddp"),
+        ("horovod", 1, ["--engine", "mpi"], "--engine"),
+    ],
+)
+def test_options_an_engine_cannot_honour_are_refused(
+    engine: str, launcher_np: int, extra: list[str], named: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    result = run_trainer(launcher_np, "synthetic:100", out, "--epochs", "1", *extra, engine=engine)
+    assert result.returncode != 0
+    assert named in result.output
+    assert not (out / "model.pt").exists()
+
+
+@pytest.mark.parametrize(("launcher", "engine"), [("horovod", "ddp"), ("ddp", "horovod")])
+def test_an_engine_started_by_the_other_launcher_is_refused(
+    launcher: str, engine: str, tmp_path: Path
+) -> None:
+    """Two ranks that each believed they were alone would both write every output."""
+    out = tmp_path / "out"
+    cmd = trainer_command(2, "synthetic:100", out, "--epochs", "1", engine=launcher)
+    cmd += ["--engine", engine]  # the last one given wins
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.returncode != 0
+    assert f"--engine {engine} was started by" in proc.stdout
+    assert not (out / "model.pt").exists()
+
+
+def test_ddp_needs_no_horovod(tmp_path: Path) -> None:
+    """A machine without the Horovod build trains with --engine ddp: horovod is imported only
+    by the engine that uses it."""
+    blocker = tmp_path / "blocker" / "horovod"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('no Horovod build here')\n")
+    env = child_env()
+    env["PYTHONPATH"] = f"{blocker.parent}{os.pathsep}{env['PYTHONPATH']}"
+    out = tmp_path / "out"
+    cmd = trainer_command(1, "synthetic:100", out, "--epochs", "1", engine="ddp")
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert (out / "model.pt").exists()
+    horovod = subprocess.run(
+        trainer_command(1, "synthetic:100", tmp_path / "h", "--epochs", "1"),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert "no Horovod build here" in horovod.stdout  # the blocker does block

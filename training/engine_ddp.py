@@ -1,0 +1,159 @@
+"""The DDP engine: ``torchrun`` starts the ranks, PyTorch's DistributedDataParallel averages the
+gradients over NCCL on GPU and Gloo on CPU. Imported only when chosen (``--engine ddp``); it
+needs nothing but torch.
+
+Started without torchrun (no ``RANK`` in the environment) it runs as a world of one over an
+in-memory store, as the Horovod engine does without horovodrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from training.distributed import GradientOptions, UsageError, World
+
+log = logging.getLogger("training")
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it on the CPU: an optimizer state travels as a pickle,
+    and a CUDA tensor in it would land on the sender's GPU index on every receiver."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+class DdpEngine:
+    name = "ddp"
+    contiguous_tensors = False  # DDP's buckets follow each weight's layout
+
+    def __init__(self) -> None:
+        self.size = 1
+
+    def start(self, timeline: bool) -> tuple[int, int, int, int]:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:  # torchrun's env:// rendezvous
+            dist.init_process_group(backend)
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            local_rank, local_size = 0, 1
+        self.size = dist.get_world_size()
+        return dist.get_rank(), self.size, local_rank, local_size
+
+    def allreduce_sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def gather_objects(self, value: object) -> list[object]:
+        gathered: list[object] = [None] * self.size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def broadcast_object(self, value: object) -> object:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+                buffer.div_(self.size)
+            else:
+                dist.broadcast(buffer, src=0)
+
+    def check_options(self, world: World, options: GradientOptions) -> None:
+        if options.adasum:
+            raise UsageError("--adasum is Horovod's: use --engine horovod or drop --adasum")
+        if options.sync_batchnorm and world.device.type != "cuda":
+            raise UsageError(
+                "--sync-batchnorm needs GPUs (torch's SyncBatchNorm runs on CUDA only): "
+                "drop it on CPU"
+            )
+
+    def wrap(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, options: GradientOptions
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """DDP around the model (the optimizer is the plain one).
+
+        Buffers are not broadcast at every forward: like Horovod's runs, the epoch ends with
+        their average (``sync_buffers``), and evaluation runs the bare model, whose ranks see
+        different numbers of batches.
+        """
+        if options.sync_batchnorm:
+            # In place for the model's children: the parameters (and so the optimizer's
+            # references) stay the same objects.
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        cuda = next(model.parameters()).is_cuda
+        net = DistributedDataParallel(
+            model,
+            device_ids=[torch.cuda.current_device()] if cuda else None,
+            forward_sync_buffers=False,
+        )
+        if options.fp16_allreduce:
+            # The counterpart of Horovod's Compression.fp16: buckets travel as fp16, are
+            # averaged, and come back in the parameters' precision.
+            net.register_comm_hook(None, cast(Any, default_hooks.fp16_compress_hook))
+        return net, optimizer
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Rank 0's optimizer state (momentum included) and then its weights and buffers."""
+        state = self.broadcast_object(
+            _to_cpu(optimizer.state_dict()) if dist.get_rank() == 0 else None
+        )
+        if dist.get_rank() != 0:
+            optimizer.load_state_dict(cast(dict[str, Any], state))
+        for tensor in model.state_dict().values():
+            if tensor.is_contiguous():
+                dist.broadcast(tensor, src=0)
+            else:  # channels-last weights: collectives take contiguous tensors
+                flat = tensor.contiguous()
+                dist.broadcast(flat, src=0)
+                tensor.copy_(flat)
+
+    def accumulating(self, net: nn.Module, sync: bool) -> AbstractContextManager[None]:
+        if sync or not isinstance(net, DistributedDataParallel):
+            return nullcontext()
+        return cast(AbstractContextManager[None], net.no_sync())
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> None:
+        """DDP averaged the (scaled) gradients during backward; GradScaler unscales them and
+        skips the step on overflow, identically on every rank."""
+        if scaler is None:
+            optimizer.step()
+            return
+        scaler.step(optimizer)
+        scaler.update()
+
+    def lr_scale(self, world: World, options: GradientOptions) -> float:
+        return float(world.size * options.backward_passes_per_step)
+
+    def start_timeline(self, path: str) -> None:
+        log.warning("--timeline is Horovod's: no timeline is written under --engine ddp")
+
+    def stop_timeline(self) -> None:
+        pass
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
