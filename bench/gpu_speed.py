@@ -164,11 +164,14 @@ def worker_memory(job: Any, start: int, limit: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- launcher side
 
 
-def launcher(engine: str, procs: int = 1) -> list[str]:
+def launched(engine: str, module: str, procs: int = 1) -> list[str]:
+    """The command that starts ``python -m module`` as ``procs`` ranks of ``engine``."""
     bindir = Path(sys.executable).parent
     if engine == "ddp":
-        return [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(procs)]
-    return [str(bindir / "horovodrun"), "-np", str(procs), "-H", f"localhost:{procs}"]
+        ranks = ["--standalone", "--nproc-per-node", str(procs)]
+        return [str(bindir / "torchrun"), *ranks, "-m", module]
+    hosts = ["-np", str(procs), "-H", f"localhost:{procs}"]
+    return [str(bindir / "horovodrun"), *hosts, sys.executable, "-m", module]
 
 
 def engine_options(engine: str) -> list[str]:
@@ -188,10 +191,7 @@ def _in_worker(engine: str, mode: list[str], timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [
-            *launcher(engine),
-            sys.executable,
-            "-m",
-            "bench.gpu_speed",
+            *launched(engine, "bench.gpu_speed"),
             *mode,
             "--result",
             str(result),
@@ -209,10 +209,7 @@ def fed_from_shards(engine: str, options: list[str], images: int, work: Path) ->
     packed = pack_shards(folder, 224)
     out = work / f"fed-{engine}"
     cmd = [
-        *launcher(engine),
-        sys.executable,
-        "-m",
-        "training.train",
+        *launched(engine, "training.train"),
         *engine_options(engine),
         *options,
         "--data-dir",
