@@ -103,7 +103,7 @@ class DdpEngine:
         net = DistributedDataParallel(
             model,
             device_ids=[torch.cuda.current_device()] if cuda else None,
-            forward_sync_buffers=False,
+            broadcast_buffers=False,  # the name torch 2.11 (the GPU images) knows too
         )
         if options.fp16_allreduce:
             # The counterpart of Horovod's Compression.fp16: buckets travel as fp16, are
