@@ -8,6 +8,7 @@ in-memory store, as the Horovod engine does without horovodrun.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from contextlib import AbstractContextManager, nullcontext
@@ -22,6 +23,14 @@ from torch.nn.parallel import DistributedDataParallel
 from training.distributed import GradientOptions, UsageError, World
 
 log = logging.getLogger("training")
+
+# torch 2.13 renamed DDP's broadcast_buffers (deprecated there, with a warning) to
+# forward_sync_buffers; torch 2.11, in the CUDA images, knows only the old name.
+_BUFFER_SYNC = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else "broadcast_buffers"
+)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -103,7 +112,7 @@ class DdpEngine:
         net = DistributedDataParallel(
             model,
             device_ids=[torch.cuda.current_device()] if cuda else None,
-            broadcast_buffers=False,  # the name torch 2.11 (the GPU images) knows too
+            **{_BUFFER_SYNC: False},
         )
         if options.fp16_allreduce:
             # The counterpart of Horovod's Compression.fp16: buckets travel as fp16, are
