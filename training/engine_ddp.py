@@ -112,7 +112,7 @@ class DdpEngine:
         net = DistributedDataParallel(
             model,
             device_ids=[torch.cuda.current_device()] if cuda else None,
-            **{_BUFFER_SYNC: False},
+            **cast(dict[str, Any], {_BUFFER_SYNC: False}),
         )
         if options.fp16_allreduce:
             # The counterpart of Horovod's Compression.fp16: buckets travel as fp16, are
