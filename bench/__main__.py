@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             GPU_RESULTS / "train_throughput-ddp.json",
             [*torchrun, "--no-python"],  # it runs _run's own interpreter command
         )
+        # Each speed switch per engine, memory per batch size, the trainer fed from shards.
+        speed_work = ["--work", str(args.scratch / "gpu_speed")]
+        _run("gpu_speed", speed_work, GPU_RESULTS / "gpu_speed.json")
         for path in GPU_RESULTS.glob("*.json"):
             _stamp(path)
     return render([str(args.results), str(args.output)])

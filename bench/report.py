@@ -389,6 +389,65 @@ def _ddp_nodes(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def gpu_speed(r: dict[str, Any]) -> list[str]:
+    """Each speed switch's images/s per engine, the memory per batch size, the shards run."""
+    engines = list(r["engines"])
+    head = " | ".join(f"{e}: images/s (sd) | x first" for e in engines)
+    lines = [
+        f"Machine: {r['machine']}. Method: {r['method']}. {r.get('runs', '')}",
+        "",
+        "Each row adds its switch to those above it (the last row undoes one, to show it).",
+        "At batch 64 the step is bound by kernel launches and Python, not by the GPU, so",
+        "the precision, optimizer and layout switches move it little; a larger batch and",
+        "compilation (fewer, fused kernels) are what lift it. Under Horovod, channels-last",
+        "weights need contiguous gradient buffers (its collectives refuse other layouts), and",
+        "autograd then adds each convolution's gradient into them with a transposing copy, so",
+        "that switch costs Horovod what it buys DDP, whose buckets follow the weights' layout.",
+        "",
+        f"| step | {head} | warm-up s | peak GiB |",
+        "|---|" + "---:|---:|" * len(engines) + "---:|---:|",
+    ]
+    firsts = {e: r["engines"][e]["steps"][0].get("images_per_sec") for e in engines}
+    for i, name in enumerate(r["steps"]):
+        cells, warm, peak = [], [], []
+        for e in engines:
+            row = r["engines"][e]["steps"][i]
+            if "images_per_sec" not in row:
+                cells.append("failed | ")
+                continue
+            rate, first = row["images_per_sec"], firsts[e]
+            ratio = f"{rate / first:.2f}" if first else ""
+            cells.append(f"{rate:,.0f} ({row['images_per_sec_sd']:,.0f}) | {ratio}")
+            warm.append(f"{row['warmup_seconds']:.0f}")
+            peak.append(f"{row['peak_gib']:.1f}")
+        lines.append(f"| {name} | {' | '.join(cells)} | {'/'.join(warm)} | {'/'.join(peak)} |")
+    lines.append("")
+    if (m := r.get("memory")) is not None:
+        sizes = ", ".join(
+            f"{b}: {v['peak_gib']:.1f} GiB, {v['images_per_sec']:,.0f}/s"
+            for b, v in m["per_batch"].items()
+        )
+        lines += [
+            f"Memory ({m.get('note', '')}), peak per batch size: {sizes}. The largest batch "
+            f"that fits in the GPU's {m['gpu_gib']:.0f} GiB is {m['largest_batch']} "
+            f"({m['first_failing_batch']} does not).",
+            "",
+        ]
+    fed = r.get("fed") or {}
+    if fed.get("measured") is False:
+        lines += [f"Fed from packed shards: not measured in this run ({fed['why']}).", ""]
+    for engine, f in fed.items() if fed.get("measured") is not False else []:
+        if "images_per_sec" in f:
+            synthetic = r["engines"][engine]["steps"][r["steps"].index("torch.compile")]
+            ratio = f["images_per_sec"] / synthetic["images_per_sec"]
+            lines += [
+                f"Fed from packed shards ({engine}): {f['images_per_sec']:,.0f} images/s in the "
+                f"last epoch, {ratio:.2f} of the synthetic rate with the same switches.",
+                "",
+            ]
+    return lines
+
+
 def render(results: Path) -> str:
     def load(name: str) -> dict[str, Any] | None:
         path = results / f"{name}.json"
@@ -437,6 +496,8 @@ def render(results: Path) -> str:
             stamp = r.get("date", "date not recorded")
             if r["benchmark"] == "loading":
                 lines += loading(r, f"### Data loading, {r['method'].split(', ')[0]} ({stamp})")
+            elif r["benchmark"] == "gpu_speed":
+                lines += [f"### What each speed switch buys ({stamp})", "", *gpu_speed(r)]
             elif r["benchmark"] == "trainer":
                 lines += trainer(r, f"### The trainer on loose files and on shards ({stamp})")
             else:

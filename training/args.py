@@ -27,6 +27,8 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 ModelName = Literal["cnn", "resnet18", "resnet50"]
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+OptimizerKernel = Literal["auto", "fused", "foreach"]
 EngineName = Literal["horovod", "ddp"]
 # The side in pixels each network was designed for: CIFAR's 32 for the small CNN, ImageNet's
 # 224 for the ResNets.
@@ -132,6 +134,20 @@ class TrainerArgs(TrainingSettings):
         metadata=about("batch-norm statistics over all ranks' batches (the ddp engine on GPU)"),
     )
     no_amp: bool = field(default=False, metadata=about("disable mixed precision on GPU"))
+    precision: Precision = field(
+        default="auto",
+        metadata=about("autocast type; auto: bf16 on GPUs with it, fp16 on older, fp32 on CPU"),
+    )
+    channels_last: bool = field(
+        default=False, metadata=about("weights and inputs in NHWC layout (faster convolutions)")
+    )
+    compile: bool = field(
+        default=False,
+        metadata=about("torch.compile the model (costs a minute or more before the first step)"),
+    )
+    optimizer_kernel: OptimizerKernel = field(
+        default="auto", metadata=about("SGD's kernels; auto: fused on GPU, foreach on CPU")
+    )
     workers: int = field(default=-1, metadata=about("data loader processes; -1: auto", ge=-1))
     no_verify_images: bool = field(
         default=False,

@@ -66,6 +66,9 @@ class Engine(Protocol):
     """What the trainer needs of a data-parallel engine (one implementation per engine)."""
 
     name: str
+    # Whether its collectives take contiguous tensors only (Horovod's do); then channels-last
+    # weights need gradient buffers of their own layout (training.speed).
+    contiguous_tensors: bool
 
     def start(self, timeline: bool) -> tuple[int, int, int, int]:
         """Join the process group; returns rank, size, local rank, local size."""
@@ -211,6 +214,11 @@ def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
         digest.update(key.encode())
         digest.update(state_dict[key].detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def contiguous_tensors() -> bool:
+    """Whether the running engine's collectives take contiguous tensors only."""
+    return engine().contiguous_tensors
 
 
 def check_options(world: World, options: GradientOptions) -> None:

@@ -9,6 +9,7 @@ in-memory store, as the Horovod engine does without horovodrun.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import logging
 import os
 import signal
@@ -26,6 +27,14 @@ from torch.nn.parallel import DistributedDataParallel
 from training.distributed import GradientOptions, UsageError, World
 
 log = logging.getLogger("training")
+
+# torch 2.13 renamed DDP's broadcast_buffers (deprecated there, with a warning) to
+# forward_sync_buffers; torch 2.11, in the CUDA images, knows only the old name.
+_BUFFER_SYNC = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else "broadcast_buffers"
+)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -77,6 +86,7 @@ def _torchrun_store(rank: int, size: int) -> dist.Store:
 
 class DdpEngine:
     name = "ddp"
+    contiguous_tensors = False  # DDP's buckets follow each weight's layout
 
     def __init__(self) -> None:
         self.size = 1
@@ -144,7 +154,7 @@ class DdpEngine:
         net = DistributedDataParallel(
             model,
             device_ids=[torch.cuda.current_device()] if cuda else None,
-            forward_sync_buffers=False,
+            **cast(dict[str, Any], {_BUFFER_SYNC: False}),
         )
         if options.fp16_allreduce:
             # The counterpart of Horovod's Compression.fp16: buckets travel as fp16, are
@@ -160,7 +170,12 @@ class DdpEngine:
         if dist.get_rank() != 0:
             optimizer.load_state_dict(cast(dict[str, Any], state))
         for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
+            if tensor.is_contiguous():
+                dist.broadcast(tensor, src=0)
+            else:  # channels-last weights: collectives take contiguous tensors
+                flat = tensor.contiguous()
+                dist.broadcast(flat, src=0)
+                tensor.copy_(flat)
 
     def accumulating(self, net: nn.Module, sync: bool) -> AbstractContextManager[None]:
         if sync or not isinstance(net, DistributedDataParallel):

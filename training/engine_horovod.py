@@ -15,6 +15,7 @@ from training.distributed import GradientOptions, UsageError, World
 
 class HorovodEngine:
     name = "horovod"
+    contiguous_tensors = True
 
     def start(self, timeline: bool) -> tuple[int, int, int, int]:
         if timeline:

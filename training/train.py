@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from training import checkpoint as ckpt
 from training import distributed as dist
+from training import speed as fast
 from training.args import TrainerArgs, parse_trainer_args
 from training.atomic import atomic_write_json
 from training.data import open_dataset
@@ -150,6 +151,8 @@ class Trainer:
     schedule: Schedule
     scaler: torch.amp.GradScaler | None
     loss_fn: nn.Module
+    speed: fast.Speed
+    forward: Any  # the model, or its compiled form (see training.speed.forward_fn)
     # Wall-clock time of this process's first optimizer step: with the time a launcher started,
     # it gives the launch overhead (bench.nodes).
     first_step_time: float | None = None
@@ -160,14 +163,31 @@ class Trainer:
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        images = images.to(self.world.device, non_blocking=True).float()
-        if self.world.device.type == "cuda":
-            images = images.contiguous(memory_format=torch.channels_last)
-        return images, labels.to(self.world.device, non_blocking=True)
+        return fast.to_input(images, self.speed), labels.to(self.world.device, non_blocking=True)
 
     def _forward(self, images: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
-        with torch.autocast(self.world.device.type, enabled=self.scaler is not None):
-            return (module or self.model)(images)
+        """The training forward (compiled, through the engine's wrapper) or ``module``'s."""
+        with fast.autocast(self.speed):
+            return cast(torch.Tensor, (module or self.forward)(images))
+
+    def train_step(
+        self, images: torch.Tensor, labels: torch.Tensor, *, accumulate: int = 1, apply: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one batch already on the device (its loss divided by
+        ``accumulate``, the batches summed into one step); with ``apply`` (the last of the
+        batches: gradients travel now), the optimizer step. Returns the batch's loss and
+        logits, detached."""
+        with dist.accumulating(self.net or self.model, apply):
+            logits = self._forward(images)
+            loss = self.loss_fn(logits.float(), labels)
+            scaled = loss / accumulate
+            if self.scaler is not None:
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        if apply:
+            self._step()
+        return loss.detach(), logits.detach()
 
     def train_epoch(
         self, epoch: int, loader: DataLoader[Any], step: int
@@ -190,19 +210,10 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.schedule.lr(step)
             images, labels = self._prepare(images, labels)
-            sync = (i + 1) % k == 0  # the last of k batches: gradients travel now
-            with dist.accumulating(self.net or self.model, sync):
-                logits = self._forward(images, self.net)
-                loss = self.loss_fn(logits.float(), labels)
-                scaled = loss / k
-                if self.scaler is not None:
-                    self.scaler.scale(scaled).backward()
-                else:
-                    scaled.backward()
-            if sync:
-                self._step()
-                step += 1
-            loss_sum += loss.detach().double() * len(labels)
+            apply = (i + 1) % k == 0
+            loss, logits = self.train_step(images, labels, accumulate=k, apply=apply)
+            step += apply
+            loss_sum += loss.double() * len(labels)
             correct += (logits.argmax(1) == labels).sum().double()
             seen += len(labels)
             if (i + 1) % self.args.log_every == 0:
@@ -228,7 +239,7 @@ class Trainer:
 
     def _step(self) -> None:
         dist.optimizer_step(self.optimizer, self.scaler)
-        self.optimizer.zero_grad()
+        fast.zero_grads(self.optimizer, keep=self.speed.keeps_grads)
         if self.first_step_time is None:
             self.first_step_time = time.time()
 
@@ -249,7 +260,7 @@ class Trainer:
         loss_sum = correct = seen = 0.0
         for images, labels in loader:
             images, labels = self._prepare(images, labels)
-            logits = self._forward(images).float()
+            logits = self._forward(images, self.model).float()
             loss_sum += float(self.loss_fn(logits, labels)) * len(labels)
             correct += float((logits.argmax(1) == labels).sum())
             seen += len(labels)
@@ -343,13 +354,13 @@ def run(args: TrainerArgs, world: World) -> dict[str, Any]:
     """Set up, train the epochs not yet done, finish; returns the metrics (rank 0 also writes
     them, with the model, to the output folder)."""
     started = time.perf_counter()
-    job = _set_up(args, world)
+    job = set_up(args, world)
     writer = _tensorboard(args, world)
     _train(job, writer)
     return _finish(job, writer, started)
 
 
-def _set_up(args: TrainerArgs, world: World) -> Job:
+def set_up(args: TrainerArgs, world: World) -> Job:
     """Data, model and optimizer on every rank, resumed from the newest checkpoint if any."""
     options = GradientOptions(
         fp16_allreduce=args.fp16_allreduce,
@@ -360,24 +371,28 @@ def _set_up(args: TrainerArgs, world: World) -> Job:
     dist.check_options(world, options)
     _seed_everything(args.seed + world.rank)
     data, skipped = _open_data(args, world)
-    # channels_last goes on the inputs only: convolutions then run in NHWC, while weights and
-    # so gradients stay contiguous, which Horovod's in-place collectives require.
+    speed = _speed(args, world)
     model = build_model(args.model, len(data.class_names)).to(world.device)
+    if not speed.contiguous_grads:
+        fast.set_layout(model, speed)  # before DDP builds its buckets on the weights' layout
     scale = dist.lr_scale(world, options)
-    base = torch.optim.SGD(
+    base = fast.sgd(
         model.parameters(),
+        speed,
         lr=args.lr * scale,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
     )
     # Wrapped before resuming, so the state loaded is the stepping optimizer's own.
     net, optimizer = dist.wrap(model, base, options)
-    use_amp = world.device.type == "cuda" and not args.no_amp
-    scaler = torch.amp.GradScaler("cuda") if use_amp else None
+    scaler = fast.grad_scaler(speed)
     start_epoch, history, resumed_from = _resume(args, world, model, optimizer, scaler)
     if resumed_from:
         log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
     dist.broadcast_state(model, optimizer)
+    if speed.contiguous_grads:
+        fast.set_layout(model, speed)  # after Horovod's broadcast, which takes contiguous tensors
+    fast.match_state_layout(optimizer)
     sampler, loader, steps_per_epoch = _train_loader(args, world, data.splits["train"])
     schedule = Schedule(
         args.lr,
@@ -386,7 +401,16 @@ def _set_up(args: TrainerArgs, world: World) -> Job:
         args.epochs * steps_per_epoch,
     )
     trainer = Trainer(
-        args, world, model, optimizer, schedule, scaler, nn.CrossEntropyLoss(), net=net
+        args,
+        world,
+        model,
+        optimizer,
+        schedule,
+        scaler,
+        nn.CrossEntropyLoss(),
+        speed,
+        fast.forward_fn(net, speed),
+        net=net,
     )
     return Job(
         args=args,
@@ -401,6 +425,25 @@ def _set_up(args: TrainerArgs, world: World) -> Job:
         history=history,
         resumed_from=resumed_from,
     )
+
+
+def _speed(args: TrainerArgs, world: World) -> fast.Speed:
+    """The step's switches on this device; a choice the device can't honour is a usage error."""
+    try:
+        speed = fast.resolve(
+            device=world.device,
+            precision=args.precision,
+            no_amp=args.no_amp,
+            channels_last=args.channels_last,
+            compile_model=args.compile,
+            optimizer_kernel=args.optimizer_kernel,
+            contiguous_grads=dist.contiguous_tensors(),
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    fast.configure_backends(speed)
+    log.info("speed: %s", ", ".join(f"{k}={v}" for k, v in speed.describe().items()))
+    return speed
 
 
 def _train_loader(
@@ -519,6 +562,7 @@ def _metrics(
         "resumed_from_epoch": job.resumed_from,
         "weights_digest_per_rank": digests,
         "device": str(world.device),
+        "speed": job.trainer.speed.describe(),
         "args": args.as_record(),
     }
 
@@ -569,10 +613,15 @@ def _tensorboard(args: TrainerArgs, world: World) -> Any:
     return SummaryWriter(log_dir=str(args.output_dir / "tensorboard"))
 
 
+def start_world(args: TrainerArgs) -> World:
+    """Join the job's process group (also what the GPU benchmark calls before ``set_up``)."""
+    return dist.init(args.engine, timeline=args.timeline)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_trainer_args(argv, description=__doc__)
     try:
-        world = dist.init(args.engine, timeline=args.timeline)
+        world = start_world(args)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
