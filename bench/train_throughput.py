@@ -172,7 +172,7 @@ def gpu_benchmark(args: argparse.Namespace) -> dict[str, object] | None:
     mean = statistics.mean(rates)
     spread = 1.96 * statistics.stdev(rates) if len(rates) > 1 else 0.0
     all_means = [float(m) for m in dist.gather_objects(mean)]  # type: ignore[arg-type]
-    dist.shutdown()
+    dist.shutdown(together=True)
     if world.rank != 0:
         return None
     return {

@@ -59,8 +59,11 @@ def _through(proxy: FaultProxy, azurite: str, container: str) -> ContainerClient
         container,
         api_version=API_VERSION,
         retry_total=3,
-        retry_backoff_factor=0.05,
-        retry_backoff_max=0.2,
+        # The storage SDK's ExponentialRetry reads these (it ignores azure-core's
+        # retry_backoff_*): waits of about 0.2 s rather than its default 15, 18, 24 s.
+        initial_backoff=0,
+        increment_base=0.2,
+        random_jitter_range=0.05,
         max_single_get_size=1 << 20,
         max_chunk_get_size=1 << 20,
     )

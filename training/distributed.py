@@ -277,8 +277,17 @@ def barrier() -> None:
     engine().barrier()
 
 
-def shutdown() -> None:
+def shutdown(*, together: bool) -> None:
+    """Leave the process group.
+
+    ``together`` when every rank reached the end of the job: the ranks meet first, because a
+    rank that closes its connections while a peer is still in its last collective can abort
+    that peer (Gloo: "terminate called without an active exception") and fail a finished job.
+    After an error the ranks may not all get here, so none waits for the others.
+    """
     global _active, _world
     if _active is not None:
+        if together:
+            _active.barrier()
         _active.shutdown()
     _active = _world = None

@@ -9,6 +9,7 @@ in-memory store, as the Horovod engine does without horovodrun.
 from __future__ import annotations
 
 import ctypes
+import gc
 import inspect
 import logging
 import os
@@ -207,5 +208,8 @@ class DdpEngine:
         dist.barrier()
 
     def shutdown(self) -> None:
+        # A DDP model left in a reference cycle keeps the process group alive until the
+        # interpreter is torn down, where Gloo's threads then abort the process: collect it now.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

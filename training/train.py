@@ -631,9 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         run(args, world)
     except (DatasetError, NonFiniteLossError, UsageError) as exc:
         print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
+        dist.shutdown(together=False)
         return 2
-    finally:
-        dist.shutdown()
+    dist.shutdown(together=True)
     return 0
 
 
