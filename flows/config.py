@@ -113,6 +113,13 @@ class PoolConfig(_Section):
         "retrain-pool", description="the Batch pool id: letters, digits, '-' and '_', at most 64"
     )
     vm_size: str = "local"
+    hourly_price: float = Field(
+        0.0,
+        ge=0,
+        description="what one node of vm_size costs per hour (the Azure price list for your "
+        "region and offer); each run's summary multiplies its node-minutes by it; 0 reports "
+        "node-minutes only",
+    )
     dedicated_nodes: int = Field(1, ge=0)
     low_priority_nodes: int = Field(
         0,

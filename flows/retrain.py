@@ -130,16 +130,21 @@ def retrain(
     data_container: str | None = None,
     data_prefix: str | None = None,
     data_version: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """One retrain. The ``data_*`` parameters are filled in by the new-data trigger; a manual
-    or nightly run leaves them empty and trains on the config's data location."""
+    or nightly run leaves them empty and trains on the config's data location. A run whose
+    data, code and settings are those of the last trained run ends as up to date before
+    anything is provisioned, unless ``force``."""
     from backends import factory
     from backends.blob import blob_link
+    from tasks.cost import PoolMeter
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
     from tasks.report import report
     from tasks.steps import record_only
     from tasks.training import collect_and_score, run_training, training_key
+    from tasks.up_to_date import check_up_to_date, remember_run, report_up_to_date
     from tasks.validate import validate_data
 
     logger = get_run_logger()
@@ -164,11 +169,17 @@ def retrain(
     output_prefix = f"{cfg.output.prefix}/runs/{run_id}".lstrip("/")
     run_dir = cfg.work_dir / "runs" / run_id
     cluster = factory.cluster(cfg)
+    meter = PoolMeter(cfg, cluster, run_id)  # node-minutes from the pool's own timestamps
     steps: list[dict[str, Any]] = []
+    check: dict[str, Any] = {"up_to_date": False}
     # One run per pool at a time, across deployments, shells and machines (flows/pool_lock.py).
     with hold_pool(cfg, f"flow run {flow_run.get_id() or run_id}", say=logger.info):
         try:
             steps.append(validate_data(cfg, run_dir, output_prefix))
+            check = check_up_to_date(cfg, output_prefix, force)
+            steps.append(record_only(check))
+            if check["up_to_date"]:  # nothing was provisioned: nothing to release
+                return report_up_to_date(run_id, steps, check, cfg, effective.source)
             scripts_f = upload_scripts.submit(cfg)
             image_f = build_image.submit(cfg)
             pool_f = ensure_pool.submit(cfg, cluster)
@@ -188,6 +199,8 @@ def retrain(
             key = training_key(
                 cfg, staged["details"]["data_version"], uploaded["details"]["code_version"]
             )
+            if force:  # a checkpoint of the same settings would resume: start afresh
+                key = f"{key}-{run_id}"
             # Batch retries the task itself on the same nodes; the local cluster needs Prefect to.
             trainer = run_training.with_options(
                 retries=0 if cluster.retries_in_service else cfg.retries.training_attempts - 1,
@@ -205,8 +218,14 @@ def retrain(
                 staged["details"]["data_version"],
             )
             steps.append(record_only(promotion))
+            remember_run(
+                cfg, run_id, check["fingerprint"], output_prefix, collected["score"]["accuracy"]
+            )
         finally:
-            steps.append(release_pool(cluster))
+            if not check["up_to_date"]:
+                meter.before_release()
+                steps.append(release_pool(cluster))
+    cost = meter.report()
     outputs_url = blob_link(cluster.outputs, output_prefix)  # no credential in it
     report(
         run_id,
@@ -218,6 +237,7 @@ def retrain(
         outputs_url,
         cfg,
         effective.source,
+        cost,
     )
     logger.info(
         "run %s: accuracy %.4f, %s",
@@ -233,6 +253,7 @@ def retrain(
         "outputs": outputs_url,
         "data_version": data_version,
         "steps": steps,
+        "cost": cost,
     }
 
 
@@ -248,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECTION.FIELD=VALUE",
         help="override one config value (repeatable); a text field takes the value as typed, "
         "numbers, booleans and lists are read as YAML, null clears an optional field",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="train even when data, code and settings are those of the last trained run",
     )
     p.add_argument(
         "--plan",
@@ -275,11 +301,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # The flow reads the file again (the run's parameters then say which file and overrides,
     # and its summary shows them); loading it above only checked it before anything starts.
-    state = retrain(config_path=str(args.config), overrides=args.set, return_state=True)
+    state = retrain(
+        config_path=str(args.config), overrides=args.set, force=args.force, return_state=True
+    )
     if not state.is_completed():
         print(f"retrain failed: {state.message}", file=sys.stderr)
         return 1
     result = state.result()
+    if result.get("up_to_date"):
+        print(f"run {result['run_id']}: {result['reason']}, nothing trained (--force trains)")
+        print(f"model in use: test accuracy {result['accuracy']:.4f}, outputs {result['outputs']}")
+        return 0
     print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
     print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
     print(f"outputs: {result['outputs']}")

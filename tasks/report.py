@@ -9,6 +9,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NONE
 
 from flows.config import PipelineConfig
+from tasks.cost import cost_markdown
 
 
 def config_markdown(config: PipelineConfig, source: str) -> list[str]:
@@ -32,6 +33,7 @@ def summary_markdown(
     data: dict[str, Any],
     config: PipelineConfig | None = None,
     config_source: str = "",
+    cost: dict[str, Any] | None = None,
 ) -> str:
     lines = [
         f"# Retrain {run_id}",
@@ -72,8 +74,9 @@ def summary_markdown(
         f"{metrics['world_size']} Horovod workers, {metrics['images_per_sec']:.0f} "
         f"images/s in total, {metrics['images_per_sec_per_worker']:.0f} per worker.",
     ]
+    lines += ["", *cost_markdown(cost)]
     if config is not None:
-        lines += ["", *config_markdown(config, config_source)]
+        lines += [*config_markdown(config, config_source)]
     return "\n".join(lines)
 
 
@@ -88,9 +91,12 @@ def report(
     outputs_url: str,
     config: PipelineConfig,
     config_source: str,
+    cost: dict[str, Any] | None = None,
 ) -> str:
     create_markdown_artifact(
-        summary_markdown(run_id, steps, metrics, score, decision, data, config, config_source),
+        summary_markdown(
+            run_id, steps, metrics, score, decision, data, config, config_source, cost
+        ),
         key="retrain-summary",
         description=f"retrain {run_id}",
     )

@@ -1,0 +1,184 @@
+"""Between the data gate and provisioning: is there anything to train?
+
+A nightly run over unchanged data would otherwise allocate a pool, stage nothing new, "resume"
+a finished checkpoint, export the same model and score it again: GPU nodes paid to do nothing.
+When the data version the gate validated, the code and image versions and the training settings
+all equal those of the last run that trained (``backends/last_run.py``) and that run's model is
+still there, the run is *up to date*: it ends before anything is provisioned, and its summary
+says which run it matched. ``force`` trains anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from backends.blob import blob_link, container_client
+from backends.image import content_tag
+from backends.last_run import LAST_RUN, LastRun, blob_exists, read_last_run, write_last_run
+from backends.listing import listing_blob, listing_version, parse_listing
+from backends.share import collect_files, file_sha256, tree_digest
+from flows.config import PipelineConfig
+from tasks.steps import step_record
+
+# What a fingerprint's fields are called in a sentence.
+FIELD_NAMES = {
+    "data_version": "data version",
+    "code_version": "code version",
+    "image": "training image",
+    "processes": "number of training processes",
+}
+
+
+def fingerprint(config: PipelineConfig, data_version: str) -> dict[str, Any]:
+    """Everything the trained model depends on: the data, the code the nodes run (the same
+    digest upload-scripts reports), the training image, the settings and the world size (the
+    learning rate scales with it)."""
+    from backends.factory import PROJECT_ROOT
+    from tasks.provision import SCRIPT_PACKAGES
+
+    files = collect_files(PROJECT_ROOT, SCRIPT_PACKAGES)
+    return {
+        "data_version": data_version,
+        "code_version": tree_digest({rel: file_sha256(path) for rel, path in files.items()}),
+        "image": content_tag(PROJECT_ROOT),
+        "training": config.training.model_dump(mode="json"),
+        "processes": config.pool.nodes * config.pool.processes_per_node,
+    }
+
+
+def differences(last: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What changed since ``last``, in words (empty when nothing did)."""
+    changed = []
+    for name, value in current.items():
+        before = last.get(name)
+        if name == "training" and isinstance(before, dict):
+            for field, setting in value.items():
+                if before.get(field) != setting:
+                    changed.append(f"training.{field} {before.get(field)!r} -> {setting!r}")
+        elif before != value:
+            changed.append(f"{FIELD_NAMES.get(name, name)} {before} -> {value}")
+    return changed
+
+
+def decide(
+    current: dict[str, Any],
+    last: LastRun | None,
+    unusable: str | None,
+    model_exists: bool,
+    force: bool,
+) -> tuple[bool, str]:
+    """(up to date, why), the reason written for the person reading the run's summary."""
+    if force:
+        return False, "force is set: training again whatever the last run was"
+    if last is None:
+        return False, unusable or f"no earlier trained run ({LAST_RUN} does not exist yet)"
+    changed = differences(last.fingerprint, current)
+    if changed:
+        return False, f"changed since run {last.run_id}: {'; '.join(changed)}"
+    if not model_exists:
+        return False, f"the model of run {last.run_id} ({last.model}) no longer exists"
+    return True, (
+        f"data version {current['data_version']}, code version {current['code_version']}, "
+        f"training image and settings are those of run {last.run_id} (finished "
+        f"{last.finished_at}, test accuracy {last.accuracy:.4f}), whose model {last.model} "
+        "exists; nothing was provisioned. Run with force=true to train anyway"
+    )
+
+
+@task(name="check-up-to-date", cache_policy=NONE)
+def check_up_to_date(config: PipelineConfig, output_prefix: str, force: bool) -> dict[str, Any]:
+    """Compare this run with the last trained one. The data version is the gate's: read from
+    the listing it pinned, so it is known before anything is staged."""
+    started = time.perf_counter()
+    outputs = container_client(config.output, config.retries.storage_retries)
+    pinned = listing_blob(output_prefix)
+    blobs = parse_listing(outputs.download_blob(pinned).readall(), pinned, config.data.prefix)
+    current = fingerprint(config, listing_version(blobs))
+    last, unusable = read_last_run(outputs)
+    exists = last is not None and blob_exists(outputs, last.model)
+    fresh, why = decide(current, last, unusable, exists, force)
+    get_run_logger().info("%s: %s", "up to date" if fresh else "training", why)
+    record = step_record(
+        "check-up-to-date",
+        started,
+        True,
+        up_to_date=fresh,
+        data_version=current["data_version"],
+        code_version=current["code_version"],
+        last_run=last.run_id if last else None,
+    )
+    return {**record, "why": why, "fingerprint": current, "last": last}
+
+
+def remember_run(
+    config: PipelineConfig,
+    run_id: str,
+    current: dict[str, Any],
+    output_prefix: str,
+    accuracy: float,
+) -> None:
+    """Called once a run's model is scored and promoted or not: the next run compares with it."""
+    outputs = container_client(config.output, config.retries.storage_retries)
+    write_last_run(
+        outputs,
+        LastRun(
+            run_id=run_id,
+            fingerprint=current,
+            model=f"{output_prefix}/model.pt",
+            outputs=output_prefix,
+            accuracy=accuracy,
+            finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        ),
+    )
+
+
+@task(name="report", cache_policy=NONE)
+def report_up_to_date(
+    run_id: str,
+    steps: list[dict[str, Any]],
+    check: dict[str, Any],
+    config: PipelineConfig,
+    config_source: str,
+) -> dict[str, Any]:
+    """The summary of a run that trained nothing: why, and where the current model is. No epoch
+    table or throughput: nothing was measured."""
+    from tasks.report import config_markdown
+
+    last: LastRun = check["last"]
+    outputs = container_client(config.output, config.retries.storage_retries)
+    outputs_url = blob_link(outputs, last.outputs)
+    lines = [
+        f"# Retrain {run_id}: up to date",
+        "",
+        f"**Nothing to train.** {check['why']}.",
+        "",
+        f"The model in use is [{last.model}]({blob_link(outputs, last.model)}) "
+        f"from run {last.run_id}.",
+        "",
+        "| step | status | seconds |",
+        "|---|---|---|",
+        *(f"| {s['step']} | {s['status']} | {s['seconds']:.2f} |" for s in steps),
+        "",
+        "Estimated cost: 0 node-minutes (no pool was provisioned).",
+        "",
+        *config_markdown(config, config_source),
+    ]
+    create_markdown_artifact(
+        "\n".join(lines), key="retrain-summary", description=f"retrain {run_id}: up to date"
+    )
+    return {
+        "run_id": run_id,
+        "up_to_date": True,
+        "accuracy": last.accuracy,
+        "promoted": False,
+        "reason": f"up to date with run {last.run_id}",
+        "outputs": outputs_url,
+        "steps": steps,
+        "cost": {"rented": False, "total_node_minutes": 0.0, "why": "no pool was provisioned"},
+    }
