@@ -9,6 +9,7 @@ environment variable or a Prefect block, and resolved inside the tasks that need
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from pathlib import Path
 from types import UnionType
@@ -393,9 +394,8 @@ def _parse_set(key: str, raw: str, dotted: list[str]) -> Any:
             return yaml.load(raw, Loader=yaml.BaseLoader)  # every scalar stays a string
         return yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        shown = raw if len(raw) <= 60 else f"{raw[:57]}..."
         problem = f"the value is not valid YAML{_where(exc)}"
-        raise ConfigError(f"--set {key}={shown}: {problem}") from None
+        raise ConfigError(f"--set {key}={_shown(raw)}: {problem}") from None
 
 
 def _set(tree: dict[str, Any], dotted: str) -> str:
@@ -422,6 +422,10 @@ def _assign(tree: dict[str, Any], parts: list[str], value: Any, origin: str) -> 
     node[leaf] = value
 
 
+def _shown(text: str) -> str:
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def _where(exc: yaml.YAMLError) -> str:
     """Where a YAML error is, without the text around it (which may be another file's secret)."""
     mark = getattr(exc, "problem_mark", None)
@@ -437,15 +441,39 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(top level)"
 
 
+def _suggestion(loc: tuple[Any, ...]) -> str:
+    """For a field the schema does not know: the closest one it does, if any is close."""
+    model: Any = PipelineConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        members = get_args(field.annotation) or (field.annotation,) if field else ()
+        model = next((m for m in members if hasattr(m, "model_fields")), None)
+    known = list(getattr(model, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    return f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+
+
 def _describe(exc: ValidationError, source: str, origins: dict[str, str]) -> str:
-    lines = [f"invalid config {source}:"]
+    """One line per problem, naming the field and where its value came from. When every
+    problem comes from a ``--set``, the ``--set`` is blamed, not the file."""
+    lines = []
+    blamed = set()
     for err in exc.errors():
         field = _field_name(err["loc"])
         origin = next(
-            (o for k, o in origins.items() if field == k or field.startswith(f"{k}.")), None
+            (
+                o
+                for k, o in origins.items()
+                if field == k or field.startswith(f"{k}.") or k.startswith(f"{field}.")
+            ),
+            None,
         )
-        lines.append(f"  {field}: {err['msg']}{f' ({origin})' if origin else ''}")
-    return "\n".join(lines)
+        blamed.add(origin.startswith("from --set") if origin else False)
+        hint = _suggestion(err["loc"]) if err["type"] == "extra_forbidden" else ""
+        lines.append(f"  {field}: {err['msg']}{hint}{f' ({origin})' if origin else ''}")
+    if blamed == {True}:
+        return "\n".join([f"invalid --set for {source} (the file itself is not at fault):", *lines])
+    return "\n".join([f"invalid config {source}:", *lines])
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -498,7 +526,7 @@ def load_config(
         raise ConfigError("give a config file or a config, not both")
     source = str(path) if path is not None else "(parameters)"
     tree = read_config_file(path) if path is not None else copy.deepcopy(base or {})
-    origins = {_set(tree, item): "from --set" for item in overrides or []}
+    origins = {_set(tree, item): f"from --set {_shown(item)}" for item in overrides or []}
     for dotted, value in (fields or {}).items():
         _assign(tree, dotted.split("."), value, dotted)
         origins[dotted] = "from the run's parameters"

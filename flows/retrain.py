@@ -13,13 +13,14 @@ import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
+from flows.form import FormConfig
 from flows.pool_lock import hold_pool, local_pool_lock
 
 
@@ -39,6 +40,7 @@ def effective_config(
     data_container: str | None = None,
     data_prefix: str | None = None,
     default_path: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> EffectiveConfig:
     """The flow's parameters to one validated config, with one precedence:
 
@@ -48,15 +50,16 @@ def effective_config(
     - a ``config`` together with a ``config_path`` chosen for this run is an error: which of
       the two the person meant is not knowable, and silently picking one trains the other;
     - otherwise the YAML file at ``config_path``;
-    then ``overrides`` (``section.field=value``), then ``data_container``/``data_prefix``
-    (what a new-data trigger fills in from its event), set on their fields as given.
+    then ``overrides`` (``section.field=value``), then ``settings`` (the form's own fields,
+    such as ``training.epochs``) and ``data_container``/``data_prefix`` (what a new-data
+    trigger fills in from its event), set on their fields as given.
     """
     if config is not None and config_path is not None and config_path != default_path:
         raise ConfigError(
             f"the run has both a config and config_path {config_path}: give one of them "
             "(the config form, or a file)"
         )
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = dict(settings or {})
     if data_container:
         fields["data.container"] = data_container
     if data_prefix is not None:
@@ -85,10 +88,17 @@ def resolve_config(
     data_container: str | None = None,
     data_prefix: str | None = None,
     default_path: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> PipelineConfig:
     return effective_config(
-        config, config_path, overrides, data_container, data_prefix, default_path
+        config, config_path, overrides, data_container, data_prefix, default_path, settings
     ).config
+
+
+def form_settings(epochs: int | None, model: str | None) -> dict[str, Any]:
+    """The form's first fields, as the config fields they set (left empty: the config's)."""
+    chosen = {"training.epochs": epochs, "training.model": model}
+    return {name: value for name, value in chosen.items() if value is not None}
 
 
 def deployment_config_path(deployment_id: Any) -> str | None:
@@ -116,6 +126,7 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
         params.get("data_container"),
         params.get("data_prefix"),
         deployment_config_path(flow_run.deployment_id),
+        form_settings(params.get("epochs"), params.get("model")),
     )
     with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
         if free:
@@ -124,18 +135,42 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
 
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
 def retrain(
-    config: PipelineConfig | None = None,
-    config_path: str | None = None,
-    overrides: list[str] | None = None,
+    epochs: int | None = None,
+    model: Literal["cnn", "resnet18", "resnet50"] | None = None,
     data_container: str | None = None,
     data_prefix: str | None = None,
-    data_version: str | None = None,
     force: bool = False,
+    overrides: list[str] | None = None,
+    config_path: str | None = None,
+    config: FormConfig | None = None,
+    data_version: str | None = None,
 ) -> dict[str, Any]:
-    """One retrain. The ``data_*`` parameters are filled in by the new-data trigger; a manual
-    or nightly run leaves them empty and trains on the config's data location. A run whose
-    data, code and settings are those of the last trained run ends as up to date before
-    anything is provisioned, unless ``force``."""
+    """Retrain the image classifier: gate the data, train with Horovod, score, promote.
+
+    A run whose data, code and settings are those of the last trained run ends as up to date
+    before anything is provisioned (force trains anyway).
+
+    Args:
+        epochs: Training epochs. Empty: the config's (configs/local.yaml has 4).
+        model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
+            config's.
+        data_container: The Blob container with the training data. Empty: the config's
+            data.container. The new-data trigger fills it in from its event.
+        data_prefix: The folder (data version) in that container, e.g. digits or images/v2.
+            Empty: the config's data.prefix. The new-data trigger fills it in too.
+        force: Train even when data, code and settings equal the last trained run's (which
+            otherwise ends the run as up to date, before any node is rented).
+        overrides: Any other config field, one per line as section.field=value, e.g.
+            training.lr=0.1 or pool.dedicated_nodes=2 (numbers, booleans and lists are read as
+            YAML; null clears an optional field). Applied after the config, before the fields
+            above.
+        config_path: The config file the run starts from (the deployment sets
+            configs/local.yaml). Ignored when the advanced config below is filled in.
+        config: Advanced: the whole config, every field, starting from the shipped config's
+            values. Filled in, it replaces the file at config_path.
+        data_version: For the new-data trigger only: the data version its event names, kept in
+            the run's log and result. Leave empty when starting a run by hand.
+    """
     from backends import factory
     from backends.blob import blob_link
     from tasks.cost import PoolMeter
@@ -155,6 +190,7 @@ def retrain(
         data_container,
         data_prefix,
         deployment_config_path(deployment.id),
+        form_settings(epochs, model),
     )
     cfg = effective.config
     logger.info("config: %s", effective.source)
@@ -258,7 +294,14 @@ def retrain(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m flows.retrain",
+        description=__doc__,
+        epilog="Config fields: every section and field, with its meaning and bounds, is in "
+        "flows/config.py (PipelineConfig); configs/local.yaml and configs/azure.example.yaml "
+        "set them. --show-config prints the config a run would use (the file with the --set "
+        "values applied) and starts nothing.",
+    )
     p.add_argument(
         "--config", required=True, type=Path, help="a YAML file, e.g. configs/local.yaml"
     )
@@ -269,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECTION.FIELD=VALUE",
         help="override one config value (repeatable); a text field takes the value as typed, "
         "numbers, booleans and lists are read as YAML, null clears an optional field",
+    )
+    p.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the effective config as YAML (the file plus --set) and exit",
     )
     p.add_argument(
         "--force",
@@ -286,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.show_config:
+        import yaml
+
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
     if args.plan:
         if config.target != "azure":
             print(

@@ -113,7 +113,7 @@ def check_up_to_date(config: PipelineConfig, output_prefix: str, force: bool) ->
         code_version=current["code_version"],
         last_run=last.run_id if last else None,
     )
-    return {**record, "why": why, "fingerprint": current, "last": last}
+    return {**record, "up_to_date": fresh, "why": why, "fingerprint": current, "last": last}
 
 
 def remember_run(

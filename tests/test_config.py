@@ -114,3 +114,36 @@ def test_promotion_decision(
     challenger: float, champion: float | None, margin: float, promoted: bool
 ) -> None:
     assert decide(challenger, champion, margin)[0] is promoted
+
+
+def test_an_unknown_field_suggests_the_closest_one(tmp_path: Path) -> None:
+    text = LOCAL.read_text().replace("  epochs: 4", "  epoch: 4")
+    (tmp_path / "typo.yaml").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "typo.yaml")
+    assert "training.epoch: Extra inputs are not permitted; did you mean training.epochs?" in str(
+        err.value
+    )
+    assert str(err.value).startswith(f"invalid config {tmp_path / 'typo.yaml'}:")
+    with pytest.raises(ConfigError, match=r"trainig: .*did you mean training\?"):
+        load_config(LOCAL, ["trainig.epochs=3"])
+
+
+def test_a_bad_set_is_blamed_on_the_set_not_the_file() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(LOCAL, ["training.epochs=abc"])
+    first, detail = str(err.value).split("\n")
+    assert first == f"invalid --set for {LOCAL} (the file itself is not at fault):"
+    assert detail.startswith("  training.epochs: ")
+    assert detail.endswith("(from --set training.epochs=abc)")
+
+
+def test_show_config_prints_the_effective_config(capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from flows.retrain import main
+
+    assert main(["--config", str(LOCAL), "--set", "training.epochs=2", "--show-config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown == load_config(LOCAL, ["training.epochs=2"]).model_dump(mode="json")
+    assert shown["training"]["epochs"] == 2
