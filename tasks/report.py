@@ -56,28 +56,46 @@ def summary_markdown(
             f"{k}={v}" for k, v in s["details"].items() if not isinstance(v, (dict, list))
         )
         lines.append(f"| {s['step']} | {s['status']} | {s['seconds']:.2f} | {details} |")
-    lines += [
-        "",
+    lines += ["", *epochs_markdown(steps, metrics)]
+    lines += ["", *cost_markdown(cost)]
+    if config is not None:
+        lines += [*config_markdown(config, config_source)]
+    return "\n".join(lines)
+
+
+def epochs_markdown(steps: list[dict[str, Any]], metrics: dict[str, Any]) -> list[str]:
+    """The epochs this run trained and their throughput; none when it trained none (a resumed,
+    finished checkpoint): figures from an earlier run would read as this run's."""
+    training = next((s for s in steps if s["step"] == "run-training"), None)
+    ran = set(training["details"].get("epochs_run") or []) if training else set()
+    if not ran:
+        resumed = training["details"].get("resumed_from_epoch") if training else None
+        return [
+            "## Epochs",
+            "",
+            f"No epoch was trained in this run: it resumed the finished checkpoint of epoch "
+            f"{resumed}, and the model was exported from it. Throughput was not measured.",
+        ]
+    lines = [
         "## Epochs",
         "",
         "| epoch | train loss | train accuracy | val accuracy | images/s |",
         "|---|---|---|---|---|",
     ]
     for e in metrics["epochs"]:
+        if e["epoch"] not in ran:
+            continue  # trained before the checkpoint this attempt resumed: not measured here
         val = f"{e['val_accuracy']:.4f}" if "val_accuracy" in e else "-"
         lines.append(
             f"| {e['epoch']} | {e['train_loss']:.4f} | {e['train_accuracy']:.4f} | {val} "
             f"| {e['images_per_sec']:.0f} |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         f"{metrics['world_size']} Horovod workers, {metrics['images_per_sec']:.0f} "
         f"images/s in total, {metrics['images_per_sec_per_worker']:.0f} per worker.",
     ]
-    lines += ["", *cost_markdown(cost)]
-    if config is not None:
-        lines += [*config_markdown(config, config_source)]
-    return "\n".join(lines)
 
 
 @task(name="report", cache_policy=NONE)

@@ -147,3 +147,16 @@ def test_show_config_prints_the_effective_config(capsys: pytest.CaptureFixture[s
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown == load_config(LOCAL, ["training.epochs=2"]).model_dump(mode="json")
     assert shown["training"]["epochs"] == 2
+
+
+def test_promotion_reasons_read_as_a_person_would_write_them() -> None:
+    assert (
+        decide(0.95, 0.93, 0.0)[1]
+        == "accuracy 0.9500 against the champion's 0.9300: better by 0.0200"
+    )
+    assert decide(0.91, 0.93, 0.0)[1].endswith("worse, so it does not beat it")
+    assert decide(0.931, 0.93, 0.002)[1].endswith(
+        "better by only 0.0010, not more than the 0.002 required"
+    )
+    for case in [(0.95, 0.93, 0.0), (0.93, 0.93, 0.0), (0.91, 0.93, 0.0)]:
+        assert "0.0000" not in decide(*case)[1]

@@ -1,0 +1,34 @@
+"""The run summary says only what the run measured (tasks/report.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.report import epochs_markdown
+
+METRICS = {
+    "epochs": [
+        {"epoch": e, "train_loss": 1.0 / e, "train_accuracy": 0.5, "images_per_sec": 900.0}
+        for e in (1, 2, 3)
+    ],
+    "world_size": 2,
+    "images_per_sec": 1800.0,
+    "images_per_sec_per_worker": 900.0,
+}
+
+
+def training(epochs_run: list[int], resumed: int | None) -> list[dict[str, Any]]:
+    details = {"epochs_run": epochs_run, "resumed_from_epoch": resumed}
+    return [{"step": "run-training", "status": "ran", "seconds": 1.0, "details": details}]
+
+
+def test_a_run_that_trained_nothing_shows_no_epochs_or_throughput() -> None:
+    text = "\n".join(epochs_markdown(training([], 3), METRICS))
+    assert "| epoch |" not in text and "images/s" not in text
+    assert "No epoch was trained in this run" in text and "epoch 3" in text
+
+
+def test_only_the_epochs_this_attempt_trained_are_listed() -> None:
+    text = "\n".join(epochs_markdown(training([2, 3], 1), METRICS))
+    assert "| 2 |" in text and "| 3 |" in text and "| 1 |" not in text
+    assert "1800 images/s in total" in text
