@@ -17,7 +17,7 @@ from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 
 from flows.config import PipelineConfig, load_config
@@ -32,6 +32,13 @@ def _section(annotation: Any) -> type[BaseModel] | None:
     candidates = [m for m in members if m is not type(None)] or [annotation]
     found = candidates[0] if len(candidates) == 1 else None
     return found if isinstance(found, type) and issubclass(found, BaseModel) else None
+
+
+def _from_base(cls: type[BaseModel], value: Any) -> Any:
+    """A config made in code (the base model, not the form's subclass) is a valid value too."""
+    if isinstance(value, BaseModel) and not isinstance(value, cls):
+        return value.model_dump()
+    return value
 
 
 def _default(info: FieldInfo, value: Any) -> FieldInfo:
@@ -60,7 +67,13 @@ def with_defaults(
             fields[name] = (sub, Field(default_factory=sub, description=info.description))
         else:
             fields[name] = (info.annotation, _default(info, value))
-    return create_model(title or model.__name__, __base__=model, __doc__=model.__doc__, **fields)
+    return create_model(
+        title or model.__name__,
+        __base__=model,
+        __doc__=model.__doc__,
+        __validators__={"_from_base": model_validator(mode="before")(_from_base)},  # type: ignore[dict-item]
+        **fields,
+    )
 
 
 if TYPE_CHECKING:
