@@ -32,3 +32,21 @@ def test_only_the_epochs_this_attempt_trained_are_listed() -> None:
     text = "\n".join(epochs_markdown(training([2, 3], 1), METRICS))
     assert "| 2 |" in text and "| 3 |" in text and "| 1 |" not in text
     assert "1800 images/s in total" in text
+
+
+def test_progress_says_where_training_is_how_fast_and_how_long_to_go() -> None:
+    from tasks.training import progress_text
+
+    seen = [
+        {"epoch": 1, "epochs": 4, "seconds": 30.0},
+        {"epoch": 2, "epochs": 4, "seconds": 50.0},
+    ]
+    record = {
+        **seen[-1],
+        "train_loss": 0.51234,
+        "train_accuracy": 0.8,
+        "images_per_sec": 912.4,
+    }
+    assert progress_text(record, seen) == (
+        "epoch 2 of 4: loss 0.5123, accuracy 0.8000, 912 images/s, about 1 min 20 s left"
+    )
