@@ -174,6 +174,12 @@ def test_azure_flow_end_to_end(
     assert again.result()["cost"]["total_node_minutes"] == 0
     assert len(batch.requests.all()) == sent
     assert len(batch.bodies("POST", "/pools")) == 1
+    report.record(
+        "cost",
+        "first run, then a re-run with nothing changed (up to date)",
+        f"{cost['total_node_minutes']:.2f} node-minutes, then 0",
+        **{phase.replace(" ", "_"): f"{m:.2f}" for phase, m in minutes.items()},
+    )
 
 
 def test_failed_training_still_releases_the_pool(
