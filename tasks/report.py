@@ -127,10 +127,12 @@ def report(
         description="precision, recall and F1 on the test split",
     )
     for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt"):
+        # A key per output, so the artifacts list tells the links apart (each run adds a
+        # version of the same four keys: the latest is the current run's).
         create_link_artifact(
             f"{outputs_url}/{name}",
             link_text=name,
-            key=None,
+            key=f"output-{name.replace('.', '-').replace('/', '-').replace('_', '-').lower()}",
             description=f"retrain {run_id}: {name}",
         )
     return outputs_url

@@ -309,9 +309,15 @@ def validate_data(config: PipelineConfig, run_dir: Path, output_prefix: str) -> 
         f"{len(records) - len(failed)} of {len(records)} expectations met. "
         f"Data Docs: {docs_url}",
         "",
-        "| table | expectation | column | unexpected | examples |",
-        "|---|---|---|---|---|",
     ]
+    # An empty table renders as a stray dot: a passed gate says so in words.
+    if failed:
+        lines += [
+            "| table | expectation | column | unexpected | examples |",
+            "|---|---|---|---|---|",
+        ]
+    else:
+        lines.append("Every expectation was met.")
     for r in failed:
         lines.append(
             f"| {r['table']} | {r['expectation']} | {r['column']} | {r['unexpected']} "

@@ -79,6 +79,9 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
 
     keys = {a.key for a in artifacts if a.key}
     assert {"data-gate", "retrain-summary", "per-class-metrics", "training-progress"} <= keys
+    assert {"output-model-pt", "output-metrics-json", "output-score-json"} <= keys
+    gate_report = next(a for a in artifacts if a.key == "data-gate").data
+    assert "Every expectation was met." in gate_report and "| table |" not in gate_report
     progress = [a for a in artifacts if a.key == "training-progress"]
     assert progress[0].data == 100.0
     summary = next(a for a in artifacts if a.key == "retrain-summary").data
