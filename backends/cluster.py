@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,6 +16,8 @@ from backends.taskspec import TaskSpec
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
+
+    from backends.cost import PoolUsage
 
 
 @dataclass
@@ -40,3 +43,9 @@ class Cluster(Protocol):
     def run_task(self, spec: TaskSpec, on_line: Callable[[str], None] = ...) -> TaskResult: ...
 
     def release(self) -> dict[str, Any]: ...
+
+    # What the run rented (backends/cost.py prices it); a cluster that rents nothing returns
+    # None from the first, and is never asked the second.
+    def node_allocations(self) -> list[datetime] | None: ...
+
+    def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage: ...

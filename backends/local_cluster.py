@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,8 @@ from training.atomic import atomic_write_json
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
+
+    from backends.cost import PoolUsage
 
 
 class ClusterError(RuntimeError):
@@ -287,6 +290,12 @@ class LocalCluster:
             if record is not None and is_alive(record):
                 found[pidfile.stem] = record
         return found
+
+    def node_allocations(self) -> list[datetime] | None:
+        return None  # this machine is not rented
+
+    def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage:
+        raise NotImplementedError("the local pool rents nothing to measure")
 
     def release(self) -> dict[str, object]:
         """Stop the tasks this pool started and mark it released (scaled to zero).

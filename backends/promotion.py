@@ -57,17 +57,18 @@ class Decision:
 
 
 def decide(challenger: float, champion: float | None, margin: float) -> tuple[bool, str]:
+    """Promote when the challenger beats the champion by more than ``margin``; the reason as a
+    person would say it (no "by more than 0.0000" when no margin is asked for)."""
     if champion is None:
         return True, f"no champion yet: accuracy {challenger:.4f} becomes the first"
-    if challenger > champion + margin:
-        return True, (
-            f"accuracy {challenger:.4f} beats the champion's {champion:.4f} "
-            f"by more than {margin:.4f}"
-        )
-    return False, (
-        f"accuracy {challenger:.4f} does not beat the champion's {champion:.4f} "
-        f"by more than {margin:.4f}"
-    )
+    ahead = challenger - champion
+    versus = f"accuracy {challenger:.4f} against the champion's {champion:.4f}"
+    if ahead > margin:
+        needed = f", more than the {margin:g} required" if margin else ""
+        return True, f"{versus}: better by {ahead:.4f}{needed}"
+    if ahead > 0:
+        return False, f"{versus}: better by only {ahead:.4f}, not more than the {margin:g} required"
+    return False, f"{versus}: {'the same' if ahead == 0 else 'worse'}, so it does not beat it"
 
 
 def rescore_on_cluster(

@@ -250,7 +250,14 @@ def pipeline(r: dict[str, Any]) -> list[str]:
     rows = ["| | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
 
     def row(label: str, fmt: Any) -> None:
-        rows.append(f"| {label} | " + " | ".join(fmt(v) for v in runs.values()) + " |")
+        # An up-to-date re-run has no training DAG: its cells for those figures are "-".
+        cells = []
+        for v in runs.values():
+            try:
+                cells.append(fmt(v))
+            except (KeyError, TypeError):
+                cells.append("-")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
 
     row("wall (flow run start to end)", lambda v: f"{v['wall_seconds']:.2f} s")
     row("sum of step times", lambda v: f"{v['sum_of_steps_seconds']:.2f} s")
@@ -277,6 +284,14 @@ def pipeline(r: dict[str, Any]) -> list[str]:
     for step in steps:
         row(f"step: {step}", lambda v, s=step: f"{v['steps'][s]:.2f} s")
     slowest = max(r["rerun_unchanged"]["steps"].items(), key=lambda kv: kv[1])
+    first, again = r["first_run"]["wall_seconds"], r["rerun_unchanged"]["wall_seconds"]
+    up_to_date = (
+        f"The re-run with nothing changed was up to date: it ended after the data gate, with "
+        f"no pool, staging, training or scoring, in {again / first:.2f}x the first run's wall "
+        "time. "
+        if r["rerun_unchanged"].get("up_to_date")
+        else ""
+    )
     start = r["startup"]
     return [
         "## The pipeline (`bench/pipeline.py`)",
@@ -288,7 +303,7 @@ def pipeline(r: dict[str, Any]) -> list[str]:
         *rows,
         "",
         f"Critical path of the first run: {' -> '.join(r['first_run']['critical_path'])}. "
-        f"The slowest step of the re-run is {slowest[0]} ({slowest[1]:.2f} s).",
+        f"{up_to_date}The slowest step of the re-run is {slowest[0]} ({slowest[1]:.2f} s).",
         "",
         f"Start-up: `python -m flows.retrain --help` takes {start['help_seconds']:.2f} s against "
         f"{start['import_prefect_seconds']:.2f} s for `import prefect` alone "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,13 @@ class PoolConfig(_Section):
         "retrain-pool", description="the Batch pool id: letters, digits, '-' and '_', at most 64"
     )
     vm_size: str = "local"
+    hourly_price: float = Field(
+        0.0,
+        ge=0,
+        description="what one node of vm_size costs per hour (the Azure price list for your "
+        "region and offer); each run's summary multiplies its node-minutes by it; 0 reports "
+        "node-minutes only",
+    )
     dedicated_nodes: int = Field(1, ge=0)
     low_priority_nodes: int = Field(
         0,
@@ -395,9 +403,8 @@ def _parse_set(key: str, raw: str, dotted: list[str]) -> Any:
             return yaml.load(raw, Loader=yaml.BaseLoader)  # every scalar stays a string
         return yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        shown = raw if len(raw) <= 60 else f"{raw[:57]}..."
         problem = f"the value is not valid YAML{_where(exc)}"
-        raise ConfigError(f"--set {key}={shown}: {problem}") from None
+        raise ConfigError(f"--set {key}={_shown(raw)}: {problem}") from None
 
 
 def _set(tree: dict[str, Any], dotted: str) -> str:
@@ -424,6 +431,10 @@ def _assign(tree: dict[str, Any], parts: list[str], value: Any, origin: str) -> 
     node[leaf] = value
 
 
+def _shown(text: str) -> str:
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def _where(exc: yaml.YAMLError) -> str:
     """Where a YAML error is, without the text around it (which may be another file's secret)."""
     mark = getattr(exc, "problem_mark", None)
@@ -439,18 +450,52 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(top level)"
 
 
+def _field_names(section: Any) -> list[str]:
+    """The fields of a config section: a pydantic model, or a dataclass (the training one)."""
+    if hasattr(section, "model_fields"):
+        return list(section.model_fields)
+    if dataclasses.is_dataclass(section):
+        return [f.name for f in dataclasses.fields(section)]
+    return []
+
+
+def _suggestion(loc: tuple[Any, ...]) -> str:
+    """For a field the schema does not know: the closest one it does, if any is close."""
+    model: Any = PipelineConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        members = get_args(field.annotation) or (field.annotation,) if field else ()
+        model = next((m for m in members if _field_names(m)), None)
+    known = _field_names(model)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    return f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+
+
 def _describe(exc: ValidationError, source: str, origins: dict[str, str]) -> str:
-    lines = [f"invalid config {source}:"]
+    """One line per problem, naming the field and where its value came from. When every
+    problem comes from a ``--set``, the ``--set`` is blamed, not the file."""
+    lines = []
+    blamed = set()
     for err in exc.errors():
         field = _field_name(err["loc"])
         origin = next(
-            (o for k, o in origins.items() if field == k or field.startswith(f"{k}.")), None
+            (
+                o
+                for k, o in origins.items()
+                if field == k or field.startswith(f"{k}.") or k.startswith(f"{field}.")
+            ),
+            None,
         )
+        blamed.add(origin.startswith("from --set") if origin else False)
         # An unknown key of the training section (a dataclass) is an "unexpected keyword
         # argument" to pydantic; it reads as in every other section.
+        unknown = err["type"] in ("extra_forbidden", "unexpected_keyword_argument")
         msg = _EXTRA if err["type"] == "unexpected_keyword_argument" else err["msg"]
-        lines.append(f"  {field}: {msg}{f' ({origin})' if origin else ''}")
-    return "\n".join(lines)
+        hint = _suggestion(err["loc"]) if unknown else ""
+        lines.append(f"  {field}: {msg}{hint}{f' ({origin})' if origin else ''}")
+    if blamed == {True}:
+        return "\n".join([f"invalid --set for {source} (the file itself is not at fault):", *lines])
+    return "\n".join([f"invalid config {source}:", *lines])
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -503,7 +548,7 @@ def load_config(
         raise ConfigError("give a config file or a config, not both")
     source = str(path) if path is not None else "(parameters)"
     tree = read_config_file(path) if path is not None else copy.deepcopy(base or {})
-    origins = {_set(tree, item): "from --set" for item in overrides or []}
+    origins = {_set(tree, item): f"from --set {_shown(item)}" for item in overrides or []}
     for dotted, value in (fields or {}).items():
         _assign(tree, dotted.split("."), value, dotted)
         origins[dotted] = "from the run's parameters"

@@ -12,7 +12,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
@@ -20,6 +20,7 @@ from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, PipelineConfig, load_config
 from core.run import Run
+from flows.form import FormConfig
 from flows.pool_lock import hold_pool, local_pool_lock
 
 
@@ -39,6 +40,7 @@ def effective_config(
     data_container: str | None = None,
     data_prefix: str | None = None,
     default_path: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> EffectiveConfig:
     """The flow's parameters to one validated config, with one precedence:
 
@@ -48,15 +50,16 @@ def effective_config(
     - a ``config`` together with a ``config_path`` chosen for this run is an error: which of
       the two the person meant is not knowable, and silently picking one trains the other;
     - otherwise the YAML file at ``config_path``;
-    then ``overrides`` (``section.field=value``), then ``data_container``/``data_prefix``
-    (what a new-data trigger fills in from its event), set on their fields as given.
+    then ``overrides`` (``section.field=value``), then ``settings`` (the form's own fields,
+    such as ``training.epochs``) and ``data_container``/``data_prefix`` (what a new-data
+    trigger fills in from its event), set on their fields as given.
     """
     if config is not None and config_path is not None and config_path != default_path:
         raise ConfigError(
             f"the run has both a config and config_path {config_path}: give one of them "
             "(the config form, or a file)"
         )
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = dict(settings or {})
     if data_container:
         fields["data.container"] = data_container
     if data_prefix is not None:
@@ -78,17 +81,10 @@ def effective_config(
     return EffectiveConfig(cfg, "; ".join([source, *notes]))
 
 
-def resolve_config(
-    config: PipelineConfig | dict[str, Any] | None,
-    config_path: str | None,
-    overrides: list[str] | None,
-    data_container: str | None = None,
-    data_prefix: str | None = None,
-    default_path: str | None = None,
-) -> PipelineConfig:
-    return effective_config(
-        config, config_path, overrides, data_container, data_prefix, default_path
-    ).config
+def form_settings(epochs: int | None, model: str | None) -> dict[str, Any]:
+    """The form's first fields, as the config fields they set (left empty: the config's)."""
+    chosen = {"training.epochs": epochs, "training.model": model}
+    return {name: value for name, value in chosen.items() if value is not None}
 
 
 def deployment_config_path(deployment_id: Any) -> str | None:
@@ -109,14 +105,15 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
     from backends.target import target_for
 
     params = flow_run.parameters
-    config = resolve_config(
+    config = effective_config(
         params.get("config"),
         params.get("config_path"),
         params.get("overrides"),
         params.get("data_container"),
         params.get("data_prefix"),
         deployment_config_path(flow_run.deployment_id),
-    )
+        form_settings(params.get("epochs"), params.get("model")),
+    ).config
     with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
         if free:
             target_for(config).cluster().release()
@@ -124,25 +121,53 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
 
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
 def retrain(
-    config: PipelineConfig | None = None,
-    config_path: str | None = None,
-    overrides: list[str] | None = None,
+    epochs: int | None = None,
+    model: Literal["cnn", "resnet18", "resnet50"] | None = None,
     data_container: str | None = None,
     data_prefix: str | None = None,
+    force: bool = False,
+    overrides: list[str] | None = None,
+    config_path: str | None = None,
+    config: FormConfig | None = None,
     data_version: str | None = None,
 ) -> dict[str, Any]:
-    """One retrain. The ``data_*`` parameters are filled in by the new-data trigger; a manual
-    or nightly run leaves them empty and trains on the config's data location.
-    ``data_version`` is the version the trigger's event announced (the completion marker's ETag,
-    or a hash of the listing): it is logged and returned, while what is trained, and compared
-    with the champion, is named by the staged version, a hash of the files staging wrote."""
+    """Retrain the image classifier: gate the data, train (Horovod or DDP), score, promote.
+
+    A run whose data, code and settings are those of the last trained run ends as up to date
+    before anything is provisioned (force trains anyway).
+
+    Args:
+        epochs: Training epochs. Empty: the config's (configs/local.yaml has 4).
+        model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
+            config's.
+        data_container: The Blob container with the training data. Empty: the config's
+            data.container. The new-data trigger fills it in from its event.
+        data_prefix: The folder (data version) in that container, e.g. digits or images/v2.
+            Empty: the config's data.prefix. The new-data trigger fills it in too.
+        force: Train even when data, code and settings equal the last trained run's (which
+            otherwise ends the run as up to date, before any node is rented).
+        overrides: Any other config field, one per line as section.field=value, e.g.
+            training.lr=0.1 or pool.dedicated_nodes=2 (numbers, booleans and lists are read as
+            YAML; null clears an optional field). Applied after the config, before the fields
+            above.
+        config_path: The config file the run starts from (the deployment sets
+            configs/local.yaml). Ignored when the advanced config below is filled in.
+        config: Advanced: the whole config, every field, starting from the shipped config's
+            values. Filled in, it replaces the file at config_path.
+        data_version: For the new-data trigger only: the data version its event names (the
+            completion marker's ETag, or a hash of the listing), kept in the run's log and
+            result. What is trained, and compared with the champion, is named by the staged
+            version, a hash of the files staging wrote. Leave empty when starting a run by hand.
+    """
     from backends.blob import blob_link
     from backends.target import target_for
+    from tasks.cost import PoolMeter
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
     from tasks.report import report
     from tasks.steps import StepRecord
     from tasks.train_and_score import collect_and_score, run_training, training_key
+    from tasks.up_to_date import check_up_to_date, remember_run, report_up_to_date
     from tasks.validate import validate_data
 
     logger = get_run_logger()
@@ -153,6 +178,7 @@ def retrain(
         data_container,
         data_prefix,
         deployment_config_path(deployment.id),
+        form_settings(epochs, model),
     )
     run_config = effective.config
     logger.info("config: %s", effective.source)
@@ -167,11 +193,19 @@ def retrain(
     target = target_for(run_config)
     cluster = target.cluster()
     steps: list[StepRecord] = []
+    meter = PoolMeter(run_config, cluster, run.id)  # node-minutes from the pool's own timestamps
+    fresh = False
     # One run per pool at a time, across deployments, shells and machines (flows/pool_lock.py).
     holder = f"flow run {flow_run.get_id() or run.id}"
     with hold_pool(run_config, holder, shared=cluster.shared, say=logger.info):
         try:
-            steps.append(validate_data(run_config, run).record)
+            gate = validate_data(run_config, run)
+            steps.append(gate.record)
+            check = check_up_to_date(run_config, gate.value, force)
+            steps.append(check.record)
+            fresh = check.value.fresh
+            if fresh:  # nothing was provisioned: nothing to release
+                return report_up_to_date(run.id, steps, check.value, run_config, effective.source)
             scripts_f = upload_scripts.submit(target)
             image_f = build_image.submit(target)
             pool_f = ensure_pool.submit(cluster)
@@ -190,6 +224,8 @@ def retrain(
             )
             steps += [scripts.record, staged.record, image.record, pool.record]
             key = training_key(run_config, staged.value.version, scripts.value)
+            if force:  # a checkpoint of the same settings would resume: start afresh
+                key = f"{key}-{run.id}"
             # Batch retries the task itself on the same nodes; the local cluster needs Prefect to.
             trainer = run_training.with_options(
                 retries=0
@@ -202,8 +238,12 @@ def retrain(
             steps.append(scored.record)
             promotion = promote(run_config, cluster, run, scored.value.score, staged.value.version)
             steps.append(promotion.record)
+            remember_run(run_config, run, check.value.fingerprint, scored.value.score["accuracy"])
         finally:
-            steps.append(release_pool(cluster).record)
+            if not fresh:
+                meter.before_release()
+                steps.append(release_pool(cluster).record)
+    cost = meter.report()
     outputs_url = blob_link(cluster.outputs, run.output_prefix)  # no credential in it
     decision, score = promotion.value, scored.value.score
     report(
@@ -215,6 +255,7 @@ def retrain(
         outputs_url,
         run_config,
         effective.source,
+        cost,
     )
     logger.info("run %s: accuracy %.4f, %s", run.id, score["accuracy"], decision.reason)
     return {
@@ -225,11 +266,19 @@ def retrain(
         "outputs": outputs_url,
         "data_version": data_version,
         "steps": [s.as_dict() for s in steps],
+        "cost": cost,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m flows.retrain",
+        description=__doc__,
+        epilog="Config fields: every section and field, with its meaning and bounds, is in "
+        "core/config.py (PipelineConfig); configs/local.yaml and configs/azure.example.yaml "
+        "set them. --show-config prints the config a run would use (the file with the --set "
+        "values applied) and starts nothing.",
+    )
     p.add_argument(
         "--config", required=True, type=Path, help="a YAML file, e.g. configs/local.yaml"
     )
@@ -242,6 +291,16 @@ def main(argv: list[str] | None = None) -> int:
         "numbers, booleans and lists are read as YAML, null clears an optional field",
     )
     p.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the effective config as YAML (the file plus --set) and exit",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="train even when data, code and settings are those of the last trained run",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="print, as JSON, every request an Azure run would send to Batch; call nothing",
@@ -252,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.show_config:
+        import yaml
+
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
     if args.plan:
         import json
 
@@ -267,11 +331,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # The flow reads the file again (the run's parameters then say which file and overrides,
     # and its summary shows them); loading it above only checked it before anything starts.
-    state = retrain(config_path=str(args.config), overrides=args.set, return_state=True)
+    state = retrain(
+        config_path=str(args.config), overrides=args.set, force=args.force, return_state=True
+    )
     if not state.is_completed():
         print(f"retrain failed: {state.message}", file=sys.stderr)
         return 1
     result = state.result()
+    if result.get("up_to_date"):
+        print(f"run {result['run_id']}: {result['reason']}, nothing trained (--force trains)")
+        print(f"model in use: test accuracy {result['accuracy']:.4f}, outputs {result['outputs']}")
+        return 0
     print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
     print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
     print(f"outputs: {result['outputs']}")

@@ -35,6 +35,10 @@ def gate_markdown(
         f"{len(records) - len(failed)} of {len(records)} expectations met. "
         f"Data Docs: {docs_url}",
         "",
+    ]
+    if not failed:  # an empty table renders as a stray dot: a passed gate says so in words
+        return "\n".join([*lines, "Every expectation was met."])
+    lines += [
         "| table | expectation | column | unexpected | examples |",
         "|---|---|---|---|---|",
     ]

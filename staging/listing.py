@@ -10,6 +10,7 @@ value). Kept free of heavy imports: the gate, the orchestrator and the node all 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -87,3 +88,11 @@ def parse_listing(data: bytes, source: str, prefix: str) -> list[PinnedBlob]:
             raise ListingError(f"pinned listing {source}: entry {i} is not name/etag/size/md5")
         blobs.append(PinnedBlob(e["name"], e["etag"], e["size"], e.get("md5")))
     return blobs
+
+
+def listing_version(blobs: Iterable[PinnedBlob]) -> str:
+    """The data version the gate validated, known before anything is staged: a digest of each
+    blob's name, size and content MD5 (its ETag when the service stored no MD5, so a blob
+    whose content cannot be told changes the version whenever it is written again)."""
+    entries = sorted((b.name, b.size, b.md5 or f"etag:{b.etag}") for b in blobs)
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]

@@ -46,6 +46,20 @@ def training_key(config: PipelineConfig, staged_version: str, code_version: str)
     return hashlib.sha256(settings.encode()).hexdigest()[:16]
 
 
+def progress_text(record: dict[str, Any], seen: list[dict[str, Any]]) -> str:
+    """One epoch's line for the progress artifact: where training is, how fast, how long to go
+    (the epochs left at the mean duration of those this attempt has trained)."""
+    seconds = [float(r["seconds"]) for r in seen if "seconds" in r]
+    left = (record["epochs"] - record["epoch"]) * (sum(seconds) / len(seconds)) if seconds else 0
+    minutes, secs = divmod(round(left), 60)
+    remaining = f"{minutes} min {secs} s" if minutes else f"{secs} s"
+    return (
+        f"epoch {record['epoch']} of {record['epochs']}: loss {record['train_loss']:.4f}, "
+        f"accuracy {record['train_accuracy']:.4f}, {record['images_per_sec']:.0f} images/s, "
+        f"about {remaining} left"
+    )
+
+
 @step("run-training")
 def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -> Done[None]:
     logger = get_run_logger()
@@ -73,8 +87,7 @@ def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -
             update_progress_artifact(
                 progress_id,
                 100.0 * record["epoch"] / record["epochs"],
-                description=f"epoch {record['epoch']} of {record['epochs']}: loss "
-                f"{record['train_loss']:.4f}, accuracy {record['train_accuracy']:.4f}",
+                description=progress_text(record, epochs),
             )
 
     result = cluster.run_task(spec, on_line)

@@ -18,7 +18,7 @@ from core.run import Run
 from gate.manifest import build_manifest, list_dataset
 from gate.report import failure, gate_markdown
 from gate.suites import run_expectations
-from staging.listing import listing_blob, listing_json
+from staging.listing import listing_blob, listing_json, listing_version
 from tasks.steps import Done, step
 
 
@@ -28,7 +28,9 @@ def gate_cache_dir(config: PipelineConfig) -> Path:
 
 
 @step("validate-data")
-def validate_data(config: PipelineConfig, run: Run) -> Done[None]:
+def validate_data(config: PipelineConfig, run: Run) -> Done[str]:
+    """The gate; its value is the validated listing's version (what the up-to-date check
+    compares, known before anything is staged)."""
     logger = get_run_logger()
     output_prefix = run.output_prefix
     retries = config.retries.storage_retries
@@ -59,7 +61,7 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[None]:
     )
     return Done(
         True,
-        None,
+        listing_version(blobs),
         {
             "images": len(rows),
             "read_from_cache": cached,

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from core.config import ConfigError, load_config
-from flows.retrain import main, resolve_config
+from flows.retrain import effective_config, main
 from tests.conftest import ROOT, child_env, prefect_api_env
 from tests.reliability import report
 
@@ -31,7 +31,9 @@ HOSTILE_PREFIXES = ["images/v1 #rollback", "!!binary aGk=", "2024", "2024-06-01"
 
 @pytest.mark.parametrize("prefix", HOSTILE_PREFIXES)
 def test_trigger_values_reach_their_fields_as_given(prefix: str) -> None:
-    config = resolve_config(None, str(LOCAL), None, data_container="123456", data_prefix=prefix)
+    config = effective_config(
+        None, str(LOCAL), None, data_container="123456", data_prefix=prefix
+    ).config
     assert (config.data.container, config.data.prefix) == ("123456", prefix)
     report.record(
         "adversarial",
@@ -78,7 +80,7 @@ def test_run_form_wins_over_the_default_path_and_a_chosen_path_conflicts() -> No
     chosen = effective_config(form, default, None, default_path=default)
     assert chosen.config.training.epochs == 1
     assert "default config_path configs/local.yaml is not used" in chosen.source
-    assert resolve_config(None, default, None, default_path=default).training.epochs == 4
+    assert effective_config(None, default, None, default_path=default).config.training.epochs == 4
     with pytest.raises(ConfigError, match="both a config and config_path"):
         effective_config(form, "configs/azure.example.yaml", None, default_path=default)
     with pytest.raises(ConfigError, match="both a config and config_path"):
@@ -196,13 +198,13 @@ def test_trigger_values_through_the_relay_and_the_deployment_trigger(
     )
     mine = [r for r in runs if str(r.parameters.get("data_version", "")).startswith(f"0x{tag}")]
     built = {
-        resolve_config(
+        effective_config(
             None,
             r.parameters["config_path"],
             None,
             r.parameters["data_container"],
             r.parameters["data_prefix"],
-        ).data.prefix
+        ).config.data.prefix
         for r in mine
     }
     assert built == set(HOSTILE_PREFIXES)

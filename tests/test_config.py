@@ -10,7 +10,7 @@ import pytest
 
 from backends.promotion import decide
 from core.config import ConfigError, PipelineConfig, load_config
-from flows.retrain import resolve_config
+from flows.retrain import effective_config
 from tests.conftest import ROOT, child_env
 
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -69,13 +69,15 @@ def test_file_problems_named(tmp_path: Path) -> None:
 
 def test_flow_accepts_a_model_or_a_path() -> None:
     cfg = load_config(LOCAL)
-    assert resolve_config(cfg, None, None) is cfg
-    from_path = resolve_config(None, str(LOCAL), ["training.epochs=2"])
+    assert effective_config(cfg, None, None).config is cfg
+    from_path = effective_config(None, str(LOCAL), ["training.epochs=2"]).config
     assert isinstance(from_path, PipelineConfig) and from_path.training.epochs == 2
-    from_dict = resolve_config(cfg.model_dump(mode="json"), None, ["pool.processes_per_node=1"])
+    from_dict = effective_config(
+        cfg.model_dump(mode="json"), None, ["pool.processes_per_node=1"]
+    ).config
     assert from_dict.pool.processes_per_node == 1
     with pytest.raises(ConfigError, match="needs a config"):
-        resolve_config(None, None, None)
+        effective_config(None, None, None)
 
 
 def test_cli_rejects_bad_config_with_the_field() -> None:
@@ -114,3 +116,49 @@ def test_promotion_decision(
     challenger: float, champion: float | None, margin: float, promoted: bool
 ) -> None:
     assert decide(challenger, champion, margin)[0] is promoted
+
+
+def test_an_unknown_field_suggests_the_closest_one(tmp_path: Path) -> None:
+    text = LOCAL.read_text().replace("  epochs: 4", "  epoch: 4")
+    (tmp_path / "typo.yaml").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "typo.yaml")
+    assert "training.epoch: Extra inputs are not permitted; did you mean training.epochs?" in str(
+        err.value
+    )
+    assert str(err.value).startswith(f"invalid config {tmp_path / 'typo.yaml'}:")
+    with pytest.raises(ConfigError, match=r"trainig: .*did you mean training\?"):
+        load_config(LOCAL, ["trainig.epochs=3"])
+
+
+def test_a_bad_set_is_blamed_on_the_set_not_the_file() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(LOCAL, ["training.epochs=abc"])
+    first, detail = str(err.value).split("\n")
+    assert first == f"invalid --set for {LOCAL} (the file itself is not at fault):"
+    assert detail.startswith("  training.epochs: ")
+    assert detail.endswith("(from --set training.epochs=abc)")
+
+
+def test_show_config_prints_the_effective_config(capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from flows.retrain import main
+
+    assert main(["--config", str(LOCAL), "--set", "training.epochs=2", "--show-config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown == load_config(LOCAL, ["training.epochs=2"]).model_dump(mode="json")
+    assert shown["training"]["epochs"] == 2
+
+
+def test_promotion_reasons_read_as_a_person_would_write_them() -> None:
+    assert (
+        decide(0.95, 0.93, 0.0)[1]
+        == "accuracy 0.9500 against the champion's 0.9300: better by 0.0200"
+    )
+    assert decide(0.91, 0.93, 0.0)[1].endswith("worse, so it does not beat it")
+    assert decide(0.931, 0.93, 0.002)[1].endswith(
+        "better by only 0.0010, not more than the 0.002 required"
+    )
+    for case in [(0.95, 0.93, 0.0), (0.93, 0.93, 0.0), (0.91, 0.93, 0.0)]:
+        assert "0.0000" not in decide(*case)[1]

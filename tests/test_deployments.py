@@ -141,6 +141,47 @@ def test_prefect_yaml_deployments(deployed: dict[str, Any]) -> None:
     assert trigger["expect"] == ["retrain.data.ready"]
 
 
+def _defaults(schema: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """Every field's default in a form section, nested sections followed through their $ref."""
+    values = {}
+    for name, field in schema["properties"].items():
+        ref = field.get("$ref") or next(
+            (a["$ref"] for a in field.get("anyOf", []) if "$ref" in a), None
+        )
+        if ref is not None and "default" not in field:
+            values[name] = _defaults(definitions[ref.rsplit("/", 1)[1]], definitions)
+        else:
+            values[name] = field["default"]  # a field without one would start empty
+    return values
+
+
+def test_the_run_form_starts_from_what_a_person_changes(deployed: dict[str, Any]) -> None:
+    from core.config import load_config
+
+    # The deployment's parameter schema, as the server holds it and the UI renders it.
+    schema = deployed["retrain/manual"].parameter_openapi_schema
+    fields = schema["properties"]
+    order = sorted(fields, key=lambda name: fields[name]["position"])
+    assert order[:5] == ["epochs", "model", "data_container", "data_prefix", "force"]
+    assert order[-1] == "data_version" and order[-2] == "config"
+    for name, field in fields.items():
+        assert len(field.get("description") or "") > 30, f"{name} is not described"
+    assert fields["force"]["default"] is False
+    assert fields["model"]["anyOf"][0]["enum"] == ["cnn", "resnet18", "resnet50"]
+    assert "section.field=value" in fields["overrides"]["description"]
+    assert "training.lr=0.1" in fields["overrides"]["description"]
+    assert fields["data_version"]["description"].startswith("For the new-data trigger only")
+    assert fields["config"]["description"].startswith("Advanced")
+    # The advanced section starts from the shipped config, every field of it; nothing in it
+    # is required (data and output containers included).
+    definitions = schema["definitions"]
+    form = definitions["PipelineConfig"]
+    shipped = load_config(ROOT / "configs" / "local.yaml").model_dump(mode="json")
+    assert _defaults(form, definitions) == shipped
+    assert not form.get("required")
+    assert not any(d.get("required") for d in definitions.values())
+
+
 def test_validation_handshakes_are_answered(relay: tuple[str, Any]) -> None:
     url, _ = relay
     validation = [

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
 SHARE_KEY = "c2hhcmUta2V5LXZhbHVlLWZvci10ZXN0cw=="
 REGISTRY_PASSWORD = "registry-password-value-for-tests"
+HOURLY_PRICE = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def _config(tmp_path: Path, *overrides: str) -> Any:
         "training.lr=0.05",
         "training.batch_size=16",
         "training.model=cnn",
+        f"pool.hourly_price={HOURLY_PRICE}",
         *overrides,
     )
 
@@ -141,6 +143,42 @@ def test_azure_flow_end_to_end(
         places_scanned="logs, artifacts, Batch command lines",
         command_lines=len(commands),
         hits=0,
+    )
+
+    # What the run paid for, from the fake service's own pool, node and task timestamps.
+    cost = result["cost"]
+    minutes = cost["node_minutes"]
+    assert cost["nodes"] == 2
+    assert min(minutes["allocating"], minutes["staging"], minutes["training"]) > 0
+    assert minutes["scoring"] > 0
+    assert cost["total_node_minutes"] == pytest.approx(sum(minutes.values()), abs=0.01)
+    assert cost["estimated_cost"] == pytest.approx(
+        cost["total_node_minutes"] / 60 * HOURLY_PRICE, abs=0.01
+    )
+    summary = next(a for a in artifacts if a.key == "retrain-summary").data
+    assert "## Cost" in summary and "| idle before release |" in summary
+    # Idle node-minutes (no task of the run on the pool) are the orchestrator's own steps:
+    # submitting the next task, collecting outputs, deciding the promotion, releasing. Each is
+    # far shorter than the training task, so together they stay under half of what training
+    # and staging used; a pool kept after its last task (a release after the report, a retry
+    # delay on the pool) breaks that first.
+    busy = minutes["staging"] + minutes["training"]
+    assert cost["idle_node_minutes"] < 0.5 * busy, cost
+
+    # Run again with nothing changed: up to date, and Batch gets not one request (no pool, no
+    # job): 0 node-minutes.
+    sent = len(batch.requests.all())
+    again = retrain(config=config, return_state=True)
+    assert again.is_completed(), again.message
+    assert again.result()["up_to_date"] is True
+    assert again.result()["cost"]["total_node_minutes"] == 0
+    assert len(batch.requests.all()) == sent
+    assert len(batch.bodies("POST", "/pools")) == 1
+    report.record(
+        "cost",
+        "first run, then a re-run with nothing changed (up to date)",
+        f"{cost['total_node_minutes']:.2f} node-minutes, then 0",
+        **{phase.replace(" ", "_"): f"{m:.2f}" for phase, m in minutes.items()},
     )
 
 

@@ -80,6 +80,9 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
 
     keys = {a.key for a in artifacts if a.key}
     assert {"data-gate", "retrain-summary", "per-class-metrics", "training-progress"} <= keys
+    assert {"output-model-pt", "output-metrics-json", "output-score-json"} <= keys
+    gate_report = next(a for a in artifacts if a.key == "data-gate").data
+    assert "Every expectation was met." in gate_report and "| table |" not in gate_report
     progress = [a for a in artifacts if a.key == "training-progress"]
     assert progress[0].data == 100.0
     summary = next(a for a in artifacts if a.key == "retrain-summary").data
@@ -106,13 +109,28 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     pool = json.loads((config.work_dir / "pools" / config.pool.id / "pool.json").read_text())
     assert pool["state"] == "released"
 
-    # A second run with nothing changed skips the scripts, data and image; a challenger
-    # trained for one epoch only is worse and is not promoted.
-    state2, _, _ = run(
+    # Run again with nothing changed: up to date, it ends after the gate and provisions,
+    # stages, trains and scores nothing.
+    pool_file = config.work_dir / "pools" / config.pool.id / "pool.json"
+    pool_before = pool_file.read_bytes()
+    same, same_runs, same_artifacts = run(config)
+    assert same.is_completed(), same.message
+    assert same.result()["up_to_date"] is True
+    assert set(same_runs) == {"validate-data", "check-up-to-date", "report"}
+    assert pool_file.read_bytes() == pool_before  # the pool was not even looked at
+    summary = next(a for a in same_artifacts if a.key == "retrain-summary").data
+    assert "up to date" in summary and result["run_id"] in summary
+    assert "| epoch |" not in summary and "images/s" not in summary
+
+    # Fewer epochs: the settings changed, so it trains (and says why); it skips the scripts,
+    # data and image; a challenger trained for one epoch only is worse and is not promoted.
+    state2, runs2, _ = run(
         config.model_copy(update={"training": dataclasses.replace(config.training, epochs=1)})
     )
     assert state2.is_completed(), state2.message
     steps = {s["step"]: s for s in state2.result()["steps"]}
+    assert steps["check-up-to-date"]["details"]["up_to_date"] is False
+    assert "run-training" in runs2
     assert steps["upload-scripts"]["status"] == "skipped"
     assert steps["stage-data"]["status"] == "skipped"
     assert steps["stage-data"]["details"]["downloaded"] == 0
@@ -125,6 +143,19 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert "does not beat" in state2.result()["reason"]
     champion = json.loads(outputs.download_blob("models/champion.json").readall())
     assert champion["run_id"] == result["run_id"]
+
+    # force trains the unchanged one-epoch config again, from scratch (no finished checkpoint
+    # resumed), and becomes the run the next one compares with.
+    one_epoch = config.model_copy(
+        update={"training": dataclasses.replace(config.training, epochs=1)}
+    )
+    forced = retrain(config=one_epoch, force=True, return_state=True)
+    assert forced.is_completed(), forced.message
+    steps = {s["step"]: s for s in forced.result()["steps"]}
+    assert steps["run-training"]["details"]["epochs_run"] == [1]
+    assert steps["run-training"]["details"]["resumed_from_epoch"] is None
+    last = json.loads(outputs.download_blob("models/last-run.json").readall())
+    assert last["run_id"] == forced.result()["run_id"]
 
 
 def _gate_case(case: str, source: Path) -> str:

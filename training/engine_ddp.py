@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from training.distributed import GradientOptions, UsageError, World
+from training.engine import GradientOptions, UsageError, World
 
 log = logging.getLogger("training")
 

@@ -10,7 +10,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from training.distributed import GradientOptions, UsageError, World
+from training.engine import GradientOptions, UsageError, World
 
 
 class HorovodEngine:

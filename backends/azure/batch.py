@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from azure.batch import BatchClient
     from azure.storage.blob import ContainerClient
 
+    from backends.cost import PoolUsage
+
 # Resize errors that no retry fixes: the account (Batch-service allocation mode) or the
 # subscription (user-subscription mode) has no more cores of that kind.
 QUOTA_CODES = {"AccountCoreQuotaReached", "AccountLowPriorityCoreQuotaReached"}
@@ -141,6 +143,20 @@ class BatchCluster:
         self._secrets = secrets  # (share key, registry password), fetched only for the pool
         self.polling = polling or Polling()
         self.pool_id = config.pool.id
+
+    # -- usage (backends/azure/usage.py reads it, backends/cost.py prices it) -------------------
+    def node_allocations(self) -> list[datetime] | None:
+        """Read before the release: the nodes leave the pool with it."""
+        from backends.azure.usage import node_allocations
+
+        return node_allocations(self.client, self.pool_id)
+
+    def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage:
+        from backends.azure.usage import pool_usage, released_at, run_tasks
+
+        until = released_at(self.client, self.pool_id)
+        tasks = run_tasks(self.client, self.pool_id, run_id, until)
+        return pool_usage(allocations, tasks, since, until)
 
     # -- pool ---------------------------------------------------------------------------------
     def ensure_pool(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ SECTIONS = {
     "inputs": "Bad input corpus",
     "secrets": "Secrets",
     "adversarial": "Adversarial inputs (hostile values and misuse on documented paths)",
+    "cost": "What a run's pool paid for (node-minutes by phase, Azure flow on the fakes)",
 }
 
 

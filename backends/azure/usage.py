@@ -1,0 +1,80 @@
+"""A run's pool usage as Azure Batch itself recorded it (``backends/cost.py`` prices it).
+
+Two readings, because the nodes leave the pool with the release: before it, each node's
+``allocationTime``; after it, the moment the pool was steady at zero nodes
+(``allocationStateTransitionTime``), and the run's tasks (their ``creationTime`` and
+``executionInfo.endTime``; jobs and tasks outlive the nodes). The service's clock is used
+throughout, so the orchestrator's clock skew does not enter the figures.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from backends.cost import PoolUsage, Span
+
+# The pipeline's task ids start with their step (backends/taskspec.py, tasks/*.py).
+PHASE_OF_TASK = (("stage-", "staging"), ("train-", "training"), ("score-", "scoring"))
+
+
+def node_allocations(client: Any, pool_id: str) -> list[datetime]:
+    """When each node now in the pool was allocated (none when the pool does not exist)."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        nodes = list(client.list_nodes(pool_id))
+    except ResourceNotFoundError:
+        return []
+    return [n.allocation_time for n in nodes if n.allocation_time is not None]
+
+
+def released_at(client: Any, pool_id: str) -> datetime:
+    """When the pool reached zero nodes; now, when it is gone (deleted) or still shrinking."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        pool = client.get_pool(pool_id)
+    except ResourceNotFoundError:
+        return datetime.now(UTC)
+    nodes = (pool.current_dedicated_nodes or 0) + (pool.current_low_priority_nodes or 0)
+    moment = pool.allocation_state_transition_time
+    if pool.allocation_state == "steady" and nodes == 0 and moment is not None:
+        return moment
+    return datetime.now(UTC)
+
+
+def run_tasks(client: Any, pool_id: str, run_id: str, until: datetime) -> dict[str, list[Span]]:
+    """The run's task spans by phase: from creation (the nodes are committed to the task from
+    then, also across Batch's own retries) to the end (``until`` for one still running)."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    spans: dict[str, list[Span]] = {}
+    for job in client.list_jobs():
+        job_id = str(job.id or "")
+        pool = job.pool_info.pool_id if job.pool_info else None
+        if pool != pool_id or not job_id.startswith(f"{pool_id}-") or run_id not in job_id:
+            continue
+        task_id = job_id[len(pool_id) + 1 :]  # one task per job, named as the job's suffix
+        phase = next((p for prefix, p in PHASE_OF_TASK if task_id.startswith(prefix)), None)
+        if phase is None:
+            continue
+        try:
+            task = client.get_task(job_id, task_id)
+        except ResourceNotFoundError:
+            continue
+        info = task.execution_info
+        end = info.end_time if info is not None and info.end_time is not None else until
+        spans.setdefault(phase, []).append(Span(task.creation_time, end))
+    return spans
+
+
+def pool_usage(
+    allocations: list[datetime],
+    tasks: dict[str, list[Span]],
+    since: datetime,
+    until: datetime,
+) -> PoolUsage:
+    """Nodes counted from their allocation, or from ``since`` (the run's start) for a node that
+    was already in the pool, until the release."""
+    return PoolUsage([Span(max(a, since), until) for a in allocations], tasks)

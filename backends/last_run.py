@@ -1,0 +1,82 @@
+"""The last trained run: what the next run compares itself with to know it has nothing to do.
+
+``models/last-run.json`` in the output container (beside the champion record) holds the
+fingerprint of the last run that trained and scored a model: the data version the gate saw,
+the code and image versions, the training settings and the number of processes, with the run's
+id, model blob and accuracy. It is written only after a run's model was scored and the promotion
+decided, so a run that failed half-way never makes the next one skip its training.
+
+A stored record that cannot be used (not JSON, another shape) is reported with the reason and
+counts as no record: the next run trains, and says why, instead of crashing or skipping.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
+
+LAST_RUN = "models/last-run.json"
+MAX_RECORD_BYTES = 64 << 10  # a record is well under 2 KB
+
+
+@dataclass(frozen=True)
+class LastRun:
+    """A valid last-run record."""
+
+    run_id: str
+    fingerprint: dict[str, Any]
+    model: str  # blob in the output container
+    outputs: str  # the run's output prefix
+    accuracy: float
+    finished_at: str  # ISO 8601, UTC
+
+
+def _parse(data: bytes) -> LastRun | str:
+    """The record in ``data``, or why it is unusable."""
+    if len(data) > MAX_RECORD_BYTES:
+        return f"larger than {MAX_RECORD_BYTES} bytes"
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if not isinstance(doc, dict):
+        return "not a JSON object"
+    wanted: dict[str, type | tuple[type, ...]] = {
+        "run_id": str,
+        "fingerprint": dict,
+        "model": str,
+        "outputs": str,
+        "accuracy": (int, float),
+        "finished_at": str,
+    }
+    for name, kind in wanted.items():
+        if not isinstance(doc.get(name), kind) or isinstance(doc.get(name), bool):
+            return f"field {name} is missing or not a {getattr(kind, '__name__', 'number')}"
+    return LastRun(**{name: doc[name] for name in wanted})
+
+
+def read_last_run(outputs: ContainerClient) -> tuple[LastRun | None, str | None]:
+    """(the record, None), (None, None) when there is none, or (None, why it is unusable)."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        data = outputs.download_blob(LAST_RUN).readall()
+    except ResourceNotFoundError:
+        return None, None
+    parsed = _parse(data)
+    if isinstance(parsed, str):
+        return None, f"{LAST_RUN} is unusable ({parsed})"
+    return parsed, None
+
+
+def write_last_run(outputs: ContainerClient, record: LastRun) -> None:
+    """Replace the record (one blob upload: a reader sees the old record or the new one)."""
+    outputs.upload_blob(LAST_RUN, json.dumps(asdict(record), indent=2), overwrite=True)
+
+
+def blob_exists(outputs: ContainerClient, name: str) -> bool:
+    return bool(outputs.get_blob_client(name).exists())

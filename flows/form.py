@@ -1,0 +1,86 @@
+"""The run form's advanced section: the whole ``PipelineConfig``, with the shipped config's values
+as its defaults.
+
+The Prefect UI fills a section's fields with the defaults of the parameter's JSON schema. With
+the schema's own defaults a person who opens the advanced section would see values no shipped
+config has (5 epochs, pool ``retrain-pool``) and empty, required containers; here every default
+is the value of the config file the deployments use (``configs/local.yaml``, or the file named by
+``RETRAIN_FORM_CONFIG`` when ``prefect deploy`` runs). Validation is ``PipelineConfig``'s own:
+these are subclasses that change defaults only.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, Field, create_model, model_validator
+from pydantic.fields import FieldInfo
+
+from core.config import PipelineConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+FORM_CONFIG = os.environ.get("RETRAIN_FORM_CONFIG") or str(ROOT / "configs" / "local.yaml")
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a section field (``X`` or ``X | None``), else None."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+    candidates = [m for m in members if m is not type(None)] or [annotation]
+    found = candidates[0] if len(candidates) == 1 else None
+    return found if isinstance(found, type) and issubclass(found, BaseModel) else None
+
+
+def _from_base(cls: type[BaseModel], value: Any) -> Any:
+    """A config made in code (the base model, not the form's subclass) is a valid value too."""
+    if isinstance(value, BaseModel) and not isinstance(value, cls):
+        return value.model_dump()
+    return value
+
+
+def _default(info: FieldInfo, value: Any, validate: bool) -> FieldInfo:
+    """``info`` (description, bounds) with ``value`` as its default instead of its own.
+    ``validate``: the default is a section given as a mapping (the training section is a
+    dataclass, not a model), which validation turns into the section itself."""
+    base = copy.copy(info)
+    base.default_factory = None
+    base._attributes_set = {k: v for k, v in info._attributes_set.items() if k != "default_factory"}
+    return FieldInfo.merge_field_infos(base, default=value, validate_default=validate)
+
+
+def with_defaults(
+    model: type[BaseModel], values: dict[str, Any], title: str | None = None
+) -> type[BaseModel]:
+    """A subclass of ``model`` whose defaults are ``values`` (nested sections alike). A section
+    type used by several fields (data and output are both a BlobLocation) is named after each
+    field, so the form's sections have names a person can tell apart."""
+    fields: dict[str, Any] = {}
+    sections = [_section(info.annotation) for info in model.model_fields.values()]
+    for name, info in model.model_fields.items():
+        if name not in values:
+            continue
+        value, section = values[name], _section(info.annotation)
+        if section is not None and isinstance(value, dict):
+            shared = sections.count(section) > 1
+            sub = with_defaults(section, value, f"{name.capitalize()}Location" if shared else None)
+            fields[name] = (sub, Field(default_factory=sub, description=info.description))
+        else:
+            fields[name] = (info.annotation, _default(info, value, isinstance(value, dict)))
+    return create_model(
+        title or model.__name__,
+        __base__=model,
+        __doc__=model.__doc__,
+        __validators__={"_from_base": model_validator(mode="before")(_from_base)},  # type: ignore[dict-item]
+        **fields,
+    )
+
+
+if TYPE_CHECKING:
+    FormConfig = PipelineConfig
+else:
+    # Every field, the file's values and the schema's own where the file is silent, so the
+    # form shows a default for each (a field whose default is computed shows none otherwise).
+    FormConfig = with_defaults(PipelineConfig, load_config(FORM_CONFIG).model_dump())

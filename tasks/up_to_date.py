@@ -1,0 +1,190 @@
+"""Between the data gate and provisioning: is there anything to train?
+
+A nightly run over unchanged data would otherwise allocate a pool, stage nothing new, "resume"
+a finished checkpoint, export the same model and score it again: GPU nodes paid to do nothing.
+When the data version the gate validated, the code and image versions and the training settings
+all equal those of the last run that trained (``backends/last_run.py``) and that run's model is
+still there, the run is *up to date*: it ends before anything is provisioned, and its summary
+says which run it matched. ``force`` trains anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from backends.blob import blob_link, container_client
+from backends.image import content_tag
+from backends.last_run import LAST_RUN, LastRun, blob_exists, read_last_run, write_last_run
+from backends.share import collect_files, file_sha256, tree_digest
+from backends.target import PROJECT_ROOT
+from core.config import PipelineConfig
+from core.run import Run
+from tasks.provision import SCRIPT_PACKAGES
+from tasks.steps import Done, StepRecord, step
+
+# What a fingerprint's fields are called in a sentence.
+FIELD_NAMES = {
+    "data_version": "data version",
+    "code_version": "code version",
+    "image": "training image",
+    "processes": "number of training processes",
+}
+
+
+def fingerprint(config: PipelineConfig, data_version: str) -> dict[str, Any]:
+    """Everything the trained model depends on: the data, the code the nodes run (the same
+    digest upload-scripts reports), the training image, the settings and the world size (the
+    learning rate scales with it)."""
+    files = collect_files(PROJECT_ROOT, SCRIPT_PACKAGES)
+    return {
+        "data_version": data_version,
+        "code_version": tree_digest({rel: file_sha256(path) for rel, path in files.items()}),
+        "image": content_tag(PROJECT_ROOT),
+        # As JSON would store it, so a record read back compares equal.
+        "training": json.loads(json.dumps(dataclasses.asdict(config.training), default=str)),
+        "processes": config.pool.nodes * config.pool.processes_per_node,
+    }
+
+
+def differences(last: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What changed since ``last``, in words (empty when nothing did)."""
+    changed = []
+    for name, value in current.items():
+        before = last.get(name)
+        if name == "training" and isinstance(before, dict):
+            for field, setting in value.items():
+                if before.get(field) != setting:
+                    changed.append(f"training.{field} {before.get(field)!r} -> {setting!r}")
+        elif before != value:
+            changed.append(f"{FIELD_NAMES.get(name, name)} {before} -> {value}")
+    return changed
+
+
+def decide(
+    current: dict[str, Any],
+    last: LastRun | None,
+    unusable: str | None,
+    model_exists: bool,
+    force: bool,
+) -> tuple[bool, str]:
+    """(up to date, why), the reason written for the person reading the run's summary."""
+    if force:
+        return False, "force is set: training again whatever the last run was"
+    if last is None:
+        return False, unusable or f"no earlier trained run ({LAST_RUN} does not exist yet)"
+    changed = differences(last.fingerprint, current)
+    if changed:
+        return False, f"changed since run {last.run_id}: {'; '.join(changed)}"
+    if not model_exists:
+        return False, f"the model of run {last.run_id} ({last.model}) no longer exists"
+    return True, (
+        f"data version {current['data_version']}, code version {current['code_version']}, "
+        f"training image and settings are those of run {last.run_id} (finished "
+        f"{last.finished_at}, test accuracy {last.accuracy:.4f}), whose model {last.model} "
+        "exists; nothing was provisioned. Run with force=true to train anyway"
+    )
+
+
+@dataclass(frozen=True)
+class UpToDate:
+    """Whether the run has anything to train, why, and what it is compared by."""
+
+    fresh: bool  # True: nothing to train
+    why: str
+    fingerprint: dict[str, Any]
+    last: LastRun | None
+
+
+@step("check-up-to-date")
+def check_up_to_date(config: PipelineConfig, data_version: str, force: bool) -> Done[UpToDate]:
+    """Compare this run with the last trained one. ``data_version`` is the gate's (the version
+    of the listing it pinned), so it is known before anything is staged."""
+    outputs = container_client(config.output, config.retries.storage_retries)
+    current = fingerprint(config, data_version)
+    last, unusable = read_last_run(outputs)
+    exists = last is not None and blob_exists(outputs, last.model)
+    fresh, why = decide(current, last, unusable, exists, force)
+    get_run_logger().info("%s: %s", "up to date" if fresh else "training", why)
+    return Done(
+        True,
+        UpToDate(fresh, why, current, last),
+        {
+            "up_to_date": fresh,
+            "data_version": current["data_version"],
+            "code_version": current["code_version"],
+            "last_run": last.run_id if last else None,
+        },
+    )
+
+
+def remember_run(
+    config: PipelineConfig, run: Run, current: dict[str, Any], accuracy: float
+) -> None:
+    """Called once a run's model is scored and promoted or not: the next run compares with it."""
+    outputs = container_client(config.output, config.retries.storage_retries)
+    write_last_run(
+        outputs,
+        LastRun(
+            run_id=run.id,
+            fingerprint=current,
+            model=f"{run.output_prefix}/model.pt",
+            outputs=run.output_prefix,
+            accuracy=accuracy,
+            finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        ),
+    )
+
+
+@task(name="report", cache_policy=NONE)
+def report_up_to_date(
+    run_id: str,
+    steps: list[StepRecord],
+    check: UpToDate,
+    config: PipelineConfig,
+    config_source: str,
+) -> dict[str, Any]:
+    """The summary of a run that trained nothing: why, and where the current model is. No epoch
+    table or throughput: nothing was measured."""
+    from tasks.report import config_markdown
+
+    last = check.last
+    assert last is not None  # up to date means a last run matched
+    outputs = container_client(config.output, config.retries.storage_retries)
+    outputs_url = blob_link(outputs, last.outputs)
+    lines = [
+        f"# Retrain {run_id}: up to date",
+        "",
+        f"**Nothing to train.** {check.why}.",
+        "",
+        f"The model in use is [{last.model}]({blob_link(outputs, last.model)}) "
+        f"from run {last.run_id}.",
+        "",
+        "| step | status | seconds |",
+        "|---|---|---|",
+        *(f"| {s.step} | {s.status} | {s.seconds:.2f} |" for s in steps),
+        "",
+        "Estimated cost: 0 node-minutes (no pool was provisioned).",
+        "",
+        *config_markdown(config, config_source),
+    ]
+    create_markdown_artifact(
+        "\n".join(lines), key="retrain-summary", description=f"retrain {run_id}: up to date"
+    )
+    return {
+        "run_id": run_id,
+        "up_to_date": True,
+        "accuracy": last.accuracy,
+        "promoted": False,
+        "reason": f"up to date with run {last.run_id}",
+        "outputs": outputs_url,
+        "steps": [s.as_dict() for s in steps],
+        "cost": {"rented": False, "total_node_minutes": 0.0, "why": "no pool was provisioned"},
+    }

@@ -1,0 +1,88 @@
+"""The up-to-date decision and the last-run record it reads (tasks/up_to_date.py,
+backends/last_run.py); the flow's up-to-date path is in test_flow_local and test_flow_azure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backends.last_run import LastRun, _parse
+from staging.listing import PinnedBlob, listing_version
+from tasks.up_to_date import decide
+
+CURRENT = {
+    "data_version": "d1",
+    "code_version": "c1",
+    "image": "i1",
+    "training": {"epochs": 4, "lr": 0.05},
+    "processes": 2,
+}
+
+
+def last(**changes: object) -> LastRun:
+    return LastRun(
+        run_id="run-a",
+        fingerprint={**CURRENT, **changes},
+        model="runs/run-a/model.pt",
+        outputs="runs/run-a",
+        accuracy=0.93,
+        finished_at="2026-11-23T02:10:00+00:00",
+    )
+
+
+def test_same_fingerprint_with_its_model_is_up_to_date() -> None:
+    fresh, why = decide(CURRENT, last(), None, True, False)
+    assert fresh and "run-a" in why and "force" in why
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"data_version": "d0"}, "data version d0 -> d1"),
+        ({"code_version": "c0"}, "code version c0 -> c1"),
+        ({"training": {"epochs": 3, "lr": 0.05}}, "training.epochs 3 -> 4"),
+        ({"processes": 4}, "number of training processes 4 -> 2"),
+    ],
+)
+def test_any_change_trains_and_is_named(change: dict[str, object], named: str) -> None:
+    fresh, why = decide(CURRENT, last(**change), None, True, False)
+    assert not fresh and named in why
+
+
+def test_force_a_missing_model_and_no_record_train() -> None:
+    assert decide(CURRENT, last(), None, True, True) == (
+        False,
+        "force is set: training again whatever the last run was",
+    )
+    fresh, why = decide(CURRENT, last(), None, False, False)
+    assert not fresh and "runs/run-a/model.pt" in why and "no longer exists" in why
+    fresh, why = decide(CURRENT, None, None, False, False)
+    assert not fresh and "no earlier trained run" in why
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"not json", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b"{}", "field run_id is missing"),
+        (json.dumps({**vars(last()), "accuracy": True}).encode(), "field accuracy"),
+    ],
+)
+def test_a_damaged_record_is_named_not_trusted(data: bytes, why: str) -> None:
+    parsed = _parse(data)
+    assert isinstance(parsed, str) and why in parsed
+    fresh, reason = decide(CURRENT, None, f"unusable ({parsed})", False, False)
+    assert not fresh and why in reason
+
+
+def test_gate_data_version_follows_content_not_upload() -> None:
+    a = PinnedBlob("d/train/0/a.png", "etag-1", 10, "md5-a")
+    same_content = PinnedBlob("d/train/0/a.png", "etag-2", 10, "md5-a")
+    new_content = PinnedBlob("d/train/0/a.png", "etag-3", 10, "md5-b")
+    no_md5 = PinnedBlob("d/train/0/a.png", "etag-4", 10, None)
+    assert listing_version([a]) == listing_version([same_content])
+    assert listing_version([a]) != listing_version([new_content])
+    rewritten = PinnedBlob("d/train/0/a.png", "etag-5", 10, None)
+    assert listing_version([no_md5]) != listing_version([rewritten])  # content unknown
