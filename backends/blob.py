@@ -108,6 +108,43 @@ def container_client(
     return client
 
 
+def unreachable(location: BlobLocation, field: str) -> str | None:
+    """Why ``location`` cannot be used, found in a second before a run starts anything (a
+    Prefect server, a pool): credentials that do not resolve, or storage that does not answer
+    (on the local target, Azurite not running). None when it answers; a missing container is
+    not a problem here (the gate names a missing data container, outputs are created)."""
+    from azure.core.exceptions import (
+        ClientAuthenticationError,
+        HttpResponseError,
+        ResourceNotFoundError,
+        ServiceRequestError,
+    )
+
+    try:
+        client = container_client(location, retries=0)
+    except StorageConfigError as exc:
+        return f"{field}: {exc}"
+    try:
+        client.get_container_properties(timeout=10)
+    except ResourceNotFoundError:
+        return None
+    except ServiceRequestError as exc:
+        local = "127.0.0.1" in client.url or "localhost" in client.url
+        hint = (
+            "; on the local target, start Azurite first (`make demo` starts its own)"
+            if local
+            else ""
+        )
+        return (
+            f"{field}: Blob storage at {blob_link(client)} does not answer "
+            f"({type(exc).__name__}){hint}"
+        )
+    except (ClientAuthenticationError, HttpResponseError) as exc:
+        code = getattr(exc, "error_code", None) or getattr(exc, "status_code", "")
+        return f"{field}: Blob storage at {blob_link(client)} refused the credentials ({code})"
+    return None
+
+
 def blob_link(container: ContainerClient, name: str = "") -> str:
     """The address of a blob (of the container itself for ``name=""``), with no credential in it.
 

@@ -329,6 +329,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(json.dumps(plan, indent=2))
         return 0
+    from backends.blob import unreachable
+
+    problems = [
+        p for p in (unreachable(config.data, "data"), unreachable(config.output, "output")) if p
+    ]
+    if problems:  # before a Prefect server or a pool is started for nothing
+        print("error: " + "\nerror: ".join(problems), file=sys.stderr)
+        return 2
     # The flow reads the file again (the run's parameters then say which file and overrides,
     # and its summary shows them); loading it above only checked it before anything starts.
     state = retrain(

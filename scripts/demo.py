@@ -38,6 +38,11 @@ def main() -> int:
         from flows.retrain import main as run_flow
 
         code = run_flow(["--config", "configs/local.yaml"])
+        if code == 0:  # the model a person would take away, on disk (Azurite stops below)
+            from flows.models import main as models
+
+            print("the champion's model, copied out of Blob storage:")
+            code = models(["--config", "configs/local.yaml", "download", "--to", str(demo)])
     print(f"demo finished in {time.perf_counter() - started:.0f}s; Azurite stopped")
     return code
 

@@ -80,6 +80,34 @@ def test_flow_accepts_a_model_or_a_path() -> None:
         effective_config(None, None, None)
 
 
+def test_cli_says_storage_does_not_answer_before_starting_anything(tmp_path: Path) -> None:
+    """Azurite not running: a short error per location, no key in it, and no temporary Prefect
+    server started (it took 20 s, then printed a 31-line failure)."""
+    key = "c2VjcmV0LWtleS1mb3ItdGVzdHM="
+    conn = (
+        f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={key};"
+        "BlobEndpoint=http://127.0.0.1:1/devstoreaccount1;"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.retrain", "--config", str(LOCAL)],
+        cwd=ROOT,
+        env={**child_env(), "AZURE_STORAGE_CONNECTION_STRING": conn},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        f"error: {field}: Blob storage at http://127.0.0.1:1/devstoreaccount1/{container} does not "
+        "answer (ServiceRequestError); on the local target, start Azurite first (`make demo` "
+        "starts its own)"
+        for field, container in (("data", "training-data"), ("output", "retrain-outputs"))
+    ]
+    assert key not in proc.stdout + proc.stderr
+    assert "temporary server" not in (proc.stdout + proc.stderr).lower()
+
+
 def test_cli_rejects_bad_config_with_the_field() -> None:
     proc = subprocess.run(
         [

@@ -1,0 +1,103 @@
+"""Getting the model out (``python -m flows.models``): the runs with their decisions, and the
+champion's model downloaded whole, against Azurite, from records the promotion code itself
+wrote."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from pathlib import Path
+
+import pytest
+from azure.storage.blob import ContainerClient, ContentSettings
+
+from backends.champion import Champion
+from backends.promotion import Challenger, challenge
+from core.run import output_prefix
+from flows.models import main
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ROOT / "configs" / "local.yaml"
+
+
+def _no_rescore(champion: Champion) -> dict[str, float]:
+    raise AssertionError("every run here scores on the same data version")
+
+
+def _run(container: ContainerClient, base: str, run_id: str, accuracy: float, model: bytes) -> None:
+    prefix = output_prefix(base, run_id)
+    md5 = bytearray(hashlib.md5(model, usedforsecurity=False).digest())
+    container.upload_blob(
+        f"{prefix}/model.pt", model, content_settings=ContentSettings(content_md5=md5)
+    )
+    challenger = Challenger(run_id, "accuracy", accuracy, f"{prefix}/model.pt", "v1", 100)
+    challenge(container, challenger, 0.0, _no_rescore, f"{prefix}/promotion.json")
+
+
+@pytest.fixture
+def outputs(azurite: str, monkeypatch: pytest.MonkeyPatch) -> tuple[ContainerClient, list[str]]:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    name = f"models-{uuid.uuid4().hex[:8]}"
+    container = ContainerClient.from_connection_string(azurite, name)
+    container.create_container()
+    return container, ["--set", f"output.container={name}", "--set", "output.prefix=team"]
+
+
+def test_list_shows_each_run_its_decision_and_the_champion(
+    outputs: tuple[ContainerClient, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    container, where = outputs
+    assert main(["--config", str(LOCAL), *where, "list"]) == 0
+    assert capsys.readouterr().out.strip() == "no runs yet"
+    _run(container, "team", "20261101-020000-aaaaaaaa", 0.91, b"first")
+    _run(container, "team", "20261102-020000-bbbbbbbb", 0.95, b"second")
+    _run(container, "team", "20261103-020000-cccccccc", 0.93, b"third")
+    # A run that stopped before its decision: it has outputs but no promotion record.
+    container.upload_blob(f"{output_prefix('team', '20261104-020000-dddddddd')}/log.txt", b"x")
+
+    assert main(["--config", str(LOCAL), *where, "list"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[1:]
+    assert [r.split()[0] for r in rows] == [
+        "20261101-020000-aaaaaaaa",
+        "20261102-020000-bbbbbbbb",
+        "20261103-020000-cccccccc",
+        "20261104-020000-dddddddd",
+    ]
+    assert "0.9100  promoted: no champion yet" in rows[0] and "<- champion" not in rows[0]
+    assert "0.9500  promoted" in rows[1] and rows[1].endswith("<- champion")
+    assert "0.9300  not promoted" in rows[2] and "worse" in rows[2]
+    assert "-  unfinished: did not reach its promotion decision" in rows[3]
+
+
+def test_download_gets_the_champion_whole_or_a_named_run(
+    outputs: tuple[ContainerClient, list[str]], tmp_path: Path
+) -> None:
+    container, where = outputs
+    assert main(["--config", str(LOCAL), *where, "download", "--to", str(tmp_path)]) == 2
+    _run(container, "team", "20261101-020000-aaaaaaaa", 0.91, b"first model")
+    _run(container, "team", "20261102-020000-bbbbbbbb", 0.95, b"second model")
+    assert main(["--config", str(LOCAL), *where, "download", "--to", str(tmp_path)]) == 0
+    assert (tmp_path / "model.pt").read_bytes() == b"second model"
+    one = tmp_path / "first.pt"
+    run = ["--run", "20261101-020000-aaaaaaaa", "--to", str(one)]
+    assert main(["--config", str(LOCAL), *where, "download", *run]) == 0
+    assert one.read_bytes() == b"first model"
+
+
+def test_a_download_that_does_not_match_its_md5_leaves_no_file(
+    outputs: tuple[ContainerClient, list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    container, where = outputs
+    _run(container, "team", "20261101-020000-aaaaaaaa", 0.91, b"good model")
+    blob = f"{output_prefix('team', '20261101-020000-aaaaaaaa')}/model.pt"
+    wrong = bytearray(hashlib.md5(b"other bytes", usedforsecurity=False).digest())
+    container.get_blob_client(blob).set_http_headers(ContentSettings(content_md5=wrong))
+    target = tmp_path / "model.pt"
+    assert main(["--config", str(LOCAL), *where, "download", "--to", str(target)]) == 2
+    assert "do not match the stored MD5" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no file, and no temporary one left behind
+    missing = ["--run", "20261109-000000-none", "--to", str(target)]
+    assert main(["--config", str(LOCAL), *where, "download", *missing]) == 2
+    assert "does not exist" in capsys.readouterr().err
