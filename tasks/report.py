@@ -51,6 +51,8 @@ def summary_markdown(
         f"**Test accuracy {score['accuracy']:.4f}** on {score['num_images']} images; "
         f"{'**promoted**' if decision.promoted else 'not promoted'}: {decision.reason}.",
         "",
+        *charts_markdown(charts or {}),
+        "",
         "## Data",
         "",
         f"{data.files} files, version `{data.version}`: "
@@ -67,7 +69,6 @@ def summary_markdown(
         )
         lines.append(f"| {s.step} | {s.status} | {s.seconds:.2f} | {details} |")
     lines += ["", *epochs_markdown(steps, metrics)]
-    lines += ["", *charts_markdown(charts or {})]
     lines += ["", *cost_markdown(cost)]
     if config is not None:
         lines += [*config_markdown(config, config_source)]
@@ -138,12 +139,12 @@ def charts_markdown(charts: dict[str, bytes]) -> list[str]:
     carry one."""
     if not charts:
         return []
-    lines = ["## Pictures", ""]
+    lines = []
     for name, png in charts.items():
         title = CHART_TITLES.get(name, name)
         lines += [f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})", ""]
     saved = " and ".join(f"`charts/{name}`" for name in charts)
-    return [*lines, f"Saved with the run's outputs as {saved}."]
+    return [*lines, f"The pictures are saved with the run's outputs as {saved}."]
 
 
 def upload_charts(config: PipelineConfig, run_id: str, charts: dict[str, bytes]) -> list[str]:
