@@ -43,6 +43,7 @@ class Page:
     url: str
     height: int  # the window's height: what the screenshot shows
     click: str | None = None  # the text of a tab to click first
+    images: int = 0  # embedded (data: URI) images the page must show, decoded
 
 
 def api(base: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -98,7 +99,11 @@ def pages(api_url: str, flow_run_id: str | None) -> list[Page]:
         },
     )
     if summary:
-        shots.append(Page("summary", f"{ui}/artifacts/artifact/{summary[0]['id']}", 3200))
+        shown = summary[0]["data"].count("](data:image/png;base64,")
+        if not shown:
+            print("the summary has no embedded pictures", file=sys.stderr)
+        url = f"{ui}/artifacts/artifact/{summary[0]['id']}"
+        shots.append(Page("summary", url, 3200, images=shown))
     else:
         print(f"flow run {flow_run_id} has no retrain-summary artifact", file=sys.stderr)
     deployment = api(api_url, "deployments/name/retrain/manual")
@@ -194,6 +199,17 @@ class DevTools:
                 raise SystemExit(f"{page.url}: nothing to click named {page.click!r}")
             time.sleep(settle)
         shot = self.call("Page.captureScreenshot", format="png")
+        decoded = int(
+            self.evaluate(
+                "[...document.images].filter(i => i.src.startsWith('data:image/')"
+                " && i.complete && i.naturalWidth > 0).length"
+            )
+            or 0
+        )
+        if decoded < page.images:
+            raise SystemExit(
+                f"{page.url}: {decoded} of the {page.images} embedded images were shown"
+            )
         return base64.b64decode(shot["data"])
 
     def close(self) -> None:
