@@ -1,15 +1,20 @@
-"""Step 9: the run's Prefect artifacts: a summary, per-class metrics, links to the outputs."""
+"""Step 9: the run's Prefect artifacts: a summary with its pictures, per-class metrics, links to
+the outputs. The pictures are also saved with the outputs, under ``<output prefix>/charts/``."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
+from backends.blob import container_client
 from backends.promotion import Decision
 from core.config import PipelineConfig
+from core.run import output_prefix
+from tasks.charts import confusion_png, curves_png
 from tasks.cost import cost_markdown
 from tasks.provision import StagedData
 from tasks.steps import StepRecord
@@ -37,6 +42,7 @@ def summary_markdown(
     config: PipelineConfig | None = None,
     config_source: str = "",
     cost: dict[str, Any] | None = None,
+    charts: dict[str, bytes] | None = None,
 ) -> str:
     metrics, score = scored.metrics, scored.score
     lines = [
@@ -44,6 +50,8 @@ def summary_markdown(
         "",
         f"**Test accuracy {score['accuracy']:.4f}** on {score['num_images']} images; "
         f"{'**promoted**' if decision.promoted else 'not promoted'}: {decision.reason}.",
+        "",
+        *charts_markdown(charts or {}),
         "",
         "## Data",
         "",
@@ -67,12 +75,18 @@ def summary_markdown(
     return "\n".join(lines)
 
 
+def epochs_run(steps: list[StepRecord]) -> set[int]:
+    """The epochs this run trained (none when it resumed a finished checkpoint)."""
+    training = next((s for s in steps if s.step == "run-training"), None)
+    return set(training.details.get("epochs_run") or []) if training else set()
+
+
 def epochs_markdown(steps: list[StepRecord], metrics: dict[str, Any]) -> list[str]:
     """The epochs this run trained and their throughput; none when it trained none (a resumed,
     finished checkpoint): figures from an earlier run would read as this run's."""
-    training = next((s for s in steps if s.step == "run-training"), None)
-    ran = set(training.details.get("epochs_run") or []) if training else set()
+    ran = epochs_run(steps)
     if not ran:
+        training = next((s for s in steps if s.step == "run-training"), None)
         resumed = training.details.get("resumed_from_epoch") if training else None
         return [
             "## Epochs",
@@ -102,6 +116,53 @@ def epochs_markdown(steps: list[StepRecord], metrics: dict[str, Any]) -> list[st
     ]
 
 
+CHART_TITLES = {
+    "curves.png": "loss and accuracy per epoch",
+    "confusion.png": "confusion matrix on the test split",
+}
+
+
+def draw_charts(scored: Scored, steps: list[StepRecord]) -> dict[str, bytes]:
+    """The run's pictures, by file name. No curves for a run that trained no epoch: like the
+    epochs table, they would show figures an earlier run measured as this run's."""
+    charts: dict[str, bytes] = {}
+    if epochs_run(steps) and scored.metrics.get("epochs"):
+        charts["curves.png"] = curves_png(scored.metrics["epochs"])
+    score = scored.score
+    charts["confusion.png"] = confusion_png(score["confusion_matrix"], score["class_names"])
+    return charts
+
+
+def charts_markdown(charts: dict[str, bytes]) -> list[str]:
+    """The pictures embedded in the summary as ``data:`` URIs (the Prefect UI shows them): a link
+    to the copy in private Blob storage would only open with a signature, and artifacts never
+    carry one."""
+    if not charts:
+        return []
+    lines = []
+    for name, png in charts.items():
+        title = CHART_TITLES.get(name, name)
+        lines += [f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})", ""]
+    saved = " and ".join(f"`charts/{name}`" for name in charts)
+    return [*lines, f"The pictures are saved with the run's outputs as {saved}."]
+
+
+def upload_charts(config: PipelineConfig, run_id: str, charts: dict[str, bytes]) -> list[str]:
+    """Each picture into the run's outputs, next to the model and metrics it was drawn from."""
+    from azure.storage.blob import ContentSettings
+
+    outputs = container_client(config.output, config.retries.storage_retries)
+    prefix = output_prefix(config.output.prefix, run_id)
+    names = []
+    for name, png in charts.items():
+        blob = f"{prefix}/charts/{name}"
+        outputs.upload_blob(
+            blob, png, overwrite=True, content_settings=ContentSettings(content_type="image/png")
+        )
+        names.append(blob)
+    return names
+
+
 @task(name="report", cache_policy=NONE)
 def report(
     run_id: str,
@@ -115,8 +176,12 @@ def report(
     cost: dict[str, Any] | None = None,
 ) -> str:
     score = scored.score
+    charts = draw_charts(scored, steps)
+    upload_charts(config, run_id, charts)
     create_markdown_artifact(
-        summary_markdown(run_id, steps, scored, decision, data, config, config_source, cost),
+        summary_markdown(
+            run_id, steps, scored, decision, data, config, config_source, cost, charts
+        ),
         key="retrain-summary",
         description=f"retrain {run_id}",
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -87,6 +88,11 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert progress[0].data == 100.0
     summary = next(a for a in artifacts if a.key == "retrain-summary").data
     assert "| stage-data | ran |" in summary and "promoted" in summary
+    # The pictures are in the summary itself and in the outputs, the same bytes.
+    for name, title in (("curves", "loss and accuracy per epoch"), ("confusion", "confusion")):
+        png = outputs.download_blob(f"{prefix}/charts/{name}.png").readall()
+        assert png.startswith(b"\x89PNG") and title in summary
+        assert f"(data:image/png;base64,{base64.b64encode(png).decode()})" in summary
     links = [a.data for a in artifacts if isinstance(a.data, str) and a.data.startswith("[")]
     for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt"):
         assert any(f"{prefix}/{name})" in link for link in links), f"no link to {name}"
