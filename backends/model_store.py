@@ -80,10 +80,18 @@ def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEnt
     return sorted(entries, key=lambda e: e.run_id)
 
 
+def run_file(base: str, run_id: str, name: str) -> str:
+    """A file of a run's outputs (``model.pt``, ``metrics.json``, ``logs/stdout.txt``, ...)."""
+    parts = name.strip("/").split("/")
+    if not name.strip("/") or any(p in ("", ".", "..") for p in parts):
+        raise ModelStoreError(f"{name!r} is not a file name inside a run's outputs")
+    return f"{output_prefix(base, run_id)}/{'/'.join(parts)}"
+
+
 def model_blob(container: ContainerClient, base: str, metric: str, run_id: str | None) -> str:
     """The model blob of ``run_id``, or of the champion when None."""
     if run_id is not None:
-        return f"{output_prefix(base, run_id)}/model.pt"
+        return run_file(base, run_id, "model.pt")
     read = read_champion(container, metric)
     if read.damaged:
         raise ModelStoreError(f"the champion record is damaged ({read.damaged}): name a run")

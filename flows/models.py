@@ -4,6 +4,10 @@ promotion decisions, and downloads the champion (or any run's model) to a file.
     python -m flows.models --config configs/local.yaml list
     python -m flows.models --config configs/local.yaml download --to models/
     python -m flows.models --config configs/local.yaml download --run RUN_ID --to model.pt
+    python -m flows.models --config configs/local.yaml download --run RUN_ID --file score.json
+
+The run summary's output links name the command for each file: the links themselves point at
+private Blob storage and carry no signature (no secret ever goes into an artifact).
 
 It reads the output container the config names, with the same credentials the flow uses
 (``output.connection_string_env``, a Prefect block or DefaultAzureCredential); nothing in it
@@ -17,7 +21,14 @@ import sys
 from pathlib import Path
 
 from backends.blob import StorageConfigError, container_client
-from backends.model_store import ModelStoreError, RunEntry, download, list_runs, model_blob
+from backends.model_store import (
+    ModelStoreError,
+    RunEntry,
+    download,
+    list_runs,
+    model_blob,
+    run_file,
+)
 from core.config import ConfigError, load_config
 
 
@@ -41,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="every run: accuracy, promoted or not, and why")
     get = sub.add_parser("download", help="the champion's model (or --run's) to a file")
     get.add_argument("--run", help="a run id from `list` (default: the champion)")
+    get.add_argument("--file", help="another file of the run's outputs, e.g. score.json")
     get.add_argument("--to", type=Path, default=Path("."), help="a file, or a folder")
     args = p.parse_args(argv)
     try:
@@ -51,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
             entries = list_runs(outputs, base, metric)
             print(_table(entries) if entries else "no runs yet")
             return 0
-        blob = model_blob(outputs, base, metric, args.run)
+        if args.file and not args.run:
+            raise ModelStoreError("--file needs --run: which run's outputs")
+        blob = (
+            run_file(base, args.run, args.file)
+            if args.file
+            else model_blob(outputs, base, metric, args.run)
+        )
         path = download(outputs, blob, args.to)
     except (ConfigError, StorageConfigError, ModelStoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -200,6 +200,8 @@ def report(
             f"{outputs_url}/{name}",
             link_text=name,
             key=f"output-{name.replace('.', '-').replace('/', '-').replace('_', '-').lower()}",
-            description=f"retrain {run_id}: {name}",
+            description=f"retrain {run_id}: {name}. The link needs the storage account's "
+            "sign-in; to download it: python -m flows.models --config <the config> download "
+            f"--run {run_id} --file {name}",
         )
     return outputs_url

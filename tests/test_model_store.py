@@ -82,6 +82,13 @@ def test_download_gets_the_champion_whole_or_a_named_run(
     run = ["--run", "20261101-020000-aaaaaaaa", "--to", str(one)]
     assert main(["--config", str(LOCAL), *where, "download", *run]) == 0
     assert one.read_bytes() == b"first model"
+    score = tmp_path / "promotion.json"
+    run += ["--file", "promotion.json"]
+    run[run.index(str(one))] = str(score)
+    assert main(["--config", str(LOCAL), *where, "download", *run]) == 0
+    assert '"promoted": true' in score.read_text()
+    escape = ["--run", "20261101-020000-aaaaaaaa", "--file", "../../models/champion.json"]
+    assert main(["--config", str(LOCAL), *where, "download", *escape, "--to", str(tmp_path)]) == 2
 
 
 def test_a_download_that_does_not_match_its_md5_leaves_no_file(
