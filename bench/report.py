@@ -175,6 +175,70 @@ STAGING_NOTES = [
 ]
 
 
+def gate_scale(r: dict[str, Any]) -> list[str]:
+    """The gate's steps on an ImageNet-sized listing, each timed on its own."""
+    listing, cached, reads = r["listing"], r["cached_manifest"], r["header_reads"]
+
+    def row(step: str, count: str, t: dict[str, Any], extra: str = "") -> str:
+        return (
+            f"| {step} | {count} | {t['wall_s']:,.1f} s{extra} | {t['cpu_s']:,.1f} s "
+            f"| {t['load_average']} | {t['peak_rss_mib_so_far']:,} MiB |"
+        )
+
+    rows = [
+        "| step | blobs or rows | wall | CPU | load average | peak RSS so far |",
+        "|---|---:|---:|---:|---:|---:|",
+        row(
+            "listing (`list_dataset`)",
+            f"{listing['blobs']:,}",
+            listing,
+            f" ({_per_sec(listing['blobs_per_s'])} blobs/s)",
+        ),
+        row(
+            "`build_manifest`, every image's content in the cache",
+            f"{cached['rows']:,}",
+            cached,
+            f" ({cached['reused']:,} from the cache)",
+        ),
+    ]
+    for e in r["expectations"]:
+        if "skipped_predicted_s" in e:
+            rows.append(
+                f"| `run_expectations` | {e['rows']:,} | not run: {e['skipped_predicted_s']:,} s "
+                "predicted from the size before | | | |"
+            )
+            continue
+        rows.append(
+            row(
+                f"`run_expectations`, {e['classes']:,} classes",
+                f"{e['rows']:,}",
+                e["run_expectations"],
+                f" (`class_counts` alone: {e['class_counts']['wall_s']:,.1f} s)",
+            )
+        )
+    rows.append(
+        row(
+            f"first gate: a header read per image, {reads['images']:,} PNGs of "
+            f"~{reads['bytes_each'] / 1024:.0f} KB in Azurite",
+            f"{reads['images']:,}",
+            reads,
+            f" ({_per_sec(reads['reads_per_s'])} reads/s)",
+        )
+    )
+    return [
+        "## The data gate at ImageNet scale (`bench/gate_scale.py`)",
+        "",
+        f"Method: {r['method']}. Each step is timed on its own, in one process; peak RSS is the "
+        "process's high-water mark after the step (it never goes down).",
+        "",
+        *rows,
+        "",
+        f"A first gate over {listing['blobs']:,} new images at the measured header-read rate: "
+        f"{r['first_gate_estimate_s']:,} s ({r['first_gate_estimate_s'] / 60:,.0f} min).",
+        "",
+    ]
+
+
 def loading(r: dict[str, Any], heading: str) -> list[str]:
     rates = r["images_per_sec"]
     columns = list(next(iter(rates.values())))
@@ -485,6 +549,8 @@ def render(results: Path) -> str:
     ]
     if (r := load("staging")) is not None:
         lines += staging(r)
+    if (r := load("gate_scale")) is not None:
+        lines += gate_scale(r)
     if (r := load("loading")) is not None:
         lines += loading(
             r, "## Data loading: loose files against packed shards (`bench/loading.py`)"

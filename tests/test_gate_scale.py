@@ -34,3 +34,39 @@ def test_real_lister_reads_every_synthetic_blob_once_in_order() -> None:
     assert sum(1 for b in listed if "/train/" in b.name) == train
     assert sum(1 for b in listed if "/test/" in b.name) == test
     assert elsewhere == []
+
+
+def test_report_section_shows_each_measured_step_and_what_was_not_run() -> None:
+    from bench.report import gate_scale
+
+    timing = {"wall_s": 12.5, "cpu_s": 9.0, "load_average": 3.1, "peak_rss_mib_so_far": 2048}
+    text = "\n".join(
+        gate_scale(
+            {
+                "method": "synthetic",
+                "listing": {"blobs": 1_331_168, "blobs_per_s": 7_000, **timing},
+                "cached_manifest": {"rows": 1_331_167, "reused": 1_331_167, **timing},
+                "expectations": [
+                    {
+                        "rows": 100_000,
+                        "classes": 1_000,
+                        "run_expectations": timing,
+                        "class_counts": {**timing, "wall_s": 40.0},
+                    },
+                    {"rows": 1_331_167, "skipped_predicted_s": 1_234},
+                ],
+                "header_reads": {
+                    "images": 2_000,
+                    "bytes_each": 12_288,
+                    "reads_per_s": 150.0,
+                    **timing,
+                },
+                "first_gate_estimate_s": 8_874,
+            }
+        )
+    )
+    assert "| listing (`list_dataset`) | 1,331,168 | 12.5 s (7,000 blobs/s) | 9.0 s | 3.1 |" in text
+    assert "(1,331,167 from the cache)" in text
+    assert "`class_counts` alone: 40.0 s" in text
+    assert "not run: 1,234 s predicted" in text
+    assert "(150 reads/s)" in text and "8,874 s (148 min)" in text
