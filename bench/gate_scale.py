@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -205,12 +206,14 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
     """``fn()``, and its wall and CPU seconds, the load and the process's peak RSS after it."""
     cpu, started = _cpu(), time.perf_counter()
     value = fn()
-    return value, {
+    timing = {
         "wall_s": round(time.perf_counter() - started, 2),
         "cpu_s": round(_cpu() - cpu, 2),
         "load_average": round(os.getloadavg()[0], 1),
         "peak_rss_mib_so_far": round(_peak_mib()),
     }
+    print(f"gate_scale: {getattr(fn, '__name__', 'step')} {timing}", file=sys.stderr, flush=True)
+    return value, timing
 
 
 def _prefill(cache_file: Path, blobs: list[Any]) -> None:
@@ -242,8 +245,9 @@ def _expectations(rows: list[dict[str, Any]], sizes: list[int], budget: float) -
     measured: list[dict[str, Any]] = []
     for n in sorted(sizes):
         sample = [rows[i * len(rows) // n] for i in range(min(n, len(rows)))]
-        if measured:  # the measured growth per row, applied to n: run only when it fits
-            last = measured[-1]
+        done = [m for m in measured if "run_expectations" in m]
+        if done:  # the measured growth per row, applied to n: run only when it fits
+            last = done[-1]
             predicted = last["run_expectations"]["wall_s"] * n / last["rows"]
             if predicted > budget:
                 measured.append({"rows": n, "skipped_predicted_s": round(predicted)})
