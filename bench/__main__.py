@@ -26,6 +26,7 @@ FULL: dict[str, list[str]] = {
     "pipeline": [],
     "train_throughput": [],
     "nodes": [],
+    "gate_scale": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": ["--small", "300", "--large", "2", "--large-mb", "4", "--delays-ms", "0", "2"],
@@ -34,6 +35,10 @@ QUICK: dict[str, list[str]] = {
     "pipeline": ["--repeats", "1"],
     "train_throughput": ["--images", "400", "--epochs", "1"],
     "nodes": ["--images", "400", "--epochs", "1", "--repeats", "1"],
+    "gate_scale": [
+        *("--train", "20000", "--test", "1000", "--classes", "100"),
+        *("--expect-rows", "5000", "--sample", "100"),
+    ],
 }
 
 
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("staging", "loading", "trainer")
     }
     where["nodes"] = ["--work", str(args.scratch / "nodes")]
+    where["gate_scale"] = ["--work", str(args.scratch / "gate_scale")]
     for name in args.only or plan:
         _run(name, [*plan[name], *where.get(name, [])], args.results / f"{name}.json")
     gpus = _gpus()
