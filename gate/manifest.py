@@ -16,6 +16,7 @@ import base64
 import hashlib
 import io
 import json
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -161,9 +162,10 @@ def build_manifest(
 
 def class_counts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Images per class and split: the rows of the gate's second table."""
-    labels = sorted({r["label"] for r in rows if r["label"]})
-    counts = []
-    for label in labels:
-        per = {s: sum(1 for r in rows if r["label"] == label and r["split"] == s) for s in SPLITS}
-        counts.append({"label": label, **{f"{s}_images": n for s, n in per.items()}})
-    return counts
+    # One pass over the rows: counting per label by scanning every row was rows x classes
+    # (83 s for 30,000 rows of 1,000 classes; about an hour on an ImageNet-sized listing).
+    tally = Counter((r["label"], r["split"]) for r in rows if r["label"])
+    labels = sorted({label for label, _ in tally})
+    return [
+        {"label": label, **{f"{s}_images": tally[(label, s)] for s in SPLITS}} for label in labels
+    ]
