@@ -71,6 +71,36 @@ class BlobLocation(_Section):
         return value
 
 
+class OutputLocation(BlobLocation):
+    """Where a run's outputs go, and the address people open them at."""
+
+    links_url: str | None = Field(
+        None,
+        description="base URL of the outputs gateway (python -m flows.models serve): a run's "
+        "links point there and open in a browser with no signature in them; unset, they point "
+        "at Blob storage, which answers a browser 403 unless the container is public",
+    )
+
+    @field_validator("links_url")
+    @classmethod
+    def _links_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(value.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:4280")
+        if parts.username or parts.password or parts.query or parts.fragment:
+            # Links are stored in artifacts: nothing that could be a credential goes in them.
+            raise ValueError(f"{value!r} must have no user, password, query or fragment")
+        try:
+            parts.port  # noqa: B018 - raises on a port out of range
+        except ValueError as exc:
+            raise ValueError(f"{value!r}: {exc}") from None
+        return value.strip().rstrip("/")
+
+
 class ShareConfig(_Section):
     """Where the training scripts go: an Azure Files share, or a directory standing in for it."""
 
@@ -304,7 +334,7 @@ class PipelineConfig(_Section):
     retries: RetryConfig = Field(default_factory=RetryConfig)
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    output: BlobLocation
+    output: OutputLocation
     azure: AzureConfig = Field(default_factory=AzureConfig)
     work_dir: Path = Field(Path(".work"), description="local state: run folders, logs")
 

@@ -5,9 +5,12 @@ promotion decisions, and downloads the champion (or any run's model) to a file.
     python -m flows.models --config configs/local.yaml download --to models/
     python -m flows.models --config configs/local.yaml download --run RUN_ID --to model.pt
     python -m flows.models --config configs/local.yaml download --run RUN_ID --file score.json
+    python -m flows.models --config configs/local.yaml serve
 
-The run summary's output links name the command for each file: the links themselves point at
-private Blob storage and carry no signature (no secret ever goes into an artifact).
+``serve`` runs the outputs gateway (backends.outputs_gateway): the links in a run's artifacts
+point at it when ``output.links_url`` names it, and open in a browser while it runs. No link
+carries a signature (no secret ever goes into an artifact); each also names the command that
+downloads its file.
 
 It reads the output container the config names, with the same credentials the flow uses
 (``output.connection_string_env``, a Prefect block or DefaultAzureCredential); nothing in it
@@ -19,8 +22,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
-from backends.blob import StorageConfigError, container_client
+from backends.blob import StorageConfigError, container_client, unreachable
 from backends.model_store import (
     ModelStoreError,
     RunEntry,
@@ -29,7 +34,11 @@ from backends.model_store import (
     model_blob,
     run_file,
 )
-from core.config import ConfigError, load_config
+from backends.outputs_gateway import DEFAULT_PORT, serve
+from core.config import ConfigError, PipelineConfig, load_config
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
 
 
 def _table(entries: list[RunEntry]) -> str:
@@ -44,6 +53,40 @@ def _table(entries: list[RunEntry]) -> str:
     return "\n".join(lines)
 
 
+def _listen_on(links_url: str | None, host: str | None, port: int | None) -> tuple[str, int]:
+    """Where the gateway listens: as asked, else where ``links_url`` says when that is this
+    machine's loopback (anything else is a proxy in front of it), else loopback:4280."""
+    parts = urlsplit(links_url or "")
+    local = parts.hostname in ("127.0.0.1", "localhost", "::1")
+    default_port = (parts.port or (443 if parts.scheme == "https" else 80)) if local else None
+    return host or (parts.hostname if local and parts.hostname else "127.0.0.1"), (
+        port or default_port or DEFAULT_PORT
+    )
+
+
+def _serve(
+    config: PipelineConfig, outputs: ContainerClient, host: str | None, port: int | None
+) -> int:
+    problem = unreachable(config.output, "output")
+    if problem:
+        raise StorageConfigError(problem)
+    links_url = config.output.links_url
+    host, port = _listen_on(links_url, host, port)
+    server = serve(outputs, config.output.prefix, host, port, links_url)
+    address = f"http://{host}:{server.server_address[1]}"
+    where = f"{config.output.container}/{config.output.prefix}".rstrip("/")
+    print(f"serving {where} read-only at {address}/ (Ctrl-C stops it)", flush=True)
+    if links_url is None:
+        print(f"a run's links point here once output.links_url is {address}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.models", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, type=Path, help="the config the runs used")
@@ -54,11 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     get.add_argument("--run", help="a run id from `list` (default: the champion)")
     get.add_argument("--file", help="another file of the run's outputs, e.g. score.json")
     get.add_argument("--to", type=Path, default=Path("."), help="a file, or a folder")
+    gateway = sub.add_parser("serve", help="open the run links: a read-only outputs gateway")
+    gateway.add_argument(
+        "--host",
+        help="address to listen on (default: output.links_url's "
+        "when it is a loopback address, else 127.0.0.1)",
+    )
+    gateway.add_argument("--port", type=int, help="default: output.links_url's, else 4280")
     args = p.parse_args(argv)
     try:
         config = load_config(args.config, args.set)
         outputs = container_client(config.output, config.retries.storage_retries)
         base, metric = config.output.prefix, config.promotion.metric
+        if args.command == "serve":
+            return _serve(config, outputs, args.host, args.port)
         if args.command == "list":
             entries = list_runs(outputs, base, metric)
             print(_table(entries) if entries else "no runs yet")

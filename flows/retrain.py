@@ -159,7 +159,7 @@ def retrain(
             result. What is trained, and compared with the champion, is named by the staged
             version, a hash of the files staging wrote. Leave empty when starting a run by hand.
     """
-    from backends.blob import blob_link
+    from backends.outputs_gateway import output_link
     from backends.target import target_for
     from tasks.cost import PoolMeter
     from tasks.promote import promote
@@ -244,7 +244,7 @@ def retrain(
                 meter.before_release()
                 steps.append(release_pool(cluster).record)
     cost = meter.report()
-    outputs_url = blob_link(cluster.outputs, run.output_prefix)  # no credential in it
+    outputs_url = output_link(run_config.output, cluster.outputs, f"{run.output_prefix}/")
     decision, score = promotion.value, scored.value.score
     report(
         run.id,

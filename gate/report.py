@@ -33,7 +33,7 @@ def gate_markdown(
         "",
         f"{len(rows)} images under `{where}`; "
         f"{len(records) - len(failed)} of {len(records)} expectations met. "
-        f"Data Docs: {docs_url}",
+        f"[Open the Data Docs]({docs_url}): every expectation and its result.",
         "",
     ]
     if not failed:  # an empty table renders as a stray dot: a passed gate says so in words

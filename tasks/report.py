@@ -11,6 +11,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NONE
 
 from backends.blob import container_client
+from backends.outputs_gateway import output_link
 from backends.promotion import Decision
 from core.config import PipelineConfig
 from core.run import output_prefix
@@ -163,6 +164,19 @@ def upload_charts(config: PipelineConfig, run_id: str, charts: dict[str, bytes])
     return names
 
 
+def link_description(config: PipelineConfig, run_id: str, name: str) -> str:
+    """How a link opens, and the command that gets the file without it."""
+    how = (
+        "opens while `python -m flows.models --config <the config> serve` runs"
+        if config.output.links_url
+        else "needs the storage account's sign-in (set output.links_url and run "
+        "`python -m flows.models --config <the config> serve` for links that open)"
+    )
+    what = name or "the run's outputs folder"
+    get = f"; to download it: python -m flows.models --config <the config> download --run {run_id}"
+    return f"retrain {run_id}: {what}. The link {how}" + (f"{get} --file {name}" if name else "")
+
+
 @task(name="report", cache_policy=NONE)
 def report(
     run_id: str,
@@ -193,15 +207,17 @@ def report(
         key="per-class-metrics",
         description="precision, recall and F1 on the test split",
     )
-    for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt"):
+    outputs = container_client(config.output, config.retries.storage_retries)
+    prefix = output_prefix(config.output.prefix, run_id)
+    for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt", ""):
         # A key per output, so the artifacts list tells the links apart (each run adds a
-        # version of the same four keys: the latest is the current run's).
+        # version of the same keys: the latest is the current run's).
         create_link_artifact(
-            f"{outputs_url}/{name}",
-            link_text=name,
-            key=f"output-{name.replace('.', '-').replace('/', '-').replace('_', '-').lower()}",
-            description=f"retrain {run_id}: {name}. The link needs the storage account's "
-            "sign-in; to download it: python -m flows.models --config <the config> download "
-            f"--run {run_id} --file {name}",
+            output_link(config.output, outputs, f"{prefix}/{name}"),
+            link_text=name or "all of the run's outputs",
+            key=f"output-{name.replace('.', '-').replace('/', '-').replace('_', '-').lower()}"
+            if name
+            else "outputs",
+            description=link_description(config, run_id, name),
         )
     return outputs_url

@@ -20,9 +20,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from backends.blob import blob_link, container_client
+from backends.blob import container_client
 from backends.image import content_tag
 from backends.last_run import LAST_RUN, LastRun, blob_exists, read_last_run, write_last_run
+from backends.outputs_gateway import output_link
 from backends.share import collect_files, file_sha256, tree_digest
 from backends.target import PROJECT_ROOT
 from core.config import PipelineConfig
@@ -158,13 +159,13 @@ def report_up_to_date(
     last = check.last
     assert last is not None  # up to date means a last run matched
     outputs = container_client(config.output, config.retries.storage_retries)
-    outputs_url = blob_link(outputs, last.outputs)
+    outputs_url = output_link(config.output, outputs, f"{last.outputs}/")
     lines = [
         f"# Retrain {run_id}: up to date",
         "",
         f"**Nothing to train.** {check.why}.",
         "",
-        f"The model in use is [{last.model}]({blob_link(outputs, last.model)}) "
+        f"The model in use is [{last.model}]({output_link(config.output, outputs, last.model)}) "
         f"from run {last.run_id}.",
         "",
         "| step | status | seconds |",

@@ -12,7 +12,8 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from backends.blob import blob_link, container_client, upload_directory
+from backends.blob import container_client, upload_directory
+from backends.outputs_gateway import output_link
 from core.config import PipelineConfig
 from core.run import Run
 from gate.manifest import build_manifest, list_dataset
@@ -40,7 +41,7 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[str]:
     success, records = run_expectations(rows, config.validation, docs)
     outputs = container_client(config.output, retries, create=True)
     upload_directory(outputs, docs, f"{output_prefix}/data_docs", workers=8)
-    docs_url = blob_link(outputs, f"{output_prefix}/data_docs/index.html")
+    docs_url = output_link(config.output, outputs, f"{output_prefix}/data_docs/index.html")
     where = f"{config.data.container}/{config.data.prefix}"
     create_markdown_artifact(
         gate_markdown(success, rows, records, where, docs_url),

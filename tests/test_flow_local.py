@@ -6,16 +6,20 @@ import base64
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from backends.blob import container_client
+from backends.outputs_gateway import serve
 from backends.processes import read_record
 from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
@@ -44,8 +48,14 @@ def run(config: Any) -> tuple[Any, dict[str, Any], list[Any]]:
 
 
 def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
-    config = make_config(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    config = make_config(tmp_path, f"output.links_url=http://127.0.0.1:{port}")
     seed(config, digits_source)
+    # The outputs gateway, as `python -m flows.models serve` runs it: the run's links open.
+    gateway = serve(container_client(config.output, create=True), "", "127.0.0.1", port)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
     state, task_runs, artifacts = run(config)
     assert state.is_completed(), state.message
     result = state.result()
@@ -95,7 +105,19 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
         assert f"(data:image/png;base64,{base64.b64encode(png).decode()})" in summary
     links = [a.data for a in artifacts if isinstance(a.data, str) and a.data.startswith("[")]
     for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt"):
-        assert any(f"{prefix}/{name})" in link for link in links), f"no link to {name}"
+        link = next((x for x in links if f"{prefix}/{name})" in x), None)
+        assert link is not None, f"no link to {name}"
+        # Every link opens, with no signature in it, and gives the stored bytes.
+        url = re.search(r"\((http://[^)]+)\)", link)
+        assert url and "sig=" not in url.group(1)
+        with urllib.request.urlopen(url.group(1), timeout=60) as response:
+            assert response.read() == outputs.download_blob(f"{prefix}/{name}").readall()
+    docs = re.search(r"\((http://[^)]+/data_docs/index\.html)\)", gate_report)
+    assert docs, gate_report
+    with urllib.request.urlopen(docs.group(1), timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/html")
+    assert result["outputs"] == f"http://127.0.0.1:{port}/{prefix}/"
+    gateway.shutdown()
 
     # Steps 2 to 5 ran concurrently: each of the short ones started while staging, the long
     # one, was still running (the short ones may end before the next starts on a busy machine).

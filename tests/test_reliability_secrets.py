@@ -240,11 +240,11 @@ def test_no_secret_in_logs_artifacts_database_outputs_or_task_processes(
         if secret in text
     }
     assert hits == set()
-    # The links are plain addresses of the outputs: account URL, container, blob path.
-    container_url = sas_connection.split(";")[0].split("=", 1)[1] + f"/{config.output.container}"
-    assert f"outputs: {container_url}/runs/{run_id}\n" in cli.out
+    # The links are plain addresses of the outputs: the gateway's, then the blob path.
+    links_url = config.output.links_url
+    assert f"outputs: {links_url}/runs/{run_id}/\n" in cli.out
     links = [a.data for a in artifacts if isinstance(a.data, str) and a.data.startswith("[")]
-    assert f"({container_url}/runs/{run_id}/model.pt)" in "".join(links)
+    assert f"({links_url}/runs/{run_id}/model.pt)" in "".join(links)
     report.record(
         "secrets",
         "local flow from the CLI: account key, SAS connection string, fake SAS and key "

@@ -1,0 +1,223 @@
+"""The outputs gateway: links to a run's outputs that open in a browser, with no secret in them.
+
+Output blobs are private, so a plain blob URL answers a browser 403, and a SAS in a link would
+put a credential into the Prefect database, where anyone who can read a run can copy it. The
+gateway is a small read-only HTTP server that the person (or the worker's machine) runs with
+the same credentials as ``python -m flows.models``; the links in a run's artifacts point at it
+when ``output.links_url`` names it. Access is decided where it runs: it listens on loopback
+unless told otherwise, and answers only requests addressed to the host names it was given, so
+a web page cannot reach it through DNS rebinding.
+
+It serves the output container below ``output.prefix`` only: files (the model, metrics, logs,
+the gate's Data Docs, whose relative links keep working because a folder is served as a
+folder) and folder listings. GET and HEAD only.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import mimetypes
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote, urlsplit
+
+from backends.blob import blob_link, join
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
+
+    from core.config import OutputLocation
+
+DEFAULT_PORT = 4280
+LOG = logging.getLogger(__name__)
+_HTML = "text/html; charset=utf-8"
+
+
+def output_link(location: OutputLocation, container: ContainerClient, name: str) -> str:
+    """The address people open for the blob ``name`` (a folder when it ends with ``/``): the
+    gateway's when ``links_url`` is set, else the blob's own (which needs a sign-in)."""
+    if not location.links_url:
+        return blob_link(container, name)
+    relative = name.strip("/")
+    base = location.prefix.strip("/")
+    if base and (relative == base or relative.startswith(f"{base}/")):
+        relative = relative[len(base) :].lstrip("/")
+    folder = name.endswith("/") and relative
+    return f"{location.links_url}/{quote(relative)}{'/' if folder else ''}"
+
+
+class BadPath(ValueError):
+    """A request path that does not name a place below the served prefix."""
+
+
+def target_path(request_target: str) -> str:
+    """The path of an origin-form request target, still encoded. Not ``urlsplit``: it reads a
+    leading ``//b/x`` as a host name and would quietly serve ``/x``."""
+    return request_target.split("#", 1)[0].split("?", 1)[0]
+
+
+def blob_name(prefix: str, request_path: str) -> str:
+    """The blob (or folder, ending with ``/``) a request path names, below ``prefix``.
+
+    Decoded once; ``.``/``..`` segments, empty segments, backslashes and control characters
+    are refused rather than normalised, so no spelling of a path reaches outside ``prefix``."""
+    path = unquote(target_path(request_path))
+    if not path.startswith("/"):
+        raise BadPath("the path must start with /")
+    relative = path[1:]
+    if any(ord(c) < 32 or c in "\\\x7f" for c in relative):
+        raise BadPath("control characters and backslashes are not allowed")
+    segments = relative.split("/")
+    inner = segments[:-1] if segments[-1] == "" else segments
+    if relative and any(s in ("", ".", "..") for s in inner):
+        raise BadPath("empty, '.' and '..' segments are not allowed")
+    return join(prefix, relative) if relative else (f"{prefix.strip('/')}/" if prefix else "")
+
+
+def content_type(name: str, stored: str | None) -> str:
+    """The stored type, unless it is the generic one uploads get by default; then the
+    extension's (Data Docs' pages must open as pages, not downloads)."""
+    if stored and stored != "application/octet-stream":
+        return stored
+    guessed, _ = mimetypes.guess_type(name)
+    return guessed or "application/octet-stream"
+
+
+def listing_html(container: ContainerClient, folder: str) -> str | None:
+    """A folder's entries as a page of relative links; None when the folder is empty."""
+    rows = []
+    for item in container.walk_blobs(name_starts_with=folder, delimiter="/"):
+        entry = item.name[len(folder) :]
+        rows.append(f'<li><a href="{html.escape(quote(entry))}">{html.escape(entry)}</a></li>')
+    if not rows and folder:
+        return None
+    title = html.escape(f"/{folder}")
+    return (
+        f"<!doctype html><title>{title}</title><h1>{title}</h1>"
+        f'<ul><li><a href="../">../</a></li>{"".join(rows)}</ul>'
+    )
+
+
+def make_handler(
+    container: ContainerClient, prefix: str, hosts: set[str]
+) -> type[BaseHTTPRequestHandler]:
+    """A request handler serving ``container`` below ``prefix`` to requests whose Host header
+    is one of ``hosts`` (lower-case ``host:port``)."""
+    from azure.core.exceptions import AzureError, ResourceNotFoundError
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "retrain-outputs"
+        sys_version = ""
+
+        def do_GET(self) -> None:
+            self._answer(body=True)
+
+        def do_HEAD(self) -> None:
+            self._answer(body=False)
+
+        def _answer(self, body: bool) -> None:
+            if (self.headers.get("Host") or "").lower() not in hosts:
+                self._text(421, "this gateway does not answer for that host name\n", body)
+                return
+            try:
+                name = blob_name(prefix, self.path)
+                if name.endswith("/") or not name:
+                    self._folder(name, body)
+                else:
+                    self._file(name, body)
+            except BadPath as exc:
+                self._text(400, f"bad path: {exc}\n", body)
+            except ResourceNotFoundError:
+                self._text(404, "no such output\n", body)
+            except AzureError as exc:
+                # The exception's text can hold the storage request; only its kind goes out.
+                LOG.warning("storage error for %s: %s", self.path, type(exc).__name__)
+                self._text(502, f"Blob storage failed ({type(exc).__name__})\n", body)
+
+        def _folder(self, name: str, body: bool) -> None:
+            page = listing_html(container, name)
+            if page is None:
+                self._text(404, "no such output\n", body)
+                return
+            self._send(200, _HTML, page.encode(), body)
+
+        def _file(self, name: str, body: bool) -> None:
+            blob = container.get_blob_client(name)
+            if not blob.exists():
+                if next(iter(container.list_blobs(name_starts_with=f"{name}/")), None):
+                    # A folder asked for without its slash: its page's relative links need it.
+                    self.send_response(301)
+                    self.send_header("Location", f"{target_path(self.path)}/")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                raise ResourceNotFoundError("no such blob")
+            if not body:
+                props = blob.get_blob_properties()
+                self._head(200, content_type(name, props.content_settings.content_type), props.size)
+                return
+            stream = blob.download_blob()
+            props = stream.properties
+            self._head(200, content_type(name, props.content_settings.content_type), stream.size)
+            for chunk in stream.chunks():
+                self.wfile.write(chunk)
+
+        def _text(self, status: int, text: str, body: bool) -> None:
+            self._send(status, "text/plain; charset=utf-8", text.encode(), body)
+
+        def _send(self, status: int, kind: str, data: bytes, body: bool) -> None:
+            self._head(status, kind, len(data))
+            if body:
+                self.wfile.write(data)
+
+        def _head(self, status: int, kind: str, length: int) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(length))
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("Referrer-Policy", "no-referrer")
+            if kind.startswith("text/html"):
+                # Stored pages run in an origin of their own: nothing they hold can act as us.
+                self.send_header("Content-Security-Policy", "sandbox allow-scripts allow-popups")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            LOG.info("%s %s", self.address_string(), format % args)
+
+    return Handler
+
+
+def host_names(host: str, port: int, links_url: str | None) -> set[str]:
+    """The Host headers the gateway answers: its own address, loopback's names when it listens
+    there, and the host of ``links_url`` (a reverse proxy in front of it)."""
+    names = {f"{host}:{port}"}
+    if host in ("127.0.0.1", "localhost", "::1"):
+        names |= {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+    if links_url:
+        parts = urlsplit(links_url)
+        default = 443 if parts.scheme == "https" else 80
+        netloc = parts.netloc.lower()
+        names.add(netloc)
+        if parts.port is None:
+            names.add(f"{netloc}:{default}")
+    return {n.lower() for n in names}
+
+
+def serve(
+    container: ContainerClient,
+    prefix: str,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    links_url: str | None = None,
+) -> ThreadingHTTPServer:
+    """A started-on-demand server (call ``serve_forever``); port 0 picks a free port, which
+    ``server.server_address`` then tells."""
+    server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
+    bound = server.server_address[1]
+    server.RequestHandlerClass = make_handler(
+        container, prefix, host_names(host, int(bound), links_url)
+    )
+    server.daemon_threads = True
+    return server

@@ -1,0 +1,216 @@
+"""The outputs gateway (``python -m flows.models serve``): the links a run writes open, carry no
+signature, and nothing outside the served prefix can be reached, however the path is spelt or
+whichever web page sends the request. Against Azurite, over real HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from azure.storage.blob import ContainerClient
+
+from backends.blob import container_client
+from backends.outputs_gateway import output_link, serve
+from core.config import ConfigError, OutputLocation, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ROOT / "configs" / "local.yaml"
+INDEX = b'<html><a href="validations/run.html">run</a><link href="static/style.css"></html>'
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(
+    port: int, path: str, method: str = "GET", host: str | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """One raw request: http.client sends the path exactly as given (no normalising)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"Host": host} if host else {}
+    conn.request(method, path, headers=headers)
+    response = conn.getresponse()
+    body = response.read()
+    conn.close()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+
+
+@pytest.fixture
+def outputs(azurite: str, monkeypatch: pytest.MonkeyPatch) -> ContainerClient:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    location = OutputLocation(container=f"gw-{uuid.uuid4().hex[:10]}")
+    return container_client(location, create=True)
+
+
+def _seed(container: ContainerClient, base: str) -> dict[str, bytes]:
+    files = {
+        "runs/r1/model.pt": os.urandom(300_000),
+        "runs/r1/score.json": b'{"accuracy": 0.9}',
+        "runs/r1/logs/std out.txt": b"epoch 1 of 1\n",
+        "runs/r1/data_docs/index.html": INDEX,
+        "runs/r1/data_docs/validations/run.html": b"<html>validation</html>",
+    }
+    for name, data in files.items():
+        container.upload_blob(f"{base}/{name}".lstrip("/"), data)
+    return files
+
+
+@pytest.fixture
+def gateway(outputs: ContainerClient) -> Iterator[tuple[int, dict[str, bytes]]]:
+    """An in-process gateway over ``team/a``; ``team/b`` beside it holds what must stay out."""
+    files = _seed(outputs, "team/a")
+    outputs.upload_blob("team/b/secret.txt", b"not yours")
+    outputs.upload_blob("team/a-secret.txt", b"not yours either")
+    server = serve(outputs, "team/a", "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield int(server.server_address[1]), files
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_cli_serves_every_link_a_run_writes(outputs: ContainerClient) -> None:
+    files = _seed(outputs, "")
+    port = _free_port()
+    links_url = f"http://127.0.0.1:{port}"
+    overrides = [f"output.container={outputs.container_name}", f"output.links_url={links_url}"]
+    config = load_config(LOCAL, overrides)
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flows.models", "--config", str(LOCAL), *sets, "serve"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        assert f"read-only at {links_url}/" in first, first + process.stdout.read()
+        for name, data in files.items():
+            link = output_link(config.output, outputs, name)
+            assert link.startswith(f"{links_url}/runs/r1/") and "sig=" not in link
+            status, headers, body = _get(port, link[len(links_url) :])
+            assert (status, body) == (200, data), name
+            assert headers["x-content-type-options"] == "nosniff"
+        # Data Docs open as a page (uploads store no type), in an origin of their own, and
+        # their relative links resolve below the same folder.
+        page = output_link(config.output, outputs, "runs/r1/data_docs/index.html")
+        status, headers, _ = _get(port, page[len(links_url) :])
+        assert headers["content-type"].startswith("text/html")
+        assert headers["content-security-policy"].startswith("sandbox")
+        status, _, body = _get(port, "/runs/r1/data_docs/validations/run.html")
+        assert (status, body) == (200, b"<html>validation</html>")
+        # HEAD: the length, no body.
+        status, headers, body = _get(port, "/runs/r1/model.pt", "HEAD")
+        assert (status, headers["content-length"], body) == (200, "300000", b"")
+        # The run's folder: a page of relative links; without its slash, sent to it.
+        folder = output_link(config.output, outputs, "runs/r1/")
+        assert folder == f"{links_url}/runs/r1/"
+        status, _, body = _get(port, "/runs/r1/")
+        assert status == 200
+        assert b'href="model.pt"' in body and b'href="logs/"' in body
+        status, headers, _ = _get(port, "/runs/r1")
+        assert (status, headers["location"]) == (301, "/runs/r1/")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/../b/secret.txt",
+        "/%2e%2e/b/secret.txt",
+        "/%2E%2E%2Fb%2Fsecret.txt",
+        "/runs/../../b/secret.txt",
+        "/runs/%2e%2e/%2e%2e/b/secret.txt",
+        "/runs//r1/model.pt",
+        "/./runs/r1/model.pt",
+        "/..%5cb%5csecret.txt",
+        "/runs/r1/model.pt%00.txt",
+        "/%0d%0aSet-Cookie:x=1",
+    ],
+)
+def test_no_spelling_of_a_path_leaves_the_prefix(
+    gateway: tuple[int, dict[str, bytes]], path: str
+) -> None:
+    port, _ = gateway
+    status, _, body = _get(port, path)
+    assert status == 400, (status, body)
+    assert b"not yours" not in body
+
+
+def test_only_the_served_prefix_and_its_own_host_names(
+    gateway: tuple[int, dict[str, bytes]],
+) -> None:
+    port, files = gateway
+    assert _get(port, "/runs/r1/model.pt")[2] == files["runs/r1/model.pt"]
+    # A blob beside the prefix that shares its first letters is not below it.
+    assert _get(port, "-secret.txt")[0] == 400
+    assert _get(port, "/-secret.txt")[0] == 404
+    assert _get(port, "/runs/none.txt")[0] == 404
+    # http.server folds a leading "//" into "/": still below the prefix (team/a/b/...).
+    assert _get(port, "//b/secret.txt")[:3:2] == (404, b"no such output\n")
+    root = _get(port, "/")
+    assert root[0] == 200 and b'href="runs/"' in root[2] and b"secret" not in root[2]
+    # A page elsewhere that resolves its own name to 127.0.0.1 (DNS rebinding) is refused.
+    status, _, body = _get(port, "/runs/r1/score.json", host=f"attacker.example:{port}")
+    assert status == 421 and b"accuracy" not in body
+    assert _get(port, "/runs/r1/score.json", host=f"localhost:{port}")[0] == 200
+    # Read-only: nothing but GET and HEAD.
+    for method in ("PUT", "DELETE", "POST"):
+        assert _get(port, "/runs/r1/model.pt", method)[0] == 501
+
+
+def test_a_storage_failure_is_named_without_its_request(outputs: ContainerClient) -> None:
+    """Blob storage refusing (here: a container that was deleted under the gateway) answers
+    502 with the error's kind only; the storage request (which could carry a SAS) stays out."""
+    outputs.upload_blob("x.txt", b"x")
+    server = serve(outputs, "", "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        outputs.delete_container()
+        status, _, body = _get(int(server.server_address[1]), "/")
+        assert status in (404, 502)
+        assert b"devstoreaccount1" not in body and b"http" not in body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_links_without_a_gateway_are_plain_blob_addresses(outputs: ContainerClient) -> None:
+    location = OutputLocation(container=outputs.container_name, prefix="team/a")
+    link = output_link(location, outputs, "team/a/runs/r1/logs/std out.txt")
+    assert link == f"{outputs.url}/team/a/runs/r1/logs/std%20out.txt"
+    gated = location.model_copy(update={"links_url": "https://outputs.example.com"})
+    assert (
+        output_link(gated, outputs, "team/a/runs/r1/logs/std out.txt")
+        == "https://outputs.example.com/runs/r1/logs/std%20out.txt"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("http://127.0.0.1:4280/?sig=abc", "no user, password, query"),
+        ("https://user:pw@outputs.example.com", "no user, password, query"),
+        ("ftp://outputs.example.com", "not an http(s) URL"),
+        ("127.0.0.1:4280", "not an http(s) URL"),
+        ("http://127.0.0.1:99999", "out of range"),
+    ],
+)
+def test_links_url_takes_an_address_only(value: str, why: str) -> None:
+    """Links are stored in artifacts, so the field refuses anything that could carry a secret."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(LOCAL, [f"output.links_url={value}"])
+    assert "output.links_url" in str(caught.value) and why in str(caught.value)
