@@ -9,6 +9,7 @@ use them, so loading this module stays cheap.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,13 +347,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retrain failed: {state.message}", file=sys.stderr)
         return 1
     result = state.result()
+    serve = (
+        f"  (links open while `python -m flows.models --config {shlex.quote(str(args.config))} "
+        "serve` runs)"
+        if config.output.links_url
+        else ""
+    )
     if result.get("up_to_date"):
         print(f"run {result['run_id']}: {result['reason']}, nothing trained (--force trains)")
         print(f"model in use: test accuracy {result['accuracy']:.4f}, outputs {result['outputs']}")
+        if serve:
+            print(serve)
         return 0
     print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
     print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
     print(f"outputs: {result['outputs']}")
+    if serve:
+        print(serve)
     for s in result["steps"]:
         print(f"  {s['step']:18s} {s['status']:8s} {s['seconds']:7.2f}s")
     return 0

@@ -2,7 +2,9 @@
 
 Against a running Prefect server (``--api-url``, default ``$PREFECT_API_URL``), saves PNGs of
 the latest completed ``retrain`` flow run's page, its artifacts tab, its summary artifact (with
-the loss/accuracy curves and the confusion matrix embedded in it) and, when the
+the loss/accuracy curves and the confusion matrix embedded in it), the page its outputs link
+opens (clicked through to the outputs gateway, which must be running: a 403 or a refused
+connection fails the script) and, when the
 ``retrain/manual`` deployment exists, its custom-run form. It checks the UI in a real browser,
 which the test suite cannot assume is installed, so it is run by hand:
 
@@ -44,6 +46,8 @@ class Page:
     height: int  # the window's height: what the screenshot shows
     click: str | None = None  # the text of a tab to click first
     images: int = 0  # embedded (data: URI) images the page must show, decoded
+    follow: str | None = None  # a link the page must show, which is then opened and shot
+    expect: str = ""  # text the opened link's page must hold
 
 
 def api(base: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -106,6 +110,20 @@ def pages(api_url: str, flow_run_id: str | None) -> list[Page]:
         shots.append(Page("summary", url, 3200, images=shown))
     else:
         print(f"flow run {flow_run_id} has no retrain-summary artifact", file=sys.stderr)
+    folder = api(
+        api_url,
+        "artifacts/filter",
+        {
+            "artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": ["outputs"]}},
+            "limit": 1,
+        },
+    )
+    if folder:  # the run's outputs folder: its link opens through the outputs gateway
+        href = folder[0]["data"].rsplit("](", 1)[-1].rstrip(")")
+        url = f"{ui}/artifacts/artifact/{folder[0]['id']}"
+        shots.append(Page("link-opens", url, 900, follow=href, expect="model.pt"))
+    else:
+        print(f"flow run {flow_run_id} has no outputs link artifact", file=sys.stderr)
     deployment = api(api_url, "deployments/name/retrain/manual")
     if deployment:
         shots.append(Page("run-form", f"{ui}/deployments/deployment/{deployment['id']}/run", 2400))
@@ -198,6 +216,8 @@ class DevTools:
             if not clicked:
                 raise SystemExit(f"{page.url}: nothing to click named {page.click!r}")
             time.sleep(settle)
+        if page.follow:
+            self.open_link(page, settle)
         shot = self.call("Page.captureScreenshot", format="png")
         decoded = int(
             self.evaluate(
@@ -211,6 +231,24 @@ class DevTools:
                 f"{page.url}: {decoded} of the {page.images} embedded images were shown"
             )
         return base64.b64decode(shot["data"])
+
+    def open_link(self, page: Page, settle: float) -> None:
+        """The UI shows ``page.follow`` as a link; the browser opens it and gets a 200 page
+        holding ``page.expect`` (a link that only looks right is not enough)."""
+        shown = self.evaluate(
+            f"[...document.querySelectorAll('a')].some(a => a.href === {json.dumps(page.follow)})"
+        )
+        if not shown:
+            raise SystemExit(f"{page.url}: no link to {page.follow} on the page")
+        self.call("Page.navigate", url=page.follow)
+        time.sleep(settle)
+        status = self.evaluate("performance.getEntriesByType('navigation')[0]?.responseStatus")
+        text = self.evaluate("document.body ? document.body.innerText : ''") or ""
+        if status != 200 or page.expect not in text:
+            raise SystemExit(
+                f"{page.follow} did not open: HTTP {status}, {page.expect!r} not on the page "
+                "(is `python -m flows.models --config <the config> serve` running?)"
+            )
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
