@@ -10,7 +10,8 @@ a web page cannot reach it through DNS rebinding.
 
 It serves the output container below ``output.prefix`` only: files (the model, metrics, logs,
 the gate's Data Docs, whose relative links keep working because a folder is served as a
-folder) and folder listings. GET and HEAD only.
+folder) and folder listings. GET and HEAD only; every answer is sandboxed (a stored page or
+SVG cannot read the other outputs through the gateway).
 """
 
 from __future__ import annotations
@@ -178,9 +179,9 @@ def make_handler(
             self.send_header("X-Content-Type-Options", "nosniff")
             self.send_header("Cache-Control", "no-store")
             self.send_header("Referrer-Policy", "no-referrer")
-            if kind.startswith("text/html"):
-                # Stored pages run in an origin of their own: nothing they hold can act as us.
-                self.send_header("Content-Security-Policy", "sandbox allow-scripts allow-popups")
+            # Whatever a stored file is (a page, an SVG, a type set by whoever wrote the blob),
+            # it runs in an origin of its own: it cannot read other outputs through us.
+            self.send_header("Content-Security-Policy", "sandbox allow-scripts allow-popups")
             self.end_headers()
 
         def log_message(self, format: str, *args: Any) -> None:

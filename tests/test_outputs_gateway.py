@@ -102,6 +102,7 @@ def test_the_cli_serves_every_link_a_run_writes(outputs: ContainerClient) -> Non
             status, headers, body = _get(port, link[len(links_url) :])
             assert (status, body) == (200, data), name
             assert headers["x-content-type-options"] == "nosniff"
+            assert headers["content-security-policy"].startswith("sandbox")
         # Data Docs open as a page (uploads store no type), in an origin of their own, and
         # their relative links resolve below the same folder.
         page = output_link(config.output, outputs, "runs/r1/data_docs/index.html")
