@@ -57,16 +57,16 @@ def serve_storage(demo: Path, port: int) -> int:
         with running_azurite(location, port) as conn:
             seed(config, source, conn)
             env = config.data.connection_string_env
-            where = (
-                "UseDevelopmentStorage=true"
+            use = (
+                f"export {env}=UseDevelopmentStorage=true"
                 if port == DEFAULT_PORT
-                else f"Azurite's development account with BlobEndpoint=http://127.0.0.1:{port}/"
-                "devstoreaccount1"
+                else f"point {env} at Azurite's development account with "
+                f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1"
             )
             print(
                 f"Azurite is serving the local target's Blob storage on 127.0.0.1:{port} "
                 f"(data in {location}, its output in {location / 'azurite.log'}, no access "
-                f"log); set {env}={where} where the flow runs. Ctrl-C stops it.",
+                f"log); {use} where the flow runs. Ctrl-C stops it.",
                 flush=True,
             )
             while True:
