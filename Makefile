@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
 	package.json package-lock.json
 
-.PHONY: setup demo test reliability lint bench clean
+.PHONY: setup demo azurite azure-config test reliability lint bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,21 @@ $(STAMP): $(SETUP_INPUTS)
 
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py
+
+# The local target's Blob storage for the deployments (README, "Running it as a service"):
+# Azurite on its default port 127.0.0.1:10000 with the demo's dataset uploaded, in the
+# foreground until Ctrl-C.
+azurite: setup
+	$(PY) scripts/demo.py --serve-storage
+
+# configs/azure.yaml to fill in (docs/azure.md), from the example; an existing one is kept.
+azure-config:
+	@if [ -e configs/azure.yaml ]; then \
+		echo "configs/azure.yaml exists: left as it is (remove it to start again from configs/azure.example.yaml)" >&2; \
+		exit 1; \
+	fi
+	@cp -n configs/azure.example.yaml configs/azure.yaml
+	@echo "configs/azure.yaml created from configs/azure.example.yaml: fill in your names (docs/azure.md)"
 
 # Everything but the extra trials of the fault tests (marked slow; `make reliability` runs them).
 test: setup

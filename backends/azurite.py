@@ -32,13 +32,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _port_free(port: int) -> bool:
+    """No listener on the port (connections of a stopped server in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 @contextmanager
 def running_azurite(location: Path, port: int | None = None) -> Iterator[str]:
-    """Run Azurite's Blob service until the block exits; yields its connection string."""
+    """Run Azurite's Blob service until the block exits; yields its connection string.
+
+    Its output goes to ``location/azurite.log``; ``--silent`` turns off its access log, a line
+    per request, which would otherwise fill that file (or the terminal of whoever started it:
+    a worker's, in the service set-up)."""
     binary = ROOT / "node_modules" / ".bin" / "azurite-blob"
     if not binary.exists():
         raise FileNotFoundError(f"{binary} is missing: run `make setup` (npm ci installs Azurite)")
-    port = port or free_port()
+    if port is None:
+        port = free_port()
+    elif not _port_free(port):  # else the wait below would find the other server and use it
+        raise RuntimeError(
+            f"127.0.0.1:{port} is already in use (another Azurite?): stop it or pick another port"
+        )
     location.mkdir(parents=True, exist_ok=True)
     log = open(location / "azurite.log", "ab")  # noqa: SIM115  # closed below
     proc = subprocess.Popen(

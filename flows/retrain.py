@@ -338,15 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     if problems:  # before a Prefect server or a pool is started for nothing
         print("error: " + "\nerror: ".join(problems), file=sys.stderr)
         return 2
+    from flows.temporary_server import temporary_server_settings
+
     # The flow reads the file again (the run's parameters then say which file and overrides,
     # and its summary shows them); loading it above only checked it before anything starts.
-    state = retrain(
-        config_path=str(args.config), overrides=args.set, force=args.force, return_state=True
-    )
-    if not state.is_completed():
-        print(f"retrain failed: {state.message}", file=sys.stderr)
-        return 1
-    result = state.result()
+    with temporary_server_settings(say=lambda line: print(line, file=sys.stderr)):
+        state = retrain(
+            config_path=str(args.config), overrides=args.set, force=args.force, return_state=True
+        )
+        if not state.is_completed():
+            print(f"retrain failed: {state.message}", file=sys.stderr)
+            return 1
+        result = state.result()
     serve = (
         f"  (links open while `python -m flows.models --config {shlex.quote(str(args.config))} "
         "serve` runs)"

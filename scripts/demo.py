@@ -3,11 +3,17 @@
 Starts Azurite, seeds a Blob container with a real image dataset (scikit-learn's handwritten
 digits), runs the retrain flow once in this process, and stops everything it started. A second
 run finds the scripts, data and image unchanged and skips that work.
+
+`make azurite` (``--serve-storage``): the same Azurite data and the same upload, on Azurite's
+default port, kept running in the foreground until Ctrl-C, for the deployments and worker of
+the README's "Running it as a service" (``UseDevelopmentStorage=true`` finds it there).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,24 +23,67 @@ sys.path.insert(0, str(ROOT))
 
 from backends.azurite import running_azurite  # noqa: E402
 from backends.blob import container_client, upload_directory  # noqa: E402
-from core.config import load_config  # noqa: E402
+from core.config import PipelineConfig, load_config  # noqa: E402
 from training.make_images import write_digits  # noqa: E402
 
+LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
+DEFAULT_PORT = 10000  # Azurite's own default, the one UseDevelopmentStorage=true points at
 
-def main() -> int:
-    os.chdir(ROOT)
-    demo = ROOT / ".demo"
+
+def dataset(demo: Path) -> Path:
+    """The digits as image folders under ``demo``, written once (under a temporary name)."""
     source = demo / "digits"
     if not (source / "train").is_dir():
         write_digits(demo / "digits.tmp", test_fraction=0.25, seed=0, per_class=None)
         (demo / "digits.tmp").rename(source)
-    config = load_config(ROOT / "configs" / "local.yaml")
+    return source
+
+
+def seed(config: PipelineConfig, source: Path, connection_string: str) -> int:
+    """Upload ``source`` where ``config`` reads its data; the number of new or changed images."""
+    os.environ[config.data.connection_string_env or ""] = connection_string
+    n = upload_directory(container_client(config.data, create=True), source, config.data.prefix)
+    print(f"seeded {n} new or changed images into {config.data.container}/{config.data.prefix}")
+    return n
+
+
+def serve_storage(demo: Path, port: int) -> int:
+    """Azurite with the local config's data on ``port`` until Ctrl-C or SIGTERM."""
+    config = load_config(LOCAL_CONFIG)
+    source = dataset(demo)
+    location = demo / "azurite"
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stops it as Ctrl-C does
+    try:
+        with running_azurite(location, port) as conn:
+            seed(config, source, conn)
+            env = config.data.connection_string_env
+            use = (
+                f"export {env}=UseDevelopmentStorage=true"
+                if port == DEFAULT_PORT
+                else f"point {env} at Azurite's development account with "
+                f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1"
+            )
+            print(
+                f"Azurite is serving the local target's Blob storage on 127.0.0.1:{port} "
+                f"(data in {location}, its output in {location / 'azurite.log'}, no access "
+                f"log); {use} where the flow runs. Ctrl-C stops it.",
+                flush=True,
+            )
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:  # running_azurite has stopped Azurite on the way out
+        pass
+    print("Azurite stopped")
+    return 0
+
+
+def demo_run() -> int:
+    demo = ROOT / ".demo"
+    source = dataset(demo)
+    config = load_config(LOCAL_CONFIG)
     started = time.perf_counter()
     with running_azurite(demo / "azurite") as conn:
-        os.environ[config.data.connection_string_env or ""] = conn
-        container = container_client(config.data, create=True)
-        n = upload_directory(container, source, config.data.prefix)
-        print(f"seeded {n} new or changed images into {config.data.container}/{config.data.prefix}")
+        seed(config, source, conn)
         from flows.retrain import main as run_flow
 
         code = run_flow(["--config", "configs/local.yaml"])
@@ -45,6 +94,32 @@ def main() -> int:
             code = models(["--config", "configs/local.yaml", "download", "--to", str(demo)])
     print(f"demo finished in {time.perf_counter() - started:.0f}s; Azurite stopped")
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/demo.py", description=__doc__)
+    p.add_argument(
+        "--serve-storage",
+        action="store_true",
+        help="start Azurite with the demo's data uploaded and keep it running (no flow run)",
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="with --serve-storage")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=ROOT / ".demo",
+        help="with --serve-storage: where the dataset and Azurite's data live",
+    )
+    args = p.parse_args(argv)
+    where = args.dir.resolve()  # before the chdir: relative to where the command was typed
+    os.chdir(ROOT)
+    if args.serve_storage:
+        try:
+            return serve_storage(where, args.port)
+        except (RuntimeError, FileNotFoundError, TimeoutError) as exc:  # Azurite did not start
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return demo_run()
 
 
 if __name__ == "__main__":
