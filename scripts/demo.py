@@ -93,6 +93,12 @@ def demo_run() -> int:
             print("the champion's model, copied out of Blob storage:")
             code = models(["--config", "configs/local.yaml", "download", "--to", str(demo)])
     print(f"demo finished in {time.perf_counter() - started:.0f}s; Azurite stopped")
+    if code == 0:  # the run's links name a gateway that only runs when asked for
+        print(
+            "to open the run's links (its outputs, Data Docs) in a browser: `make azurite` in one "
+            "terminal, then `python -m flows.models --config configs/local.yaml serve` in another "
+            "with the connection string it prints"
+        )
     return code
 
 
