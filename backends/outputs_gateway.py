@@ -61,8 +61,10 @@ def target_path(request_target: str) -> str:
 def blob_name(prefix: str, request_path: str) -> str:
     """The blob (or folder, ending with ``/``) a request path names, below ``prefix``.
 
-    Decoded once; ``.``/``..`` segments, empty segments, backslashes and control characters
-    are refused rather than normalised, so no spelling of a path reaches outside ``prefix``."""
+    Decoded once; empty segments, segments ending with ``.`` (``.``, ``..``, and ``...`` or
+    ``x.``: Blob storage drops a segment's trailing dots, so on Azure such a path names another
+    blob than it spells), backslashes (which Azure reads as ``/``) and control characters are
+    refused rather than normalised, so no spelling of a path reaches outside ``prefix``."""
     path = unquote(target_path(request_path))
     if not path.startswith("/"):
         raise BadPath("the path must start with /")
@@ -71,8 +73,8 @@ def blob_name(prefix: str, request_path: str) -> str:
         raise BadPath("control characters and backslashes are not allowed")
     segments = relative.split("/")
     inner = segments[:-1] if segments[-1] == "" else segments
-    if relative and any(s in ("", ".", "..") for s in inner):
-        raise BadPath("empty, '.' and '..' segments are not allowed")
+    if relative and any(s == "" or s.endswith(".") for s in inner):
+        raise BadPath("empty segments and segments ending with '.' are not allowed")
     return join(prefix, relative) if relative else (f"{prefix.strip('/')}/" if prefix else "")
 
 
