@@ -26,7 +26,7 @@ from urllib.parse import quote, unquote, urlsplit
 from backends.blob import blob_link, join
 
 if TYPE_CHECKING:
-    from azure.storage.blob import ContainerClient
+    from azure.storage.blob import ContainerClient, ContentSettings
 
     from core.config import OutputLocation
 
@@ -112,6 +112,7 @@ def make_handler(
     class Handler(BaseHTTPRequestHandler):
         server_version = "retrain-outputs"
         sys_version = ""
+        head_sent = False  # whether this answer's status line and headers are out
 
         def do_GET(self) -> None:
             self._answer(body=True)
@@ -120,6 +121,7 @@ def make_handler(
             self._answer(body=False)
 
         def _answer(self, body: bool) -> None:
+            self.head_sent = False
             if (self.headers.get("Host") or "").lower() not in hosts:
                 self._text(421, "this gateway does not answer for that host name\n", body)
                 return
@@ -131,12 +133,20 @@ def make_handler(
                     self._file(name, body)
             except BadPath as exc:
                 self._text(400, f"bad path: {exc}\n", body)
-            except ResourceNotFoundError:
-                self._text(404, "no such output\n", body)
             except AzureError as exc:
                 # The exception's text can hold the storage request; only its kind goes out.
-                LOG.warning("storage error for %s: %s", self.path, type(exc).__name__)
-                self._text(502, f"Blob storage failed ({type(exc).__name__})\n", body)
+                kind = type(exc).__name__
+                if self.head_sent:
+                    # A blob deleted or overwritten while it streams: the status and length are
+                    # out, so an error answer would land inside the file. Closing the connection
+                    # short of the length is what tells the client the download failed.
+                    LOG.warning("storage error while sending %s: %s", self.path, kind)
+                    self.close_connection = True
+                elif isinstance(exc, ResourceNotFoundError):
+                    self._text(404, "no such output\n", body)
+                else:
+                    LOG.warning("storage error for %s: %s", self.path, kind)
+                    self._text(502, f"Blob storage failed ({kind})\n", body)
 
         def _folder(self, name: str, body: bool) -> None:
             page = listing_html(container, name)
@@ -158,13 +168,19 @@ def make_handler(
                 raise ResourceNotFoundError("no such blob")
             if not body:
                 props = blob.get_blob_properties()
-                self._head(200, content_type(name, props.content_settings.content_type), props.size)
+                self._file_head(name, props.content_settings, props.size)
                 return
-            stream = blob.download_blob()
-            props = stream.properties
-            self._head(200, content_type(name, props.content_settings.content_type), stream.size)
+            # Stored bytes as they are: a blob written gzip-compressed (Content-Encoding) goes
+            # out compressed with its encoding named, as Blob storage itself would send it; the
+            # SDK's decompressing would make the body longer than the length announced.
+            stream = blob.download_blob(decompress=False)
+            self._file_head(name, stream.properties.content_settings, stream.size)
             for chunk in stream.chunks():
                 self.wfile.write(chunk)
+
+        def _file_head(self, name: str, settings: ContentSettings, size: int) -> None:
+            encoding = {"Content-Encoding": settings.content_encoding}
+            self._head(200, content_type(name, settings.content_type), size, encoding)
 
         def _text(self, status: int, text: str, body: bool) -> None:
             self._send(status, "text/plain; charset=utf-8", text.encode(), body)
@@ -174,10 +190,15 @@ def make_handler(
             if body:
                 self.wfile.write(data)
 
-        def _head(self, status: int, kind: str, length: int) -> None:
+        def _head(
+            self, status: int, kind: str, length: int, extra: dict[str, str | None] | None = None
+        ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(length))
+            for header, value in (extra or {}).items():
+                if value:
+                    self.send_header(header, value)
             self.send_header("X-Content-Type-Options", "nosniff")
             self.send_header("Cache-Control", "no-store")
             self.send_header("Referrer-Policy", "no-referrer")
@@ -185,6 +206,7 @@ def make_handler(
             # it runs in an origin of its own: it cannot read other outputs through us.
             self.send_header("Content-Security-Policy", "sandbox allow-scripts allow-popups")
             self.end_headers()
+            self.head_sent = True
 
         def log_message(self, format: str, *args: Any) -> None:
             LOG.info("%s %s", self.address_string(), format % args)

@@ -4,6 +4,7 @@ whichever web page sends the request. Against Azurite, over real HTTP."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import os
 import socket
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from azure.storage.blob import ContainerClient
+from azure.storage.blob import ContainerClient, ContentSettings
 
 from backends.blob import container_client
 from backends.outputs_gateway import output_link, serve
@@ -192,6 +193,55 @@ def test_a_storage_failure_is_named_without_its_request(outputs: ContainerClient
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_compressed_blob_goes_out_as_stored(
+    outputs: ContainerClient, gateway: tuple[int, dict[str, bytes]]
+) -> None:
+    """A blob written with Content-Encoding: gzip is sent compressed, with that encoding and
+    its stored length (decompressed, it would overrun the length announced and be cut short)."""
+    port, _ = gateway
+    packed = gzip.compress(b"epoch 1 of 1: loss 0.5\n" * 400)
+    settings = ContentSettings(content_type="text/plain", content_encoding="gzip")
+    outputs.upload_blob("team/a/runs/r1/logs/train.log", packed, content_settings=settings)
+    for method in ("GET", "HEAD"):
+        status, headers, body = _get(port, "/runs/r1/logs/train.log", method)
+        assert (status, headers["content-length"]) == (200, str(len(packed))), method
+        assert headers["content-encoding"] == "gzip", method
+        assert body == (packed if method == "GET" else b"")
+
+
+def test_a_blob_deleted_while_it_streams_cuts_the_download_short(
+    azurite: str, outputs: ContainerClient
+) -> None:
+    """Once the status line and length are out, a storage failure closes the connection short
+    of that length (the client sees a failed download) instead of writing an error answer
+    into the file."""
+    data = os.urandom(12 * 1024 * 1024)
+    outputs.upload_blob("big/model.pt", data)
+    # Small ranges, so the rest of the blob is still to be fetched when it is deleted.
+    ranged = ContainerClient.from_connection_string(
+        azurite, outputs.container_name, max_single_get_size=65536, max_chunk_get_size=65536
+    )
+    server = serve(ranged, "big", "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            # A small receive window: the gateway can only run a few MiB ahead of the reader.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(f"GET /model.pt HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            received = sock.recv(4096)
+            outputs.delete_blob("big/model.pt")
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+    finally:
+        server.shutdown()
+        server.server_close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and f"Content-Length: {len(data)}".encode() in head
+    assert len(body) < len(data)
+    assert body == data[: len(body)], "no error answer inside the file"
 
 
 def test_links_without_a_gateway_are_plain_blob_addresses(outputs: ContainerClient) -> None:
