@@ -214,19 +214,24 @@ def make_handler(
     return Handler
 
 
+def _host_headers(hostname: str, port: int, default: int) -> set[str]:
+    """The Host headers that name ``hostname:port``: browsers leave a scheme's default port out,
+    and write an IPv6 address in brackets."""
+    name = f"[{hostname}]" if ":" in hostname else hostname
+    return {f"{name}:{port}", *([name] if port == default else [])}
+
+
 def host_names(host: str, port: int, links_url: str | None) -> set[str]:
     """The Host headers the gateway answers: its own address, loopback's names when it listens
     there, and the host of ``links_url`` (a reverse proxy in front of it)."""
-    names = {f"{host}:{port}"}
-    if host in ("127.0.0.1", "localhost", "::1"):
-        names |= {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
+    loopback = {"127.0.0.1", "localhost", "::1"}
+    names: set[str] = set()
+    for name in loopback if host in loopback else {host}:
+        names |= _host_headers(name, port, 80)
     if links_url:
         parts = urlsplit(links_url)
         default = 443 if parts.scheme == "https" else 80
-        netloc = parts.netloc.lower()
-        names.add(netloc)
-        if parts.port is None:
-            names.add(f"{netloc}:{default}")
+        names |= _host_headers(parts.hostname or "", parts.port or default, default)
     return {n.lower() for n in names}
 
 

@@ -179,6 +179,22 @@ def test_only_the_served_prefix_and_its_own_host_names(
         assert _get(port, "/runs/r1/model.pt", method)[0] == 501
 
 
+def test_a_proxy_on_a_default_port_is_answered(outputs: ContainerClient) -> None:
+    """links_url may spell the scheme's default port; browsers then send the host alone."""
+    outputs.upload_blob("team/a/score.json", b"{}")
+    server = serve(outputs, "team/a", "127.0.0.1", 0, "https://Outputs.example.com:443")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+    try:
+        for host in ("outputs.example.com", "outputs.example.com:443", f"[::1]:{port}"):
+            assert _get(port, "/score.json", host=host)[::2] == (200, b"{}"), host
+        for host in ("outputs.example.com:80", "outputs.example.com.evil", "127.0.0.1"):
+            assert _get(port, "/score.json", host=host)[0] == 421, host
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_storage_failure_is_named_without_its_request(outputs: ContainerClient) -> None:
     """Blob storage refusing (here: a container that was deleted under the gateway) answers
     502 with the error's kind only; the storage request (which could carry a SAS) stays out."""
