@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import logging
 import mimetypes
+import unicodedata
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
@@ -69,13 +70,19 @@ def blob_name(prefix: str, request_path: str) -> str:
     if not path.startswith("/"):
         raise BadPath("the path must start with /")
     relative = path[1:]
-    if any(ord(c) < 32 or c in "\\\x7f" for c in relative):
+    if any(unicodedata.category(c) == "Cc" or c == "\\" for c in relative):
         raise BadPath("control characters and backslashes are not allowed")
     segments = relative.split("/")
     inner = segments[:-1] if segments[-1] == "" else segments
     if relative and any(s == "" or s.endswith(".") for s in inner):
         raise BadPath("empty segments and segments ending with '.' are not allowed")
     return join(prefix, relative) if relative else (f"{prefix.strip('/')}/" if prefix else "")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped, for a log line: a request line is the
+    client's, and a terminal would act on escape sequences in it."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def content_type(name: str, stored: str | None) -> str:
@@ -140,12 +147,12 @@ def make_handler(
                     # A blob deleted or overwritten while it streams: the status and length are
                     # out, so an error answer would land inside the file. Closing the connection
                     # short of the length is what tells the client the download failed.
-                    LOG.warning("storage error while sending %s: %s", self.path, kind)
+                    LOG.warning("storage error while sending %s: %s", printable(self.path), kind)
                     self.close_connection = True
                 elif isinstance(exc, ResourceNotFoundError):
                     self._text(404, "no such output\n", body)
                 else:
-                    LOG.warning("storage error for %s: %s", self.path, kind)
+                    LOG.warning("storage error for %s: %s", printable(self.path), kind)
                     self._text(502, f"Blob storage failed ({kind})\n", body)
 
         def _folder(self, name: str, body: bool) -> None:
@@ -209,7 +216,7 @@ def make_handler(
             self.head_sent = True
 
         def log_message(self, format: str, *args: Any) -> None:
-            LOG.info("%s %s", self.address_string(), format % args)
+            LOG.info("%s %s", self.address_string(), printable(format % args))
 
     return Handler
 

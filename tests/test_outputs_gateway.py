@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
+import unicodedata
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,6 +195,22 @@ def test_a_proxy_on_a_default_port_is_answered(outputs: ContainerClient) -> None
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_request_line_reaches_the_log_with_its_control_characters_escaped(
+    gateway: tuple[int, dict[str, bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A terminal acts on escape sequences: a request line that carries them (raw, or C1
+    controls a path decodes to) is logged escaped, and such a path is refused."""
+    port, _ = gateway
+    caplog.set_level(logging.INFO, logger="backends.outputs_gateway")
+    for target in (b"/\x1b]0;owned\x07\x1b[2J", b"/runs/\xc2\x9b2J", b"/runs/%C2%9B2J"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"GET " + target + f" HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            assert sock.recv(4096).startswith(b"HTTP/1.0 400"), target
+    logged = "".join(record.getMessage() for record in caplog.records)
+    assert "owned" in logged and "\\x1b" in logged
+    assert not any(unicodedata.category(c) == "Cc" for c in logged), repr(logged)
 
 
 def test_a_storage_failure_is_named_without_its_request(outputs: ContainerClient) -> None:
