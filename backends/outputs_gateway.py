@@ -38,13 +38,15 @@ _HTML = "text/html; charset=utf-8"
 
 def output_link(location: OutputLocation, container: ContainerClient, name: str) -> str:
     """The address people open for the blob ``name`` (a folder when it ends with ``/``): the
-    gateway's when ``links_url`` is set, else the blob's own (which needs a sign-in)."""
-    if not location.links_url:
-        return blob_link(container, name)
+    gateway's when ``links_url`` is set and the blob is below ``prefix`` (all the gateway
+    serves), else the blob's own (which needs a sign-in)."""
     relative = name.strip("/")
     base = location.prefix.strip("/")
-    if base and (relative == base or relative.startswith(f"{base}/")):
-        relative = relative[len(base) :].lstrip("/")
+    below = not base or relative == base or relative.startswith(f"{base}/")
+    if not location.links_url or not below:
+        # A gateway link to a blob outside the prefix would open prefix/<name>: another file.
+        return blob_link(container, name)
+    relative = relative[len(base) :].lstrip("/")
     folder = name.endswith("/") and relative
     return f"{location.links_url}/{quote(relative)}{'/' if folder else ''}"
 

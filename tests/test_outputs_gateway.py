@@ -287,6 +287,10 @@ def test_links_without_a_gateway_are_plain_blob_addresses(outputs: ContainerClie
         output_link(gated, outputs, "team/a/runs/r1/logs/std out.txt")
         == "https://outputs.example.com/runs/r1/logs/std%20out.txt"
     )
+    # The gateway serves the prefix only: a blob beside it (another prefix's run, named in a
+    # record the container shares) keeps its own address rather than open prefix/<its name>.
+    for outside in ("team/b/runs/r1/model.pt", "team/ab/runs/r1/model.pt"):
+        assert output_link(gated, outputs, outside) == f"{outputs.url}/{outside}"
 
 
 @pytest.mark.parametrize(
