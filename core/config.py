@@ -88,6 +88,10 @@ class OutputLocation(BlobLocation):
             return None
         from urllib.parse import urlsplit
 
+        if any(c.isspace() or not c.isprintable() for c in value.strip()):
+            # urlsplit drops tabs and newlines before it parses: what it checked would not be
+            # what the links carry.
+            raise ValueError(f"{value!r} must have no spaces or control characters")
         parts = urlsplit(value.strip())
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:4280")

@@ -301,6 +301,8 @@ def test_links_without_a_gateway_are_plain_blob_addresses(outputs: ContainerClie
         ("ftp://outputs.example.com", "not an http(s) URL"),
         ("127.0.0.1:4280", "not an http(s) URL"),
         ("http://127.0.0.1:99999", "out of range"),
+        ("http://out\tputs.example.com", "no spaces or control characters"),
+        ("http://127.0.0.1:4280/a\nb", "no spaces or control characters"),
     ],
 )
 def test_links_url_takes_an_address_only(value: str, why: str) -> None:
