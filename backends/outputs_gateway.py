@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import logging
 import mimetypes
+import socket
 import unicodedata
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -250,13 +251,22 @@ def serve(
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
     links_url: str | None = None,
+    request_timeout: float = 30.0,
 ) -> ThreadingHTTPServer:
     """A started-on-demand server (call ``serve_forever``); port 0 picks a free port, which
     ``server.server_address`` then tells."""
-    server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
+    server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+    server = server_class((host, port), BaseHTTPRequestHandler)
     bound = server.server_address[1]
-    server.RequestHandlerClass = make_handler(
-        container, prefix, host_names(host, int(bound), links_url)
-    )
+    handler = make_handler(container, prefix, host_names(host, int(bound), links_url))
+    # A client that never finishes its request would hold its thread for good without it.
+    handler.timeout = request_timeout
+    server.RequestHandlerClass = handler
     server.daemon_threads = True
     return server
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    """``links_url`` may name ``[::1]``: the server must then listen on an IPv6 socket."""
+
+    address_family = socket.AF_INET6

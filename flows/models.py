@@ -73,7 +73,7 @@ def _serve(
     links_url = config.output.links_url
     host, port = _listen_on(links_url, host, port)
     server = serve(outputs, config.output.prefix, host, port, links_url)
-    address = f"http://{host}:{server.server_address[1]}"
+    address = f"http://{f'[{host}]' if ':' in host else host}:{server.server_address[1]}"
     where = f"{config.output.container}/{config.output.prefix}".rstrip("/")
     print(f"serving {where} read-only at {address}/ (Ctrl-C stops it)", flush=True)
     if links_url is None:

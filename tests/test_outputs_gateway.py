@@ -310,3 +310,34 @@ def test_links_url_takes_an_address_only(value: str, why: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(LOCAL, [f"output.links_url={value}"])
     assert "output.links_url" in str(caught.value) and why in str(caught.value)
+
+
+def test_a_request_that_never_ends_is_dropped(outputs: ContainerClient) -> None:
+    """A client that sends half a request line and waits: its connection is closed after the
+    request timeout instead of holding a server thread for good."""
+    server = serve(outputs, "", "127.0.0.1", 0, request_timeout=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1])) as client:
+            client.settimeout(20)  # far past the server's: the test fails if it never closes
+            client.sendall(b"GET /x")
+            assert client.recv(1024) == b""
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_loopback_ipv6_links_url_is_served(outputs: ContainerClient) -> None:
+    outputs.upload_blob("runs/r1/score.json", b'{"accuracy": 0.9}')
+    server = serve(outputs, "", "::1", 0, links_url="http://[::1]:4280")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        conn = http.client.HTTPConnection("::1", port, timeout=30)
+        conn.request("GET", "/runs/r1/score.json", headers={"Host": f"[::1]:{port}"})
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (200, b'{"accuracy": 0.9}')
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
