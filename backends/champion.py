@@ -1,8 +1,8 @@
 """The champion record: which model serves, and the history of promotions beside it.
 
-``models/champion.json`` is one flat record (run, metric value, model blob, data version,
-time), replaced with an ETag condition so two runs finishing together cannot both win. It
-never embeds earlier records: each promotion also writes its own record under
+``<output prefix>/models/champion.json`` is one flat record (run, metric value, model blob, data
+version, time), replaced with an ETag condition so two runs finishing together cannot both win.
+It never embeds earlier records: each promotion also writes its own record under
 ``models/history/``, so the champion stays a few hundred bytes after any number of promotions
 and the history is one listing away.
 
@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-CHAMPION = "models/champion.json"
+from core.run import records_blob
+
+CHAMPION = "models/champion.json"  # below the output prefix: one champion per prefix
 HISTORY = "models/history"
 # A flat record is well under 1 KB. A record from before the history folder nested every
 # earlier champion (about 5 KB per promotion): up to this size it is still read.
@@ -108,11 +110,13 @@ def _model_blob_ok(model: object) -> bool:
     )
 
 
-def read_champion(container: Any, metric: str) -> ChampionRead:
+def read_champion(container: Any, base: str, metric: str) -> ChampionRead:
     from azure.core.exceptions import ResourceNotFoundError
 
     try:
-        download = container.download_blob(CHAMPION, offset=0, length=MAX_RECORD_BYTES + 1)
+        download = container.download_blob(
+            records_blob(base, CHAMPION), offset=0, length=MAX_RECORD_BYTES + 1
+        )
     except ResourceNotFoundError:
         return ChampionRead(None, None)
     etag = download.properties.etag
@@ -133,7 +137,7 @@ def _stamp(moment: datetime) -> str:
     return moment.strftime("%Y%m%dT%H%M%S%fZ")
 
 
-def replace_champion(container: Any, new: Champion, before: ChampionRead) -> str | None:
+def replace_champion(container: Any, base: str, new: Champion, before: ChampionRead) -> str | None:
     """Make ``new`` the champion if the stored record is still ``before``; returns the blob
     a damaged record was kept as (None if there was none), or raises ``ChampionMovedError``
     when another run replaced it meanwhile."""
@@ -142,7 +146,7 @@ def replace_champion(container: Any, new: Champion, before: ChampionRead) -> str
 
     kept = None
     if before.damaged:
-        kept = f"{HISTORY}/damaged-{_stamp(datetime.now(UTC))}.json"
+        kept = records_blob(base, f"{HISTORY}/damaged-{_stamp(datetime.now(UTC))}.json")
         container.upload_blob(kept, before.raw or b"", overwrite=True)
     condition = (
         {"etag": before.etag, "match_condition": MatchConditions.IfNotModified}
@@ -151,19 +155,19 @@ def replace_champion(container: Any, new: Champion, before: ChampionRead) -> str
     )
     record = json.dumps(new.as_record(), indent=2)
     try:
-        container.upload_blob(CHAMPION, record, overwrite=True, **condition)
+        container.upload_blob(records_blob(base, CHAMPION), record, overwrite=True, **condition)
     except (ResourceModifiedError, ResourceExistsError):
         if kept:
             container.delete_blob(kept)  # the record it keeps is still the champion
-        raise ChampionMovedError(CHAMPION) from None
-    container.upload_blob(history_blob(new), record, overwrite=True)
+        raise ChampionMovedError(records_blob(base, CHAMPION)) from None
+    container.upload_blob(history_blob(base, new), record, overwrite=True)
     return kept
 
 
-def history_blob(champion: Champion) -> str:
+def history_blob(base: str, champion: Champion) -> str:
     """One record per promotion; run ids start with their UTC time, so the names sort in
     the order of the promotions."""
-    return f"{HISTORY}/{champion.run_id}.json"
+    return records_blob(base, f"{HISTORY}/{champion.run_id}.json")
 
 
 class ChampionMovedError(RuntimeError):

@@ -1,10 +1,10 @@
 """The last trained run: what the next run compares itself with to know it has nothing to do.
 
-``models/last-run.json`` in the output container (beside the champion record) holds the
-fingerprint of the last run that trained and scored a model: the data version the gate saw,
-the code and image versions, the training settings and the number of processes, with the run's
-id, model blob and accuracy. It is written only after a run's model was scored and the promotion
-decided, so a run that failed half-way never makes the next one skip its training.
+``<output prefix>/models/last-run.json`` in the output container (beside the champion record)
+holds the fingerprint of the last run that trained and scored a model: the data version the gate
+saw, the code and image versions, the training settings and the number of processes, with the
+run's id, model blob and accuracy. It is written only after a run's model was scored and the
+promotion decided, so a run that failed half-way never makes the next one skip its training.
 
 A stored record that cannot be used (not JSON, another shape) is reported with the reason and
 counts as no record: the next run trains, and says why, instead of crashing or skipping.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from core.run import records_blob
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -59,23 +61,26 @@ def _parse(data: bytes) -> LastRun | str:
     return LastRun(**{name: doc[name] for name in wanted})
 
 
-def read_last_run(outputs: ContainerClient) -> tuple[LastRun | None, str | None]:
+def read_last_run(outputs: ContainerClient, base: str) -> tuple[LastRun | None, str | None]:
     """(the record, None), (None, None) when there is none, or (None, why it is unusable)."""
     from azure.core.exceptions import ResourceNotFoundError
 
+    name = records_blob(base, LAST_RUN)
     try:
-        data = outputs.download_blob(LAST_RUN).readall()
+        data = outputs.download_blob(name).readall()
     except ResourceNotFoundError:
         return None, None
     parsed = _parse(data)
     if isinstance(parsed, str):
-        return None, f"{LAST_RUN} is unusable ({parsed})"
+        return None, f"{name} is unusable ({parsed})"
     return parsed, None
 
 
-def write_last_run(outputs: ContainerClient, record: LastRun) -> None:
+def write_last_run(outputs: ContainerClient, base: str, record: LastRun) -> None:
     """Replace the record (one blob upload: a reader sees the old record or the new one)."""
-    outputs.upload_blob(LAST_RUN, json.dumps(asdict(record), indent=2), overwrite=True)
+    outputs.upload_blob(
+        records_blob(base, LAST_RUN), json.dumps(asdict(record), indent=2), overwrite=True
+    )
 
 
 def blob_exists(outputs: ContainerClient, name: str) -> bool:

@@ -57,7 +57,7 @@ def _decision(container: ContainerClient, blob: str) -> dict[str, Any] | None:
 
 def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEntry]:
     """Every run under ``<base>/runs/``, oldest first (run ids sort by start time)."""
-    champion = read_champion(container, metric).champion
+    champion = read_champion(container, base, metric).champion
     runs_root = output_prefix(base, "")
     entries = []
     for item in container.walk_blobs(name_starts_with=runs_root, delimiter="/"):
@@ -92,7 +92,7 @@ def model_blob(container: ContainerClient, base: str, metric: str, run_id: str |
     """The model blob of ``run_id``, or of the champion when None."""
     if run_id is not None:
         return run_file(base, run_id, "model.pt")
-    read = read_champion(container, metric)
+    read = read_champion(container, base, metric)
     if read.damaged:
         raise ModelStoreError(f"the champion record is damaged ({read.damaged}): name a run")
     if read.champion is None:

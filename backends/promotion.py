@@ -103,7 +103,7 @@ def _baseline(
     it, and a note for the reason when there is nothing comparable."""
     champion = read.champion
     if read.damaged:
-        return None, None, f"the champion record {CHAMPION} is damaged ({read.damaged})"
+        return None, None, f"the champion record ({CHAMPION}) is damaged ({read.damaged})"
     if champion is None:
         return None, None, ""
     if champion.data_version == challenger.staged_version:
@@ -116,6 +116,7 @@ def _baseline(
 
 def challenge(
     container: Any,
+    base: str,
     challenger: Challenger,
     margin: float,
     rescore: Rescore,
@@ -124,7 +125,7 @@ def challenge(
     """Read the champion, decide, and replace it when the challenger wins (unless another run
     replaced it meanwhile); the decision is written to ``record_blob`` either way."""
     metric, accuracy = challenger.metric, challenger.value
-    read = read_champion(container, metric)
+    read = read_champion(container, base, metric)
     baseline, rescored, note = _baseline(read, challenger, rescore)
     if note:
         promoted, reason = True, f"{note}: accuracy {accuracy:.4f} becomes the champion"
@@ -143,7 +144,7 @@ def challenge(
             datetime.now(UTC).isoformat(),
         )
         try:
-            kept = replace_champion(container, new, read)
+            kept = replace_champion(container, base, new, read)
         except ChampionMovedError:
             promoted, reason = False, "another run replaced the champion meanwhile: not promoted"
     champion = read.champion

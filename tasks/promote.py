@@ -37,6 +37,7 @@ def promote(
     )
     decision = challenge(
         container_client(config.output, config.retries.storage_retries),
+        config.output.prefix,
         challenger,
         config.promotion.min_improvement,
         rescore_on_cluster(cluster, run.id, run.output_prefix, logger.info),

@@ -110,7 +110,7 @@ def check_up_to_date(config: PipelineConfig, data_version: str, force: bool) -> 
     of the listing it pinned), so it is known before anything is staged."""
     outputs = container_client(config.output, config.retries.storage_retries)
     current = fingerprint(config, data_version)
-    last, unusable = read_last_run(outputs)
+    last, unusable = read_last_run(outputs, config.output.prefix)
     exists = last is not None and blob_exists(outputs, last.model)
     fresh, why = decide(current, last, unusable, exists, force)
     get_run_logger().info("%s: %s", "up to date" if fresh else "training", why)
@@ -133,6 +133,7 @@ def remember_run(
     outputs = container_client(config.output, config.retries.storage_retries)
     write_last_run(
         outputs,
+        config.output.prefix,
         LastRun(
             run_id=run.id,
             fingerprint=current,

@@ -5,6 +5,7 @@ wrote."""
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def _run(container: ContainerClient, base: str, run_id: str, accuracy: float, mo
         f"{prefix}/model.pt", model, content_settings=ContentSettings(content_md5=md5)
     )
     challenger = Challenger(run_id, "accuracy", accuracy, f"{prefix}/model.pt", "v1", 100)
-    challenge(container, challenger, 0.0, _no_rescore, f"{prefix}/promotion.json")
+    challenge(container, base, challenger, 0.0, _no_rescore, f"{prefix}/promotion.json")
 
 
 @pytest.fixture
@@ -108,3 +109,32 @@ def test_a_download_that_does_not_match_its_md5_leaves_no_file(
     missing = ["--run", "20261109-000000-none", "--to", str(target)]
     assert main(["--config", str(LOCAL), *where, "download", *missing]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_two_prefixes_in_one_container_have_their_own_champion_and_last_run(
+    outputs: tuple[ContainerClient, list[str]], tmp_path: Path
+) -> None:
+    """Two pipelines writing one output container under different prefixes: each run is
+    judged against its own pipeline's champion, each download gets its own model, and one
+    pipeline's last run never makes the other's look up to date."""
+    from backends.last_run import LastRun, read_last_run, write_last_run
+
+    container, _ = outputs
+    _run(container, "team-a", "20261101-020000-aaaaaaaa", 0.97, b"model of a")
+    _run(container, "team-b", "20261101-030000-bbbbbbbb", 0.60, b"model of b")
+    decision = json.loads(
+        container.download_blob(
+            f"{output_prefix('team-b', '20261101-030000-bbbbbbbb')}/promotion.json"
+        ).readall()
+    )
+    assert decision["promoted"] is True and decision["champion_before"] is None
+    for team, model in (("team-a", b"model of a"), ("team-b", b"model of b")):
+        where = ["--set", f"output.container={container.container_name}"]
+        where += ["--set", f"output.prefix={team}"]
+        to = tmp_path / f"{team}.pt"
+        assert main(["--config", str(LOCAL), *where, "download", "--to", str(to)]) == 0
+        assert to.read_bytes() == model
+    record = LastRun("r", {"data_version": "v"}, "team-a/runs/r/model.pt", "team-a/runs/r", 0.9, "")
+    write_last_run(container, "team-a", record)
+    assert read_last_run(container, "team-a") == (record, None)
+    assert read_last_run(container, "team-b") == (None, None)

@@ -44,11 +44,11 @@ def _champion(i: int, version: str = "v1") -> Champion:
 def test_champion_stays_flat_over_many_promotions(outputs: ContainerClient) -> None:
     promotions = 60
     for i in range(promotions):
-        before = read_champion(outputs, "accuracy")
-        replace_champion(outputs, _champion(i), before)
+        before = read_champion(outputs, "", "accuracy")
+        replace_champion(outputs, "", _champion(i), before)
     stored = outputs.download_blob(CHAMPION).readall()
     assert len(stored) < 1024 and "previous" not in json.loads(stored)
-    assert read_champion(outputs, "accuracy").champion == _champion(promotions - 1)
+    assert read_champion(outputs, "", "accuracy").champion == _champion(promotions - 1)
     history = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{HISTORY}/"))
     assert len(history) == promotions and history[-1].endswith(
         f"{promotions - 1:06d}-abcdef12.json"
@@ -62,11 +62,11 @@ def test_champion_stays_flat_over_many_promotions(outputs: ContainerClient) -> N
 
 
 def test_a_stale_read_cannot_replace_the_champion(outputs: ContainerClient) -> None:
-    before = read_champion(outputs, "accuracy")
-    replace_champion(outputs, _champion(1), before)
+    before = read_champion(outputs, "", "accuracy")
+    replace_champion(outputs, "", _champion(1), before)
     with pytest.raises(ChampionMovedError):
-        replace_champion(outputs, _champion(2), before)  # read before run 1 won
-    assert read_champion(outputs, "accuracy").champion == _champion(1)
+        replace_champion(outputs, "", _champion(2), before)  # read before run 1 won
+    assert read_champion(outputs, "", "accuracy").champion == _champion(1)
 
 
 def _nested(depth: int) -> bytes:
@@ -147,7 +147,7 @@ def test_damaged_champion_record_is_a_named_decision(
     assert why in decision["reason"] and CHAMPION in decision["reason"]
     kept = decision["damaged_record"]["kept_as"]
     assert outputs.download_blob(kept).readall() == raw  # nothing stored is lost
-    champion = read_champion(outputs, "accuracy").champion
+    champion = read_champion(outputs, "", "accuracy").champion
     assert champion is not None and champion.run_id == "run-new"
     assert json.loads(outputs.download_blob("runs/run-new/promotion.json").readall()) == decision
     report.record(
