@@ -52,7 +52,7 @@ RELIABILITY_TRIALS ?= 5
 reliability: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RETRAIN_RELIABILITY_TRIALS=$(RELIABILITY_TRIALS) \
 	RETRAIN_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
-	$(PY) -m pytest tests/test_reliability_*.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/reliability/ $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -24,13 +24,6 @@ def output_prefix(base: str, run_id: str) -> str:
     return f"{base}/runs/{run_id}".lstrip("/")
 
 
-def records_blob(base: str, name: str) -> str:
-    """A pipeline record (``models/champion.json``, its history, the last run) below the output
-    prefix ``base``: pipelines that share a container under different prefixes each have
-    their own champion and last run, as they have their own runs."""
-    return f"{base.strip('/')}/{name}" if base.strip("/") else name
-
-
 @dataclass(frozen=True)
 class Run:
     """One run's id and the two places its files go."""

@@ -7,7 +7,7 @@ promotion decisions, and downloads the champion (or any run's model) to a file.
     python -m flows.models --config configs/local.yaml download --run RUN_ID --file score.json
     python -m flows.models --config configs/local.yaml serve
 
-``serve`` runs the outputs gateway (backends.outputs_gateway): the links in a run's artifacts
+``serve`` runs the outputs gateway (registry.gateway): the links in a run's artifacts
 point at it when ``output.links_url`` names it, and open in a browser while it runs. No link
 carries a signature (no secret ever goes into an artifact); each also names the command that
 downloads its file.
@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from backends.blob import StorageConfigError, container_client, unreachable
-from backends.model_store import (
+from core.config import ConfigError, PipelineConfig, load_config
+from registry.gateway import DEFAULT_PORT, serve
+from registry.store import (
     ModelStoreError,
     RunEntry,
     download,
@@ -34,8 +36,6 @@ from backends.model_store import (
     model_blob,
     run_file,
 )
-from backends.outputs_gateway import DEFAULT_PORT, serve
-from core.config import ConfigError, PipelineConfig, load_config
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

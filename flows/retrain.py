@@ -160,8 +160,8 @@ def retrain(
             result. What is trained, and compared with the champion, is named by the staged
             version, a hash of the files staging wrote. Leave empty when starting a run by hand.
     """
-    from backends.outputs_gateway import output_link
     from backends.target import target_for
+    from registry.gateway import output_link
     from tasks.cost import PoolMeter
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts

@@ -1,4 +1,4 @@
-"""Step 8, champion/challenger (``backends.promotion``): the model becomes the champion only
+"""Step 8, champion/challenger (``registry.promotion``): the model becomes the champion only
 when better by ``promotion.min_improvement``, both scored on this run's test split."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from prefect import get_run_logger
 
 from backends.blob import container_client
 from backends.cluster import Cluster
-from backends.promotion import Challenger, Decision, challenge, rescore_on_cluster
 from core.config import PipelineConfig
 from core.run import Run
+from registry.layout import decision_blob
+from registry.promotion import Challenger, Decision, challenge, rescore_on_cluster
 from tasks.steps import Done, step
 
 
@@ -41,7 +42,7 @@ def promote(
         challenger,
         config.promotion.min_improvement,
         rescore_on_cluster(cluster, run.id, run.output_prefix, logger.info),
-        f"{run.output_prefix}/promotion.json",
+        decision_blob(run.output_prefix),
     )
     if decision.note:
         logger.warning("promotion: %s", decision.note)

@@ -11,10 +11,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NONE
 
 from backends.blob import container_client
-from backends.outputs_gateway import output_link
-from backends.promotion import Decision
 from core.config import PipelineConfig
 from core.run import output_prefix
+from registry.gateway import output_link
+from registry.promotion import Decision
 from tasks.charts import confusion_png, curves_png
 from tasks.cost import cost_markdown
 from tasks.provision import StagedData

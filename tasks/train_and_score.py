@@ -19,10 +19,10 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from backends.cluster import Cluster
-from backends.scoring import run_scorer
 from backends.taskspec import training_task
 from core.config import PipelineConfig
 from core.run import Run
+from registry.scoring import run_scorer
 from tasks.steps import Done, step
 
 REQUIRED_OUTPUTS = ("model.pt", "metrics.json", "logs/stdout.txt")

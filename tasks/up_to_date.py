@@ -3,7 +3,7 @@
 A nightly run over unchanged data would otherwise allocate a pool, stage nothing new, "resume"
 a finished checkpoint, export the same model and score it again: GPU nodes paid to do nothing.
 When the data version the gate validated, the code and image versions and the training settings
-all equal those of the last run that trained (``backends/last_run.py``) and that run's model is
+all equal those of the last run that trained (``registry/last_run.py``) and that run's model is
 still there, the run is *up to date*: it ends before anything is provisioned, and its summary
 says which run it matched. ``force`` trains anyway.
 """
@@ -22,12 +22,13 @@ from prefect.cache_policies import NONE
 
 from backends.blob import container_client
 from backends.image import content_tag
-from backends.last_run import LAST_RUN, LastRun, blob_exists, read_last_run, write_last_run
-from backends.outputs_gateway import output_link
 from backends.share import collect_files, file_sha256, tree_digest
 from backends.target import PROJECT_ROOT
 from core.config import PipelineConfig
 from core.run import Run
+from registry.gateway import output_link
+from registry.last_run import LastRun, blob_exists, read_last_run, write_last_run
+from registry.layout import LAST_RUN
 from tasks.provision import SCRIPT_PACKAGES
 from tasks.steps import Done, StepRecord, step
 

@@ -13,12 +13,12 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from backends.blob import container_client, upload_directory
-from backends.outputs_gateway import output_link
 from core.config import PipelineConfig
 from core.run import Run
 from gate.manifest import build_manifest, list_dataset
 from gate.report import failure, gate_markdown
 from gate.suites import run_expectations
+from registry.gateway import output_link
 from staging.listing import listing_blob, listing_json, listing_version
 from tasks.steps import Done, step
 

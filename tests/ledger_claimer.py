@@ -1,4 +1,4 @@
-"""One reporter of data versions, run as its own process by tests/test_reliability_ledger.py.
+"""One reporter of data versions, run as its own process by tests/reliability/test_ledger.py.
 
 ``python -m tests.ledger_claimer OUT.json GO_FILE CONTAINER VERSIONS FAIL_MOD FAIL_REM``
 reports versions ``v0000``.. of ``CONTAINER/datasets/cifar10/daily`` through

@@ -12,15 +12,14 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from backends.blob import container_client
-from backends.champion import (
-    CHAMPION,
-    HISTORY,
+from registry.champion import (
     Champion,
     ChampionMovedError,
     parse_record,
     read_champion,
     replace_champion,
 )
+from registry.layout import CHAMPION, HISTORY
 from tests.pipeline_helpers import make_config, new_container
 from tests.reliability import report
 

@@ -114,7 +114,7 @@ def test_two_reporters_racing_send_each_version_exactly_once(versions: int, tmp_
 
 
 def test_a_failed_send_is_sent_on_redelivery_and_starts_one_run(deployed: dict[str, Any]) -> None:
-    from tests.test_deployments import _wait_for_runs
+    from tests.deployments.test_deployments import _wait_for_runs
 
     container = f"redeliver-{uuid.uuid4().hex[:6]}"
     post = FailOnce()

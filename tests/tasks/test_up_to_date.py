@@ -1,5 +1,6 @@
 """The up-to-date decision and the last-run record it reads (tasks/up_to_date.py,
-backends/last_run.py); the flow's up-to-date path is in test_flow_local and test_flow_azure."""
+registry/last_run.py); the flow's up-to-date path is in tests/flows/test_retrain_local.py and
+test_retrain_azure.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from backends.last_run import LastRun, _parse
+from registry.last_run import LastRun, _parse
 from staging.listing import PinnedBlob, listing_version
 from tasks.up_to_date import decide
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from backends.champion import read_champion
-from core.run import output_prefix
+from registry.champion import read_champion
+from registry.layout import decision_blob, run_folder, runs_root
 from training.atomic import atomic_write
 
 if TYPE_CHECKING:
@@ -58,13 +58,13 @@ def _decision(container: ContainerClient, blob: str) -> dict[str, Any] | None:
 def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEntry]:
     """Every run under ``<base>/runs/``, oldest first (run ids sort by start time)."""
     champion = read_champion(container, base, metric).champion
-    runs_root = output_prefix(base, "")
+    root = runs_root(base)
     entries = []
-    for item in container.walk_blobs(name_starts_with=runs_root, delimiter="/"):
-        run_id = item.name[len(runs_root) :].rstrip("/")
+    for item in container.walk_blobs(name_starts_with=root, delimiter="/"):
+        run_id = item.name[len(root) :].rstrip("/")
         if not run_id or not item.name.endswith("/"):
             continue  # a blob directly under runs/, not a run's folder
-        doc = _decision(container, f"{output_prefix(base, run_id)}/promotion.json")
+        doc = _decision(container, decision_blob(run_folder(base, run_id)))
         value = doc.get("accuracy") if doc else None
         accuracy = float(value) if isinstance(value, int | float) else None
         promoted = doc.get("promoted") if doc else None
@@ -85,7 +85,7 @@ def run_file(base: str, run_id: str, name: str) -> str:
     parts = name.strip("/").split("/")
     if not name.strip("/") or any(p in ("", ".", "..") for p in parts):
         raise ModelStoreError(f"{name!r} is not a file name inside a run's outputs")
-    return f"{output_prefix(base, run_id)}/{'/'.join(parts)}"
+    return f"{run_folder(base, run_id)}/{'/'.join(parts)}"
 
 
 def model_blob(container: ContainerClient, base: str, metric: str, run_id: str | None) -> str:

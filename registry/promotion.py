@@ -7,7 +7,7 @@ cluster), and the decision is made on those two numbers (both are kept in ``prom
 A champion whose model cannot be scored on this data (it is gone, damaged, or knows other
 classes) is no baseline for it: the challenger replaces it, and the decision says why.
 
-The champion record (``backends.champion``) is replaced with an ETag condition, so two runs
+The champion record (``registry.champion``) is replaced with an ETag condition, so two runs
 finishing together cannot both believe they won; a damaged record is a named decision.
 """
 
@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from backends.champion import (
-    CHAMPION,
+from backends.cluster import Cluster
+from registry.champion import (
     Champion,
     ChampionMovedError,
     ChampionRead,
     read_champion,
     replace_champion,
 )
-from backends.cluster import Cluster
-from backends.scoring import SCORER_REFUSED, run_scorer
+from registry.layout import CHAMPION
+from registry.scoring import SCORER_REFUSED, run_scorer
 
 RESCORE_NAME = "champion-score"  # its report in the run's outputs: champion-score.json
 # Scores the champion's model on this run's test split: the scorer's report, or

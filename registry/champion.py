@@ -20,10 +20,9 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from core.run import records_blob
+from registry.layout import champion_blob, damaged_blob
+from registry.layout import history_blob as _history_blob
 
-CHAMPION = "models/champion.json"  # below the output prefix: one champion per prefix
-HISTORY = "models/history"
 # A flat record is well under 1 KB. A record from before the history folder nested every
 # earlier champion (about 5 KB per promotion): up to this size it is still read.
 MAX_RECORD_BYTES = 8 << 20
@@ -115,7 +114,7 @@ def read_champion(container: Any, base: str, metric: str) -> ChampionRead:
 
     try:
         download = container.download_blob(
-            records_blob(base, CHAMPION), offset=0, length=MAX_RECORD_BYTES + 1
+            champion_blob(base), offset=0, length=MAX_RECORD_BYTES + 1
         )
     except ResourceNotFoundError:
         return ChampionRead(None, None)
@@ -146,7 +145,7 @@ def replace_champion(container: Any, base: str, new: Champion, before: ChampionR
 
     kept = None
     if before.damaged:
-        kept = records_blob(base, f"{HISTORY}/damaged-{_stamp(datetime.now(UTC))}.json")
+        kept = damaged_blob(base, _stamp(datetime.now(UTC)))
         container.upload_blob(kept, before.raw or b"", overwrite=True)
     condition = (
         {"etag": before.etag, "match_condition": MatchConditions.IfNotModified}
@@ -155,11 +154,11 @@ def replace_champion(container: Any, base: str, new: Champion, before: ChampionR
     )
     record = json.dumps(new.as_record(), indent=2)
     try:
-        container.upload_blob(records_blob(base, CHAMPION), record, overwrite=True, **condition)
+        container.upload_blob(champion_blob(base), record, overwrite=True, **condition)
     except (ResourceModifiedError, ResourceExistsError):
         if kept:
             container.delete_blob(kept)  # the record it keeps is still the champion
-        raise ChampionMovedError(records_blob(base, CHAMPION)) from None
+        raise ChampionMovedError(champion_blob(base)) from None
     container.upload_blob(history_blob(base, new), record, overwrite=True)
     return kept
 
@@ -167,7 +166,7 @@ def replace_champion(container: Any, base: str, new: Champion, before: ChampionR
 def history_blob(base: str, champion: Champion) -> str:
     """One record per promotion; run ids start with their UTC time, so the names sort in
     the order of the promotions."""
-    return records_blob(base, f"{HISTORY}/{champion.run_id}.json")
+    return _history_blob(base, champion.run_id)
 
 
 class ChampionMovedError(RuntimeError):

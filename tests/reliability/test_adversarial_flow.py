@@ -137,7 +137,7 @@ def test_azure_staging_task_stages_the_gates_listing_only(
     from tasks.provision import ensure_pool, stage_data, upload_scripts
     from tasks.validate import validate_data
     from tests.azure_helpers import azure_config
-    from tests.test_azure_batch import make_cluster
+    from tests.backends.azure.test_batch import make_cluster
 
     # The blocks the example config names (the share key mounts the scripts on the nodes).
     Secret(value="c2hhcmUta2V5LXZhbHVl").save("retrain-files-key", overwrite=True)

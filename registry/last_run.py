@@ -16,12 +16,11 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from core.run import records_blob
+from registry.layout import last_run_blob
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
-LAST_RUN = "models/last-run.json"
 MAX_RECORD_BYTES = 64 << 10  # a record is well under 2 KB
 
 
@@ -65,7 +64,7 @@ def read_last_run(outputs: ContainerClient, base: str) -> tuple[LastRun | None, 
     """(the record, None), (None, None) when there is none, or (None, why it is unusable)."""
     from azure.core.exceptions import ResourceNotFoundError
 
-    name = records_blob(base, LAST_RUN)
+    name = last_run_blob(base)
     try:
         data = outputs.download_blob(name).readall()
     except ResourceNotFoundError:
@@ -78,9 +77,7 @@ def read_last_run(outputs: ContainerClient, base: str) -> tuple[LastRun | None, 
 
 def write_last_run(outputs: ContainerClient, base: str, record: LastRun) -> None:
     """Replace the record (one blob upload: a reader sees the old record or the new one)."""
-    outputs.upload_blob(
-        records_blob(base, LAST_RUN), json.dumps(asdict(record), indent=2), overwrite=True
-    )
+    outputs.upload_blob(last_run_blob(base), json.dumps(asdict(record), indent=2), overwrite=True)
 
 
 def blob_exists(outputs: ContainerClient, name: str) -> bool:

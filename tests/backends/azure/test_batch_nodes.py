@@ -18,9 +18,9 @@ import pytest
 
 from backends.azure.batch import BatchCluster
 from backends.taskspec import TaskSpec
+from tests.backends.azure.test_batch import ready_cluster
 from tests.fakes.node import PoolNodes
 from tests.nodes_helpers import copy_scripts, require_emulated_nodes
-from tests.test_azure_batch import ready_cluster
 
 # Each command leaves a mark on NFS named for the node it ran on, and what it saw.
 MARK = (

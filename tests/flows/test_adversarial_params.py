@@ -176,7 +176,7 @@ def test_trigger_values_through_the_relay_and_the_deployment_trigger(
     from starlette.testclient import TestClient
 
     from deployments.relay import RelaySettings, Watch, create_app
-    from tests.test_deployments import _runs_for, _wait_for_runs
+    from tests.deployments.test_deployments import _runs_for, _wait_for_runs
 
     container, tag = "123456", uuid.uuid4().hex[:8]
     settings = RelaySettings(watches=[Watch(container, "")], shared_secret="k")

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from azure.storage.blob import ContainerClient, ContentSettings
 
-from backends.champion import Champion
-from backends.promotion import Challenger, challenge
 from core.run import output_prefix
 from flows.models import main
+from registry.champion import Champion
+from registry.promotion import Challenger, challenge
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
 
 
@@ -117,7 +117,7 @@ def test_two_prefixes_in_one_container_have_their_own_champion_and_last_run(
     """Two pipelines writing one output container under different prefixes: each run is
     judged against its own pipeline's champion, each download gets its own model, and one
     pipeline's last run never makes the other's look up to date."""
-    from backends.last_run import LastRun, read_last_run, write_last_run
+    from registry.last_run import LastRun, read_last_run, write_last_run
 
     container, _ = outputs
     _run(container, "team-a", "20261101-020000-aaaaaaaa", 0.97, b"model of a")

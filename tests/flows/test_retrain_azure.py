@@ -7,8 +7,8 @@ credentials come from Prefect Secret blocks."""
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 

@@ -21,10 +21,10 @@ import pytest
 from azure.storage.blob import ContainerClient, ContentSettings
 
 from backends.blob import container_client
-from backends.outputs_gateway import output_link, serve
 from core.config import ConfigError, OutputLocation, load_config
+from registry.gateway import output_link, serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
 INDEX = b'<html><a href="validations/run.html">run</a><link href="static/style.css"></html>'
 
@@ -203,7 +203,7 @@ def test_the_request_line_reaches_the_log_with_its_control_characters_escaped(
     """A terminal acts on escape sequences: a request line that carries them (raw, or C1
     controls a path decodes to) is logged escaped, and such a path is refused."""
     port, _ = gateway
-    caplog.set_level(logging.INFO, logger="backends.outputs_gateway")
+    caplog.set_level(logging.INFO, logger="registry.gateway")
     for target in (b"/\x1b]0;owned\x07\x1b[2J", b"/runs/\xc2\x9b2J", b"/runs/%C2%9B2J"):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(b"GET " + target + f" HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())

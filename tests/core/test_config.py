@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.promotion import decide
 from core.config import ConfigError, PipelineConfig, load_config
 from flows.retrain import effective_config
+from registry.promotion import decide
 from tests.conftest import ROOT, child_env
 
 LOCAL = ROOT / "configs" / "local.yaml"

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from backends.blob import container_client
-from backends.outputs_gateway import serve
 from backends.processes import read_record
 from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
+from registry.gateway import serve
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from training.make_images import write_digits
 
