@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import tempfile
 
 # Before anything imports Prefect: a private home (cached state must not leak between
@@ -72,6 +73,22 @@ def child_env() -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)
     return env
+
+
+# Rank 0's running mean loss after each of the first batches, logged with --log-every 1.
+LOSS_LOG_ARGS = ("--log-every", "1")
+
+
+def first_step_losses(output: str, steps: int = 4) -> list[float]:
+    """Epoch 1's running mean loss after each of its first ``steps`` batches, as rank 0 logged
+    it (``LOSS_LOG_ARGS``). Two runs of one data, seed, model and world size take these steps
+    on the same broadcast weights, sampler order and averaged gradients, whatever the engine
+    or the node layout: they agree within float rounding, where the accuracy after a short run
+    may drift apart chaotically on some processors."""
+    found = re.findall(r"epoch 1 batch (\d+): mean loss so far ([0-9.]+)", output)
+    losses = {int(batch): float(loss) for batch, loss in found}
+    assert sorted(losses)[:steps] == list(range(1, steps + 1)), found[:steps]
+    return [losses[b] for b in range(1, steps + 1)]
 
 
 def run_trainer(
@@ -182,10 +199,33 @@ async def _read_deployments() -> dict[str, Any]:
         }
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Under pytest-xdist (``make test``): where each worker leaves its reliability rows."""
+    rows_dir = getattr(node.config, "_reliability_rows_dir", None)
+    if rows_dir is None:
+        rows_dir = tempfile.mkdtemp(prefix="reliability-rows-")
+        node.config._reliability_rows_dir = rows_dir
+    node.workerinput["reliability_rows_dir"] = rows_dir
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Write the reliability suite's figures (docs/reliability.md under `make reliability`)."""
+    """Write the reliability suite's figures (docs/reliability.md under `make reliability`).
+
+    Under pytest-xdist each worker saves its rows and the controlling process, which finishes
+    last, writes the report from all of them."""
     from tests.reliability import report
 
+    worker = getattr(session.config, "workerinput", None)
+    if worker is not None:
+        rows = Path(worker["reliability_rows_dir"]) / f"{worker['workerid']}.json"
+        report.dump(rows)
+        return
+    rows_dir = getattr(session.config, "_reliability_rows_dir", None)
+    if rows_dir is not None:
+        for saved in sorted(Path(rows_dir).glob("*.json")):
+            report.load(saved)
+        shutil.rmtree(rows_dir, ignore_errors=True)
     if report.has_rows():
         target = os.environ.get("RETRAIN_RELIABILITY_REPORT") or str(
             ROOT / ".work" / "reliability.md"

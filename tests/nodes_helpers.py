@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -82,7 +83,10 @@ def training_spec(nodes: int, ppn: int, *overrides: str) -> TaskSpec:
             *overrides,
         ],
     )
-    return training_task(config, f"train-{nodes}x{ppn}", "key", "runs/test")
+    # A checkpoint folder per layout and settings: a run that found another's checkpoint of
+    # the same settings would resume after its last epoch and train nothing.
+    key = hashlib.sha256(repr((nodes, ppn, overrides)).encode()).hexdigest()[:12]
+    return training_task(config, f"train-{nodes}x{ppn}", key, "runs/test")
 
 
 def run_task(pool: PoolNodes, spec: TaskSpec, job: str = JOB, **env: str) -> TaskRun:

@@ -7,6 +7,7 @@ reliability`` points it at docs/reliability.md; otherwise .work/reliability.md).
 
 from __future__ import annotations
 
+import json
 import platform
 import threading
 from collections import defaultdict
@@ -35,6 +36,20 @@ def record(section: str, case: str, result: str, **figures: Any) -> None:
 
 def has_rows() -> bool:
     return any(_rows.values())
+
+
+def dump(path: Path) -> None:
+    """Save this process's rows (a test worker's) for the process that writes the report."""
+    with _lock:
+        path.write_text(json.dumps(_rows, default=str))
+
+
+def load(path: Path) -> None:
+    """Add the rows another process saved with :func:`dump`."""
+    saved = json.loads(path.read_text())
+    with _lock:
+        for section, rows in saved.items():
+            _rows[section].extend(rows)
 
 
 def write(path: Path, tests_passed: bool) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import LOSS_LOG_ARGS, first_step_losses
 from tests.fakes.node import PoolNodes, TaskRun
 from tests.nodes_helpers import (
     JOB,
@@ -30,6 +31,13 @@ from tests.nodes_helpers import (
 from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("horovodrun")
+
+LOSS_LOG = f"training.extra_args={list(LOSS_LOG_ARGS)}"
+
+
+def output(run: TaskRun) -> str:
+    """What the primary's application command printed (the trainer logs on stderr)."""
+    return run.primary.stdout() + run.primary.stderr()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +57,7 @@ def two_nodes(pool: PoolNodes) -> TaskRun:
     stale = nfs / ".retrain-ssh" / JOB / "train-2x2"
     stale.mkdir(parents=True, exist_ok=True)
     (stale / "authorized_keys").write_text("ssh-ed25519 AAAA-an-earlier-attempts-key\n")
-    run = run_task(pool, training_spec(2, 2))
+    run = run_task(pool, training_spec(2, 2, LOSS_LOG))
     assert run.exit_code == 0, run.primary.stdout()[-3000:] + run.primary.stderr()[-3000:]
     return run
 
@@ -72,14 +80,16 @@ def test_two_nodes_train_as_one_job(two_nodes: TaskRun, pool: PoolNodes) -> None
 
 
 def test_the_result_matches_a_single_node_run(two_nodes: TaskRun, pool: PoolNodes) -> None:
-    single = run_task(pool, training_spec(1, 4))
+    single = run_task(pool, training_spec(1, 4, LOSS_LOG))
     assert single.exit_code == 0, single.primary.stderr()[-3000:]
     one, two = metrics(single), metrics(two_nodes)
     assert one["world_size"] == two["world_size"] == 4
-    n = one["dataset"]["num_test"]
-    # Same data, seed and world size: the two runs may differ only by the order of floating
-    # point sums; a few test images either way is noise.
-    assert abs(one["test_accuracy"] - two["test_accuracy"]) <= 5 / n
+    assert "resuming from" not in output(single)  # it trained: nothing of the other run's
+    # Same data, seed and world size: the first steps may differ only by the order of floating
+    # point sums (later ones, and the final accuracy, may drift apart chaotically).
+    assert first_step_losses(output(single)) == pytest.approx(
+        first_step_losses(output(two_nodes)), abs=2e-3
+    )
 
 
 def test_names_resolving_to_loopback_do_not_reach_the_ranks(
@@ -129,14 +139,16 @@ def test_ddp_trains_across_nodes_with_one_torchrun_per_node(
     two_nodes: TaskRun, pool: PoolNodes
 ) -> None:
     """The same task with training.engine=ddp: one torchrun per node meets at the rendezvous
-    the primary hosts, and learns what Horovod learned on the same nodes and data."""
-    run = run_task(pool, training_spec(2, 2, "training.engine=ddp"))
+    the primary hosts, and takes the steps Horovod took on the same nodes and data."""
+    run = run_task(pool, training_spec(2, 2, "training.engine=ddp", LOSS_LOG))
     out = run.primary.stdout()
     assert run.exit_code == 0, out[-3000:] + run.primary.stderr()[-3000:]
-    m, horovod = metrics(run), metrics(two_nodes)
+    m = metrics(run)
     assert m["world_size"] == 4 and m["args"]["engine"] == "ddp"
     assert len(set(m["weights_digest_per_rank"])) == 1
-    assert abs(m["test_accuracy"] - horovod["test_accuracy"]) <= 0.05
+    assert first_step_losses(output(run)) == pytest.approx(
+        first_step_losses(output(two_nodes)), abs=2e-3
+    )
     assert "(torchrun per node, rendezvous 10.211.0.4:29400)" in out
     # Both nodes' exit statuses were collected; the second node's torchrun came in over SSH.
     assert "launch: node 10.211.0.4 exited 0" in out and "launch: node 10.211.0.5 exited 0" in out

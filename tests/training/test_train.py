@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -16,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ENGINES, ROOT, Result, child_env, run_trainer, trainer_command
+from tests.conftest import (
+    ENGINES,
+    LOSS_LOG_ARGS,
+    ROOT,
+    Result,
+    child_env,
+    first_step_losses,
+    run_trainer,
+    trainer_command,
+)
 from training.checkpoint import list_checkpoints
 from training.distributed import state_digest
 
@@ -33,8 +41,7 @@ def two_rank_runs(
     def run(engine: str) -> Result:
         if engine not in done:
             out = tmp_path_factory.mktemp(f"{engine}2") / "out"
-            # --log-every 1: each step's running mean loss, which the engines' comparison reads.
-            args = ("--epochs", "3", "--timeline", "--seed", "3", "--log-every", "1")
+            args = ("--epochs", "3", "--timeline", "--seed", "3", *LOSS_LOG_ARGS)
             done[engine] = run_trainer(2, digits_dir, out, *args, engine=engine)
             assert done[engine].returncode == 0, done[engine].output
         return done[engine]
@@ -62,15 +69,6 @@ def test_two_ranks_learn_far_above_chance(two_rank_run: Result) -> None:
     assert m["epochs"][0]["images"] == m["dataset"]["num_train"] + m["dataset"]["num_train"] % 2
 
 
-def _first_step_losses(output: str, steps: int) -> list[float]:
-    """The running mean loss of epoch 1 after each of its first ``steps`` batches, as rank 0
-    logged it (``--log-every 1``)."""
-    found = re.findall(r"epoch 1 batch (\d+): mean loss so far ([0-9.]+)", output)
-    losses = {int(batch): float(loss) for batch, loss in found}
-    assert sorted(losses)[:steps] == list(range(1, steps + 1)), found[:steps]
-    return [losses[b] for b in range(1, steps + 1)]
-
-
 def test_both_engines_take_the_same_first_steps(two_rank_runs: Callable[[str], Result]) -> None:
     """The same data, seeds, model and schedule: the first batch's loss depends only on the
     weights rank 0 broadcast and the sampler's order, and each step after it on the average of
@@ -78,7 +76,7 @@ def test_both_engines_take_the_same_first_steps(two_rank_runs: Callable[[str], R
     within float rounding, and the log's four decimals). Later steps, and so the accuracy of a
     short run, may drift apart chaotically on some processors: they are not compared."""
     runs = {engine: two_rank_runs(engine) for engine in ENGINES}
-    first = {engine: _first_step_losses(r.output, 4) for engine, r in runs.items()}
+    first = {engine: first_step_losses(r.output) for engine, r in runs.items()}
     assert first["ddp"] == pytest.approx(first["horovod"], abs=2e-3), first
     metrics = {engine: r.metrics for engine, r in runs.items()}
     for m in metrics.values():
