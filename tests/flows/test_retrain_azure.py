@@ -216,25 +216,3 @@ def test_failed_training_still_releases_the_pool(
     assert task.retry == 1  # Batch retried once (training_attempts=2), not Prefect
     assert batch.bodies("POST", f"/pools/{config.pool.id}/resize")[-1]["targetDedicatedNodes"] == 0
     assert batch.pools[config.pool.id]["currentDedicatedNodes"] == 0
-
-
-def test_azure_flow_trains_with_the_ddp_engine(
-    fake_azure_account: Any, nodes: PoolNodes, secrets: None, tmp_path: Path, digits_source: Path
-) -> None:
-    """training.engine=ddp on the Azure target: the same task, one torchrun per node started
-    by launch.sh on the primary over the task's SSH, every node's exit status collected."""
-    fakes = fake_azure_account
-    config = _config(tmp_path, "training.engine=ddp")
-    seed(config, digits_source)
-    _scripts(fakes, config, nodes)
-
-    state = retrain(config=config, return_state=True)
-    assert state.is_completed(), state.message
-    assert state.result()["accuracy"] > 0.4
-    train_job = next(j for j in fakes.batch.jobs if "-train-" in j)
-    (task,) = fakes.batch.bodies("POST", f"/jobs/{train_job}/tasks")
-    env = {e["name"]: e["value"] for e in task["environmentSettings"]}
-    assert env["RETRAIN_ENGINE"] == "ddp"
-    logs = flow_run_logs(state.state_details.flow_run_id)
-    assert "launch: 2 processes on 2 node(s)" in logs and "(torchrun per node" in logs
-    assert "exited 0" in logs and "engine: ddp" in logs
