@@ -163,8 +163,12 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], seconds: float = 300) -
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_killed_job_resumes_at_next_epoch(engine: str, digits_dir: Path, tmp_path: Path) -> None:
+def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> None:
+    """The launcher and every rank killed mid-epoch; the job run again goes on at the epoch
+    after the newest checkpoint. Resuming is the trainer's, not the engine's (DDP's is
+    test_torchrun_restarts_the_ranks_when_one_dies, and each engine loads the other's
+    checkpoints in test_either_engine_resumes_the_others_checkpoint)."""
+    engine = "horovod"
     out = tmp_path / "out"
     cmd = trainer_command(2, digits_dir, out, "--epochs", "4", "--seed", "5", engine=engine)
     proc = subprocess.Popen(
