@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
 	package.json package-lock.json
 
-.PHONY: setup demo azurite azure-config test reliability lint bench clean
+.PHONY: setup demo azurite azure-config test test-quick reliability lint bench clean
 
 setup: $(STAMP)
 
@@ -43,9 +43,18 @@ azure-config:
 	@cp -n configs/azure.example.yaml configs/azure.yaml
 	@echo "configs/azure.yaml created from configs/azure.example.yaml: fill in your names (docs/azure.md)"
 
-# Everything but the extra trials of the fault tests (marked slow; `make reliability` runs them).
+# Everything but the extra trials of the fault tests (marked slow; `make reliability` runs them),
+# in TEST_WORKERS processes (pytest-xdist), a test file per process at a time: most tests wait
+# on servers, launchers and nodes more than they compute.
+TEST_WORKERS ?= 2
 test: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow" \
+		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The unit tests of every package (no server, emulator, launcher or process of their own):
+# the edit-test loop's command.
+test-quick: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "quick and not slow" $(PYTEST_ARGS)
 
 # The reliability suite with more trials; it writes docs/reliability.md.
 RELIABILITY_TRIALS ?= 5

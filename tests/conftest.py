@@ -199,6 +199,27 @@ async def _read_deployments() -> dict[str, Any]:
         }
 
 
+# Set-ups that make a test a whole-system one: a server, an emulator, real launchers, nodes.
+# A test that needs none of them, and no marker saying it starts processes of its own
+# (``processes``), is a unit test: ``make test-quick`` runs those (``pytest -m quick``).
+SYSTEM_FIXTURES = frozenset(
+    {
+        "azurite",
+        "prefect_api",
+        "deployed",
+        "fake_azure_account",
+        "horovodrun",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if not fixtures & SYSTEM_FIXTURES and item.get_closest_marker("processes") is None:
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     """Under pytest-xdist (``make test``): where each worker leaves its reliability rows."""

@@ -17,6 +17,8 @@ from backends.azurite import connection_string, free_port
 from core.config import load_config
 from tests.conftest import ROOT, child_env
 
+pytestmark = pytest.mark.processes  # each test starts the command it checks
+
 
 def _serve(port: int, tmp_path: Path) -> list[str]:
     """`make azurite`'s command, on a port and in a folder of the test's own."""

@@ -8,12 +8,14 @@ server generated. 12,000 blobs: three pages.
 
 from __future__ import annotations
 
+import pytest
 from azure.storage.blob import ContainerClient
 
 from bench.gate_scale import CONTAINER, PREFIX, SyntheticContainer, synthetic_container
 from staging.blob import list_pinned
 
 
+@pytest.mark.processes
 def test_real_lister_reads_every_synthetic_blob_once_in_order() -> None:
     train, test, classes = 10_000, 1_999, 10
     expected = SyntheticContainer(train, test, classes)

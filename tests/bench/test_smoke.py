@@ -74,6 +74,7 @@ def test_critical_path_takes_the_longest_branch() -> None:
     assert seconds == 12.0  # seven steps of 1 s and the 5 s branch; the other branches overlap
 
 
+@pytest.mark.processes
 def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
     """Staging, loading and the trainer at toy sizes, then the page rendered from their JSON."""
     results, page = tmp_path / "results", tmp_path / "performance.md"

@@ -80,6 +80,7 @@ def test_flow_accepts_a_model_or_a_path() -> None:
         effective_config(None, None, None)
 
 
+@pytest.mark.processes
 def test_cli_says_storage_does_not_answer_before_starting_anything(tmp_path: Path) -> None:
     """Azurite not running: a short error per location, no key in it, and no temporary Prefect
     server started (it took 20 s, then printed a 31-line failure)."""
@@ -108,6 +109,7 @@ def test_cli_says_storage_does_not_answer_before_starting_anything(tmp_path: Pat
     assert "temporary server" not in (proc.stdout + proc.stderr).lower()
 
 
+@pytest.mark.processes
 def test_cli_rejects_bad_config_with_the_field() -> None:
     proc = subprocess.run(
         [

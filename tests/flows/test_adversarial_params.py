@@ -146,6 +146,7 @@ def test_config_files_that_are_not_configs_are_named_without_their_content(
         report.record("adversarial", f"--config pointing at a {case}", f"exit 2: {expected}")
 
 
+@pytest.mark.processes
 def test_cli_exits_2_before_anything_is_written(tmp_path: Path) -> None:
     work = tmp_path / "work"
     proc = subprocess.run(

@@ -12,6 +12,8 @@ import pytest
 
 from core.config import ValidationConfig
 
+pytestmark = pytest.mark.processes  # each test starts the command it checks
+
 
 def _rows() -> list[dict[str, object]]:
     """A valid manifest: two classes, three train and one test image each."""

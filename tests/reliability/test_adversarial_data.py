@@ -247,6 +247,7 @@ def test_gate_skips_only_the_completion_marker(gate_config: Any, tmp_path: Path)
 EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nnewpath 0 0 moveto 16 16 lineto\n"
 
 
+@pytest.mark.processes
 def test_eps_named_png_never_reaches_ghostscript(tmp_path: Path) -> None:
     """The trainer, the shard packer and the scorer decode through the same two functions;
     neither may hand a file to Ghostscript (a fake ``gs`` on PATH logs any call)."""
@@ -366,6 +367,7 @@ def test_hostile_cifar_fields_are_named_errors(case: str, tmp_path: Path) -> Non
     report.record("adversarial", f"CIFAR: {case}", "DatasetError naming the file")
 
 
+@pytest.mark.processes
 def test_hostile_cifar_exits_2_without_a_traceback(tmp_path: Path) -> None:
     root = _cifar(tmp_path / "cifar", {b"data": "x", b"labels": {"a": 1}})
     result = run_trainer(1, root, tmp_path / "out", "--epochs", "1")
@@ -376,6 +378,7 @@ def test_hostile_cifar_exits_2_without_a_traceback(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.processes
 def test_checkpoint_of_other_shapes_falls_back_to_an_intact_one(
     small_folders: Path, tmp_path: Path
 ) -> None:
@@ -472,6 +475,7 @@ def test_absurd_sizes_are_config_errors(override: str, field: str) -> None:
 # ---------------------------------------------------------------------------- shard packs
 
 
+@pytest.mark.processes
 def test_two_packs_of_one_folder_at_once(tmp_path: Path) -> None:
     """Pack A is stopped while it writes a shard; pack B of the same folder runs meanwhile;
     then A goes on. Both finish, and the index written last names complete shards."""

@@ -84,6 +84,7 @@ def test_unicode_blob_names_are_fine() -> None:
 DATASETS = ["empty", "no_test_split", "zero_byte_only_class", "text_instead_of_images"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", DATASETS)
 def test_wrong_dataset_layout_names_the_problem(case: str, tmp_path: Path) -> None:
     data = tmp_path / "data"

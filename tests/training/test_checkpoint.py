@@ -11,6 +11,7 @@ from tests.conftest import run_trainer
 from training.checkpoint import atomic_save, list_checkpoints, newest_valid_checkpoint
 
 
+@pytest.mark.processes
 def test_damaged_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = run_trainer(1, "synthetic:300", out, "--epochs", "2")
@@ -30,6 +31,7 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path: Path) -> None:
     assert [e["epoch"] for e in m["epochs"]] == [1, 2, 3]
 
 
+@pytest.mark.processes
 def test_only_damaged_checkpoints_start_fresh(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpt"
     ckpts.mkdir()
@@ -57,6 +59,7 @@ def test_atomic_save_leaves_old_file_when_writing_fails(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1.pt"]  # no temp file left
 
 
+@pytest.mark.processes
 def test_keeps_newest_checkpoints_only(tmp_path: Path) -> None:
     result = run_trainer(
         1, "synthetic:200", tmp_path / "out", "--epochs", "4", "--keep-checkpoints", "2"

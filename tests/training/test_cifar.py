@@ -57,6 +57,7 @@ def test_cifar_pickle_batches(tmp_path: Path) -> None:
     assert image.shape == (3, 32, 32) and image.dtype == torch.uint8 and 0 <= label < 10
 
 
+@pytest.mark.processes
 def test_cifar_binary_batches_train(tmp_path: Path) -> None:
     write_cifar_bin(tmp_path / "cifar")
     result = run_trainer(1, tmp_path / "cifar", tmp_path / "out", "--epochs", "2")

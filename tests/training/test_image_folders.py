@@ -44,6 +44,7 @@ def test_labels_follow_sorted_class_names(small_folders: Path) -> None:
     assert by_label == {0}
 
 
+@pytest.mark.processes
 def test_optional_val_split_reported_per_epoch(small_folders: Path, tmp_path: Path) -> None:
     (small_folders / "test").rename(small_folders / "val")
     import shutil
@@ -55,6 +56,7 @@ def test_optional_val_split_reported_per_epoch(small_folders: Path, tmp_path: Pa
     assert result.metrics["dataset"]["num_val"] == result.metrics["dataset"]["num_test"]
 
 
+@pytest.mark.processes
 def test_missing_split_named(small_folders: Path, tmp_path: Path) -> None:
     shutil.rmtree(small_folders / "test")
     result = run_trainer(1, small_folders, tmp_path / "out", "--epochs", "1")
@@ -86,6 +88,7 @@ def test_class_sets_differ_named(small_folders: Path) -> None:
         open_dataset(str(small_folders), 32)
 
 
+@pytest.mark.processes
 def test_damaged_images_skipped_and_reported(small_folders: Path, tmp_path: Path) -> None:
     cls = small_folders / "train" / "class_1"
     (cls / "empty.png").write_bytes(b"")
@@ -113,6 +116,7 @@ def test_class_with_only_damaged_images_is_an_error(small_folders: Path) -> None
         open_dataset(str(small_folders), 32)
 
 
+@pytest.mark.processes
 def test_grayscale_only_dataset_trains(tmp_path: Path) -> None:
     root = tmp_path / "gray"
     for split, n in (("train", 12), ("test", 4)):

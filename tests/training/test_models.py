@@ -31,6 +31,7 @@ def test_unknown_model_named() -> None:
         build_model("vgg", 10)
 
 
+@pytest.mark.processes
 def test_resnet18_trains_through_the_cli(tmp_path: Path) -> None:
     result = run_trainer(
         1,

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, child_env, run_trainer
+
+pytestmark = pytest.mark.processes  # each test starts the command it checks
 
 
 def test_scorer_refuses_bad_model_and_mismatched_classes(

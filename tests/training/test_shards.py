@@ -174,6 +174,7 @@ def test_staging_packs_by_manifest_md5_and_unpacks_when_off(
     assert open_dataset(str(dest), SIZE).kind == "image-folders"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("limit", [None, 512])
 def test_loader_reads_small_rows_in_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int | None

@@ -64,6 +64,7 @@ def _three_steps(speed: fast.Speed, reference: torch.nn.Module) -> list[torch.Te
     return [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.processes
 def test_channels_last_steps_equal_the_contiguous_ones() -> None:
     """Channels-last weights with contiguous gradients take the same steps as the plain model;
     the fused kernel on those split layouts did not (why ``resolve`` refuses it)."""
@@ -97,6 +98,7 @@ def test_bf16_channels_last_forward_and_step() -> None:
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("engine", ["horovod", "ddp"])
 def test_channels_last_weights_under_two_ranks(engine: str, tmp_path: Path) -> None:
     """Horovod's collectives refuse non-contiguous tensors, which channels-last weights would
@@ -163,6 +165,7 @@ def test_momentum_loaded_in_another_layout_takes_the_weights_layout() -> None:
     assert max(float((a - b).abs().max()) for a, b in zip(want, got, strict=True)) < 1e-6
 
 
+@pytest.mark.processes
 def test_compiled_model_trains_and_saves_plain_keys(tmp_path: Path) -> None:
     result = run_trainer(
         1, "synthetic:300", tmp_path / "out", "--epochs", "2", "--batch-size", "16", "--compile"

@@ -21,6 +21,7 @@ def test_synthetic_is_learnable() -> None:
     assert torch.equal(a, b)  # reproducible per index, so every rank sees the same sample
 
 
+@pytest.mark.processes
 def test_synthetic_trains_far_above_chance(tmp_path: Path) -> None:
     result = run_trainer(1, "synthetic:600", tmp_path / "out", "--epochs", "2")
     assert result.returncode == 0, result.output

@@ -30,6 +30,7 @@ def _plan(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     )
 
 
+@pytest.mark.processes
 def test_plan_covers_every_batch_request_with_wire_names() -> None:
     proc = _plan("--config", str(EXAMPLE), "--set", "pool.vm_size=Standard_ND96asr_v4")
     assert proc.returncode == 0, proc.stderr
@@ -63,6 +64,7 @@ def test_plan_covers_every_batch_request_with_wire_names() -> None:
     }
 
 
+@pytest.mark.processes
 def test_plan_holds_no_secret_and_says_where_each_comes_from() -> None:
     fake_key = "QUNDT1VOVC1LRVktVkFMVUUtRk9SLVRFU1Q="
     proc = _plan(
@@ -84,6 +86,7 @@ def test_plan_holds_no_secret_and_says_where_each_comes_from() -> None:
     assert env["RETRAIN_DATA_URL"].endswith("?<SAS read,list; expires 16.6 h after submission>")
 
 
+@pytest.mark.processes
 def test_plan_refuses_the_local_target() -> None:
     proc = _plan("--config", str(ROOT / "configs" / "local.yaml"))
     assert proc.returncode == 2 and "target local" in proc.stderr
