@@ -83,10 +83,15 @@ def training_spec(nodes: int, ppn: int, *overrides: str) -> TaskSpec:
             *overrides,
         ],
     )
-    # A checkpoint folder per layout and settings: a run that found another's checkpoint of
-    # the same settings would resume after its last epoch and train nothing.
-    key = hashlib.sha256(repr((nodes, ppn, overrides)).encode()).hexdigest()[:12]
+    key = training_key(nodes, ppn, *overrides)
     return training_task(config, f"train-{nodes}x{ppn}", key, "runs/test")
+
+
+def training_key(nodes: int, ppn: int, *overrides: str) -> str:
+    """The checkpoint folder's name (under the NFS checkpoints/) of ``training_spec``'s task: one
+    per layout and settings, as a run that found another's checkpoint of the same settings
+    would resume after its last epoch and train nothing."""
+    return hashlib.sha256(repr((nodes, ppn, overrides)).encode()).hexdigest()[:12]
 
 
 def run_task(pool: PoolNodes, spec: TaskSpec, job: str = JOB, **env: str) -> TaskRun:

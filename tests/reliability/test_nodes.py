@@ -23,6 +23,7 @@ from tests.nodes_helpers import (
     require_emulated_nodes,
     run_task,
     task_body,
+    training_key,
     training_spec,
 )
 from tests.reliability import report, trials
@@ -55,9 +56,10 @@ def test_rank_killed_on_the_second_node_fails_the_task_and_the_retry_resumes(
     trial: int, pool: PoolNodes
 ) -> None:
     rng = random.Random(200 + trial)
-    spec = training_spec(2, 1, f"training.epochs={EPOCHS}", f"training.seed={trial}")
+    settings = (f"training.epochs={EPOCHS}", f"training.seed={trial}")
+    spec = training_spec(2, 1, *settings)
     spec.id = f"train-kill-{trial}"
-    checkpoints = pool.nfs_dir / "checkpoints" / "key"
+    checkpoints = pool.nfs_dir / "checkpoints" / training_key(2, 1, *settings)
     for old in checkpoints.glob("checkpoint-*.pt"):  # each trial trains from the start
         old.unlink()
     run = pool.start(task_body(spec), JOB)
