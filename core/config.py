@@ -20,7 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from training.args import TrainingSettings, about, field_metadata
+from training.args import TrainingSettings, about, extra_option_owner, field_metadata
 
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
 _POOL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # Batch REST spec, Pool.id
@@ -251,9 +251,23 @@ class TrainingConfig(TrainingSettings):
         default_factory=list,
         metadata=about(
             "further trainer options, e.g. [--fp16-allreduce]; passed on as they are, each one "
-            "quoted"
+            "quoted; not the data, output and checkpoint paths, nor a setting of this section"
         ),
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_owned_options(cls, value: list[str]) -> list[str]:
+        for word in value:
+            owner = extra_option_owner(word)
+            if owner == "the pipeline":
+                raise ValueError(
+                    f"{word.split('=', 1)[0]} is set by the pipeline (the data it staged and "
+                    "validated, the run's outputs, its checkpoints): it cannot be given again"
+                )
+            if owner is not None:
+                raise ValueError(f"{word.split('=', 1)[0]} is {owner}: set that field instead")
+        return value
 
 
 class RetryConfig(_Section):

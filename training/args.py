@@ -171,6 +171,26 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Where a pipeline's run reads and writes: it passes these itself (the validated data it
+# staged, the run's outputs, the checkpoints of its training key).
+PIPELINE_PATHS = ("data_dir", "output_dir", "checkpoint_dir")
+
+
+def extra_option_owner(word: str) -> str | None:
+    """Who sets the trainer option in ``word`` (``--name`` or ``--name=value``) when a pipeline
+    runs the trainer: "the pipeline" for its paths, ``training.<field>`` for a setting the run
+    records; None for the tuning options extra arguments are for. The trainer takes the last of
+    a repeated option, so an extra one would replace the owner's value unseen."""
+    if not word.startswith("--"):
+        return None
+    name = word[2:].split("=", 1)[0].replace("-", "_")
+    if name in PIPELINE_PATHS:
+        return "the pipeline"
+    if name in {f.name for f in fields(TrainingSettings)}:
+        return f"training.{name}"
+    return None
+
+
 def settings_argv(settings: TrainingSettings) -> list[str]:
     """The trainer's options for ``settings``: ``--name value`` per field and a switch when
     true; an unset field (None) or a switch that is off is left out, so the trainer's own
@@ -212,7 +232,10 @@ def _out_of_bounds(f: Field[Any], value: Any) -> str | None:
 def trainer_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The trainer's command line, one option per field of :class:`TrainerArgs` (the required
     ones first); a bool field is a switch, off unless given."""
-    p = argparse.ArgumentParser(prog="python -m training.train", description=description)
+    # No abbreviations: ``--data-d X`` must not reach --data-dir past checks on whole names.
+    p = argparse.ArgumentParser(
+        prog="python -m training.train", description=description, allow_abbrev=False
+    )
     hints = get_type_hints(TrainerArgs)
     ordered = sorted(fields(TrainerArgs), key=lambda f: f.default is not MISSING)
     for f in ordered:

@@ -411,3 +411,47 @@ def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) ->
         events.append("a releases")
     thread.join(timeout=300)
     assert events == ["a holds", "a releases", "b holds"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "owner"),
+    [
+        (["--data-dir", "/tmp/unvalidated"], "the pipeline"),
+        (["--output-dir=/tmp/elsewhere"], "the pipeline"),
+        (["--checkpoint-dir", "/tmp/other"], "the pipeline"),
+        (["--epochs", "100"], "training.epochs"),
+        (["--engine=ddp"], "training.engine"),
+        (["--seed", "4"], "training.seed"),
+    ],
+)
+def test_extra_args_cannot_give_what_the_pipeline_or_a_setting_owns(
+    extra: list[str], owner: str
+) -> None:
+    """The trainer takes the last of a repeated option, so a value in training.extra_args would
+    replace the staged (validated) data, where outputs and checkpoints go, or a setting the
+    run's fingerprint records: refused at load, naming the option and what sets it."""
+    from core.config import ConfigError, load_config
+    from tests.conftest import ROOT
+
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "local.yaml", [f"training.extra_args={extra}"])
+    option = extra[0].split("=")[0]
+    assert "training.extra_args" in str(err.value) and option in str(err.value)
+    assert owner in str(err.value)
+    report.record(
+        "adversarial",
+        f"training.extra_args={extra}",
+        "refused at load, naming the option and its owner",
+    )
+
+
+def test_trainer_takes_no_abbreviated_options(tmp_path: Path) -> None:
+    """argparse matches an unambiguous prefix by default: ``--data-d X`` would have set
+    --data-dir past any check on whole option names."""
+    from training.args import parse_trainer_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_trainer_args(
+            ["--data-dir", "synthetic:10", "--output-dir", str(tmp_path), "--output-d", "/x"]
+        )
+    assert exit_.value.code == 2
