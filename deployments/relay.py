@@ -313,17 +313,18 @@ def _hide_key(app: Any) -> Any:
     Access logs (uvicorn's, and any server's that logs the request line from the ASGI scope)
     print the path with its query; Event Grid puts the secret there (``?key=``), so every
     delivery and every wrong guess would write it to the log. The value moves to the scope's
-    ``state`` for the authenticator, and the query keeps ``key=REDACTED``."""
-    from urllib.parse import parse_qsl, urlencode
+    ``state`` for the authenticator, and the whole query becomes ``query=REDACTED``: a sender
+    may spell the secret under another name, case or separator (``?KEY=``, ``?x=1;key=``), and
+    the relay reads nothing else from the query."""
+    from urllib.parse import parse_qsl
 
     async def hidden(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("query_string"):
             pairs = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
-            given = [v for k, v in pairs if k == "key"]
+            given = [v for k, v in pairs if k == "key" and v]
             if given:
                 scope.setdefault("state", {})["relay_key"] = given[-1]
-                pairs = [(k, "REDACTED" if k == "key" else v) for k, v in pairs]
-                scope["query_string"] = urlencode(pairs).encode("latin-1")
+            scope["query_string"] = b"query=REDACTED"
         await app(scope, receive, send)
 
     return hidden
