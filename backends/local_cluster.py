@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -293,6 +293,9 @@ class LocalCluster:
 
     def node_allocations(self) -> list[datetime] | None:
         return None  # this machine is not rented
+
+    def clock(self) -> datetime:
+        return datetime.now(UTC)
 
     def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage:
         raise NotImplementedError("the local pool rents nothing to measure")

@@ -155,9 +155,11 @@ class PoolConfig(_Section):
     hourly_price: float = Field(
         0.0,
         ge=0,
+        le=1000,
+        allow_inf_nan=False,
         description="what one node of vm_size costs per hour (the Azure price list for your "
-        "region and offer); each run's summary multiplies its node-minutes by it; 0 reports "
-        "node-minutes only",
+        "region and offer; the largest GPU sizes are well under 1000); each run's summary "
+        "multiplies its node-minutes by it; 0 reports node-minutes only",
     )
     dedicated_nodes: int = Field(1, ge=0)
     low_priority_nodes: int = Field(

@@ -207,6 +207,7 @@ def retrain(
             fresh = check.value.fresh
             if fresh:  # nothing was provisioned: nothing to release
                 return report_up_to_date(run.id, steps, check.value, run_config, effective.source)
+            meter.start()
             scripts_f = upload_scripts.submit(target)
             image_f = build_image.submit(target)
             pool_f = ensure_pool.submit(cluster)

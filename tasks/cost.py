@@ -7,8 +7,8 @@ and left out of the summary: it never fails a run that trained.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from prefect import get_run_logger
@@ -23,10 +23,18 @@ class PoolMeter:
     config: PipelineConfig
     cluster: Cluster
     run_id: str
-    since: datetime = field(default_factory=lambda: datetime.now(UTC))
+    since: datetime | None = None  # when the run began to provision, by the cluster's clock
     allocations: list[datetime] | None = None
     rents: bool = True
     problem: str | None = None
+
+    def start(self) -> None:
+        """Before provisioning: from here on the run holds the pool. The moment is read from
+        the cluster's clock, as every timestamp it is compared with is."""
+        try:
+            self.since = self.cluster.clock()
+        except Exception as exc:  # a cost report is never worth failing or masking a run
+            self.problem = f"the cluster's clock could not be read ({type(exc).__name__}: {exc})"
 
     def before_release(self) -> None:
         try:
@@ -41,7 +49,7 @@ class PoolMeter:
         if not self.rents:
             return {"vm_size": pool.vm_size, "rented": False}
         try:
-            if self.allocations is None:
+            if self.allocations is None or self.since is None:
                 raise RuntimeError(self.problem or "the pool was not read before its release")
             usage = self.cluster.usage(self.run_id, self.since, self.allocations)
             return {"rented": True, **cost_report(usage, pool.hourly_price, pool.vm_size)}

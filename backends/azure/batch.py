@@ -151,6 +151,11 @@ class BatchCluster:
 
         return node_allocations(self.client, self.pool_id)
 
+    def clock(self) -> datetime:
+        from backends.azure.usage import service_now
+
+        return service_now(self.client, self.pool_id)
+
     def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage:
         from backends.azure.usage import pool_usage, released_at, run_tasks
 

@@ -4,12 +4,15 @@ Two readings, because the nodes leave the pool with the release: before it, each
 ``allocationTime``; after it, the moment the pool was steady at zero nodes
 (``allocationStateTransitionTime``), and the run's tasks (their ``creationTime`` and
 ``executionInfo.endTime``; jobs and tasks outlive the nodes). The service's clock is used
-throughout, so the orchestrator's clock skew does not enter the figures.
+throughout, so the orchestrator's clock skew does not enter the figures: where a moment is not
+a stored timestamp (the run's start, "now" for a pool already deleted), it is the Date header
+of the service's answer.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 from backends.cost import PoolUsage, Span
@@ -29,19 +32,45 @@ def node_allocations(client: Any, pool_id: str) -> list[datetime]:
     return [n.allocation_time for n in nodes if n.allocation_time is not None]
 
 
-def released_at(client: Any, pool_id: str) -> datetime:
-    """When the pool reached zero nodes; now, when it is gone (deleted) or still shrinking."""
+def _service_date(headers: Any) -> datetime:
+    """The service's clock at a response: its Date header (this machine's clock may differ)."""
+    header = headers.get("Date") if headers is not None else None
+    if not header:
+        raise RuntimeError("Batch answered without a Date header: its clock is unknown")
+    return parsedate_to_datetime(header)
+
+
+def _pool_and_now(client: Any, pool_id: str) -> tuple[Any | None, datetime]:
+    """The pool (None when it does not exist) and the service's clock when it answered."""
     from azure.core.exceptions import ResourceNotFoundError
 
+    def with_date(response: Any, pool: Any, _headers: Any) -> tuple[Any, datetime]:
+        return pool, _service_date(response.http_response.headers)
+
     try:
-        pool = client.get_pool(pool_id)
-    except ResourceNotFoundError:
-        return datetime.now(UTC)
+        found: tuple[Any, datetime] = client.get_pool(pool_id, cls=with_date)
+        return found
+    except ResourceNotFoundError as exc:
+        response: Any = exc.response
+        return None, _service_date(response.headers if response is not None else None)
+
+
+def service_now(client: Any, pool_id: str) -> datetime:
+    """Now, by the clock of the service whose timestamps a run's usage is made of."""
+    return _pool_and_now(client, pool_id)[1]
+
+
+def released_at(client: Any, pool_id: str) -> datetime:
+    """When the pool reached zero nodes; the service's now, when it is gone (deleted) or still
+    shrinking."""
+    pool, now = _pool_and_now(client, pool_id)
+    if pool is None:
+        return now
     nodes = (pool.current_dedicated_nodes or 0) + (pool.current_low_priority_nodes or 0)
     moment = pool.allocation_state_transition_time
     if pool.allocation_state == "steady" and nodes == 0 and moment is not None:
         return moment
-    return datetime.now(UTC)
+    return now
 
 
 def run_tasks(client: Any, pool_id: str, run_id: str, until: datetime) -> dict[str, list[Span]]:

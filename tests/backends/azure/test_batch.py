@@ -23,7 +23,7 @@ from backends.azure.batch_requests import pool_body, wire
 from backends.blob import container_client
 from backends.target import AzureTarget, image_reference
 from backends.taskspec import TaskSpec, scoring_task, training_task
-from core.config import PipelineConfig
+from core.config import ConfigError, PipelineConfig
 from tests.azure_helpers import azure_config
 from tests.fakes.batch import Attempt, wait_until
 
@@ -605,3 +605,39 @@ def test_throttled_requests_are_retried_after_the_advised_delay(
     batch.scripts["score-"] = [Attempt(0, "", {"outputs/score.json": b"{}"})]
     result = cluster.run_task(scoring_task("score-t", "runs/t/model.pt", "runs/t"))
     assert result.exit_code == 0 and batch.throttled > 0
+
+
+@pytest.mark.parametrize("release", ["resize_to_zero", "delete"])
+@pytest.mark.parametrize("skew", [timedelta(hours=-1), timedelta(hours=1)])
+def test_cost_is_measured_on_the_service_clock_alone(
+    fake_azure_account, tmp_path: Path, skew: timedelta, release: str
+) -> None:
+    """The pool, node and task timestamps are Batch's; a run measured partly on this machine's
+    clock (its start, or "now" for a pool already deleted) gained or lost the clocks' whole
+    difference: an hour of skew added 60 node-minutes, or zeroed the run."""
+    from tasks.cost import PoolMeter
+
+    batch = fake_azure_account.batch
+    batch.clock_offset = skew  # Batch's clock against this machine's
+    config = azure_config(tmp_path, "pool.dedicated_nodes=2", f"pool.release={release}")
+    cluster = make_cluster(config)
+    run_id = "20261125-020000-abcdef12"
+    meter = PoolMeter(config, cluster, run_id)
+    meter.start()
+    cluster.ensure_pool()
+    batch.scripts["train-"] = [Attempt(0, "epoch 1\n", _training_outputs(), service_seconds=120)]
+    assert cluster.run_task(training_task(config, f"train-{run_id}", "k", "p")).exit_code == 0
+    meter.before_release()
+    cluster.release()
+    cost = meter.report()
+
+    minutes = cost["node_minutes"]
+    assert minutes["training"] == pytest.approx(2 * 2, abs=0.2)  # 2 nodes x the task's 2 min
+    # (less a second a node at most: an HTTP Date header counts whole seconds)
+    assert 3.9 < cost["total_node_minutes"] < 5, cost  # and seconds of allocating and idling
+
+
+@pytest.mark.parametrize("price", ["inf", "nan", "1e6"])
+def test_an_hourly_price_no_node_has_is_refused(tmp_path: Path, price: str) -> None:
+    with pytest.raises(ConfigError, match=r"pool\.hourly_price"):
+        azure_config(tmp_path, f"pool.hourly_price={price}")
