@@ -24,7 +24,7 @@ This module holds the rules only (no storage client): the listing that feeds the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -160,6 +160,12 @@ class DataVersion:
 
     def as_record(self) -> dict[str, Any]:
         return {**asdict(self), "prefix": self.prefix}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> DataVersion:
+        """The version an ``as_record`` stored (a run's result, its record)."""
+        values: dict[str, Any] = {f.name: record.get(f.name) for f in fields(cls)}
+        return cls(**values)
 
 
 def _names(items: list[str], limit: int = 5) -> str:

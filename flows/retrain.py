@@ -20,6 +20,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, PipelineConfig, load_config
+from core.data_versions import DataVersion
 from core.run import Run
 from flows.form import FormConfig
 from flows.pool_lock import hold_pool, local_pool_lock
@@ -389,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.output.links_url
         else ""
     )
+    data = DataVersion.from_record(result["data"])
+    print(f"data: {data.describe()} ({data.chosen})")
     if result.get("up_to_date"):
         print(f"run {result['run_id']}: {result['reason']}, nothing trained (--force trains)")
         print(f"model in use: test accuracy {result['accuracy']:.4f}, outputs {result['outputs']}")

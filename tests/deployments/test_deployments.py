@@ -4,6 +4,7 @@ over HTTP, the polling sensor, and the automations the server runs from the trig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.server
 import json
@@ -55,16 +56,12 @@ def _wait_for_runs(deployment_id: Any, container: str, count: int) -> list[Any]:
     return _runs_for(deployment_id, container)
 
 
-@pytest.fixture
-def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+@contextlib.contextmanager
+def serving_relay(settings: RelaySettings) -> Iterator[tuple[str, Any]]:
+    """The relay as `python -m deployments.relay` serves it (uvicorn, over HTTP): its events
+    URL, and the app."""
     import uvicorn
 
-    settings = getattr(request, "param", None) or RelaySettings(
-        watches=[DataRoot("landing", "images")], shared_secret=SECRET
-    )
-    if settings.marker is None:  # quiet-period mode lists the watched prefix: on Azurite
-        azurite = request.getfixturevalue("azurite")
-        request.getfixturevalue("monkeypatch").setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
     app = create_app(settings)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,9 +71,23 @@ def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/events", app
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}/events", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    settings = getattr(request, "param", None) or RelaySettings(
+        watches=[DataRoot("landing", "images")], shared_secret=SECRET
+    )
+    if settings.marker is None:  # quiet-period mode lists the watched prefix: on Azurite
+        azurite = request.getfixturevalue("azurite")
+        request.getfixturevalue("monkeypatch").setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    with serving_relay(settings) as served:
+        yield served
 
 
 def _eg_event(container: str, name: str, etag: str = "0x8DC1", event_id: str | None = None) -> dict:
