@@ -115,10 +115,12 @@ def _baseline(
     return float(rescored[challenger.metric]), rescored, ""
 
 
-def _both_scored(champion: Champion | None, challenger: Challenger) -> str:
+def _both_scored(champion: Champion | None, challenger: Challenger, rescored: bool) -> str:
     """The clause that says which data both numbers come from, naming the data versions."""
     if challenger.data is None:
-        return " (both scored on this run's test split)"
+        return " (both scored on this run's test split)" if rescored else ""
+    if not rescored:
+        return f" (both trained and scored on {challenger.data})"
     trained = champion.data if champion is not None and champion.data else "other data"
     return (
         f" (both scored on the test split of {challenger.data}; the champion was trained on "
@@ -143,8 +145,8 @@ def challenge(
         promoted, reason = True, f"{note}: accuracy {accuracy:.4f} becomes the champion"
     else:
         promoted, reason = decide(accuracy, baseline, margin)
-        if rescored is not None:
-            reason += _both_scored(read.champion, challenger)
+        if read.champion is not None:
+            reason += _both_scored(read.champion, challenger, rescored is not None)
     kept = None
     if promoted:
         new = Champion(
