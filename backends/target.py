@@ -94,12 +94,13 @@ class LocalTarget:
 
         config = self.config
         pinned = listing_blob(output_prefix)
+        dataset = config.data.dataset  # the run's data version, chosen by the gate
         listing = parse_listing(
-            cluster.outputs.download_blob(pinned).readall(), pinned, config.data.prefix
+            cluster.outputs.download_blob(pinned).readall(), pinned, dataset.prefix
         )
         return stage(
-            container_client(config.data, config.retries.storage_retries),
-            config.data.prefix,
+            container_client(dataset, config.retries.storage_retries),
+            dataset.prefix,
             config.nfs.local_dir / "data",
             pack_image_size(config),
             listing=listing,

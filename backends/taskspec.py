@@ -169,7 +169,7 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
     """
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m staging.task "
-        f"--prefix {shlex.quote(config.data.prefix or '')} "
+        f"--prefix {shlex.quote(config.data.dataset.prefix)} "
         f"--dest {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --report {OUTPUT_DIR}/staging.json "
         f"--listing {STAGING_LISTING} --pack-image-size {pack_image_size(config)}"
     )

@@ -20,6 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from core.data_versions import DataRoot, check_version_name
 from training.args import TrainingSettings, about, extra_option_owner, field_metadata
 
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
@@ -69,6 +70,44 @@ class BlobLocation(_Section):
         if ".." in value.split("/") or "\\" in value:
             raise ValueError(f"{value!r} must not contain '..' segments or backslashes")
         return value
+
+
+class DataLocation(BlobLocation):
+    """The data root, and which of its versions a run trains (``core.data_versions``)."""
+
+    prefix: str = Field(
+        "",
+        description="the data root: each data version is a folder directly below it, complete "
+        "once its _SUCCESS marker is written (write it last); a root with no versions is one "
+        "dataset (train/, test/, optional val/ directly below it)",
+    )
+    version: str | None = Field(
+        None,
+        description="the data version to train, a folder directly below the prefix, e.g. v2; "
+        "empty: the newest complete version (or the whole root when it holds no versions)",
+    )
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None  # a trigger's empty template, or a cleared form field
+        return check_version_name(value)
+
+    @property
+    def root(self) -> DataRoot:
+        return DataRoot(self.container, self.prefix)
+
+    @property
+    def dataset(self) -> BlobLocation:
+        """Where the files of ``version`` are (the root itself when it is None): what the gate
+        lists and staging mirrors, once the run has chosen its version."""
+        fields = self.model_dump(exclude={"version", "prefix"})
+        return BlobLocation(**fields, prefix=self.root.folder(self.version))
+
+    def pinned(self, version: str | None) -> DataLocation:
+        """This location with the version a run chose (None: a root without versions)."""
+        return self.model_copy(update={"version": version})
 
 
 class OutputLocation(BlobLocation):
@@ -345,7 +384,7 @@ class PipelineConfig(_Section):
     """Everything one retrain run needs. Sections mirror the steps of the flow."""
 
     target: Literal["local", "azure"] = "local"
-    data: BlobLocation
+    data: DataLocation
     share: ShareConfig = Field(default_factory=ShareConfig)
     nfs: NfsConfig = Field(default_factory=NfsConfig)
     image: ImageConfig = Field(default_factory=ImageConfig)

@@ -2,7 +2,12 @@
 
 Both the Event Grid relay and the polling sensor report a data version as ready with
 ``retrain.data.ready``; the ``retrain/on-new-data`` deployment's trigger turns it into a flow
-run. Each data version has a key (container, prefix, version) and, in the ledger, a record of
+run. The event names the data root (``container``, ``prefix``) and the version below it
+(``data_version``: the folder's name, "" for a root without versions), as
+``core.data_versions`` defines them, so the run it starts trains exactly that version; the
+trigger in prefect.yaml templates these three fields into the run's parameters of the same
+names. Each report of a version has a key (the version's folder and its ``revision``: its
+marker's ETag, so a version completed again is a new report) and, in the ledger, a record of
 its own: a Prefect Variable named for the key's hash. One record per version keeps the ledger
 unbounded (a Variable holds at most 5,000 characters, so one list of keys fills up after a few
 dozen versions), and a claim is the record's creation, which the server does atomically (a
@@ -28,6 +33,8 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from core.data_versions import DataRoot
+
 EVENT = "retrain.data.ready"
 RECORD_PREFIX = "retrain-data-version-"  # + sha256 of the key: 85 characters, [a-z0-9-]
 RECORD_TAG = "retrain-data-version"
@@ -45,14 +52,23 @@ BUSY = "version being started by another reporter"  # try again later: it may ye
 @dataclass(frozen=True)
 class DataReady:
     container: str
-    prefix: str
-    data_version: str
+    prefix: str  # the data root
+    data_version: str  # the version's folder below the root; "" for a root without versions
     source: str  # "event-grid", "cloudevents" or "sensor"
     blob: str = ""  # the blob that completed the version, when there is one
+    # Which completion of the version: its marker's ETag; in quiet-period mode (no markers) a
+    # hash of the root's listing.
+    revision: str = ""
+
+    @property
+    def folder(self) -> str:
+        return DataRoot(self.container, self.prefix).folder(self.data_version or None)
 
     @property
     def key(self) -> str:
-        return f"{self.container}/{self.prefix}@{self.data_version}"
+        # The same key earlier releases gave a version (its folder and marker ETag, or a root
+        # and its listing's hash), so their ledger records still hold.
+        return f"{self.container}/{self.folder}@{self.revision}"
 
     def event(self) -> dict[str, Any]:
         return {
@@ -62,7 +78,7 @@ class DataReady:
             "event": EVENT,
             "resource": {
                 "prefect.resource.id": f"retrain.data.{self.container}",
-                "prefect.resource.name": f"{self.container}/{self.prefix}",
+                "prefect.resource.name": f"{self.container}/{self.folder}",
             },
             "payload": asdict(self),
         }
@@ -80,12 +96,13 @@ def listing_version(blobs: Iterable[tuple[str, Any]]) -> str:
 
 
 def quiet_version(container: Any, prefix: str) -> tuple[str, datetime] | None:
-    """(version, newest blob's time) of everything under ``prefix``; None when it is empty.
+    """(revision, newest blob's time) of everything under ``prefix``; None when it is empty.
 
-    The one definition of a quiet-period version, used by the relay (when its quiet period
-    ends) and the sensor (on each poll): the same data has one version however it was
-    noticed, so relay and sensor together start one run. It is the whole listing, not the
-    blobs one burst of events named, since the run trains on the whole prefix."""
+    The one definition of a quiet-period revision (a data root without markers, so without
+    versions), used by the relay (when its quiet period ends) and the sensor (on each poll):
+    the same data has one revision however it was noticed, so relay and sensor together start
+    one run. It is the whole listing, not the blobs one burst of events named, since the run
+    trains on the whole root."""
     from backends.blob import folder
 
     blobs = list(container.list_blobs(name_starts_with=folder(prefix)))

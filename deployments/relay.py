@@ -3,16 +3,17 @@
 A small HTTP service to point an Event Grid subscription (webhook) at, because the self-hosted
 Prefect server has no webhooks. It answers both handshakes (the Event Grid schema's
 SubscriptionValidationEvent, the CloudEvents OPTIONS abuse-protection request), accepts
-``Microsoft.Storage.BlobCreated`` in both schemas, keeps the blobs under the watched container
-and prefix, and authenticates every request: a shared secret (``?key=`` in the subscription's
-endpoint URL, or an ``X-Relay-Key`` delivery header) or an Entra ID token issued to the
-subscription for this relay's app.
+``Microsoft.Storage.BlobCreated`` in both schemas, keeps the blobs under the watched data roots
+(``core.data_versions``: the data roots of the configs in ``RETRAIN_RELAY_CONFIG``, or the
+``container/prefix`` items of ``RETRAIN_RELAY_WATCH``), and authenticates every request: a
+shared secret (``?key=`` in the subscription's endpoint URL, or an ``X-Relay-Key`` delivery
+header) or an Entra ID token issued to the subscription for this relay's app.
 
 Debounce, so 5,000 blobs landing make one retrain:
-- marker (default): a version is ready when its completion marker (``_SUCCESS``) is written;
-  the version is the folder holding the marker, so data goes in ``<prefix>/<version>/...``.
-- quiet period (``RETRAIN_RELAY_MARKER=``): a version is ready when no new blob has arrived
-  under the watched prefix for ``RETRAIN_RELAY_QUIET_SECONDS``.
+- marker (default): a version is ready when its marker ``<root>/<version>/_SUCCESS`` is
+  written; the event names the root and the version, and the run it starts trains that one.
+- quiet period (``RETRAIN_RELAY_MARKER=``, for a root without versions): the root is ready
+  when no new blob has arrived under it for ``RETRAIN_RELAY_QUIET_SECONDS``.
 
 ``python -m deployments.relay --port 8080``; settings come from the environment (see
 ``RelaySettings.from_env``). It reports to the Prefect API named by ``PREFECT_API_URL``.
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core.data_versions import MARKER, DataRoot
 from deployments.events import BUSY, DataReady, emit, normalize_etag, quiet_version
 
 log = logging.getLogger("retrain.relay")
@@ -44,16 +46,10 @@ class RelayConfigError(ValueError):
     """The relay is not configured to authenticate or to watch anything."""
 
 
-@dataclass(frozen=True)
-class Watch:
-    container: str
-    prefix: str  # "" for the whole container
-
-
 @dataclass
 class RelaySettings:
-    watches: list[Watch]
-    marker: str | None = "_SUCCESS"
+    watches: list[DataRoot]  # the data roots whose versions it reports
+    marker: str | None = MARKER  # None: quiet-period mode
     quiet_seconds: float = 300.0
     shared_secret: str | None = None
     entra_audience: str | None = None
@@ -65,22 +61,21 @@ class RelaySettings:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> RelaySettings:
-        """RETRAIN_RELAY_WATCH="container/prefix,..." RETRAIN_RELAY_MARKER (empty: quiet period)
-        RETRAIN_RELAY_QUIET_SECONDS RETRAIN_RELAY_SECRET RETRAIN_RELAY_ENTRA_AUDIENCE
-        RETRAIN_RELAY_ENTRA_TENANT RETRAIN_RELAY_JWKS_URL; in quiet-period mode, read access
-        to the watched containers: RETRAIN_RELAY_ACCOUNT_URL (DefaultAzureCredential) or a
-        connection string in AZURE_STORAGE_CONNECTION_STRING."""
+        """RETRAIN_RELAY_CONFIG="configs/azure.yaml,..." (each config's data root) and/or
+        RETRAIN_RELAY_WATCH="container/prefix,..." (data roots), RETRAIN_RELAY_MARKER (empty:
+        quiet period) RETRAIN_RELAY_QUIET_SECONDS RETRAIN_RELAY_SECRET
+        RETRAIN_RELAY_ENTRA_AUDIENCE RETRAIN_RELAY_ENTRA_TENANT RETRAIN_RELAY_JWKS_URL; in
+        quiet-period mode, read access to the watched containers: RETRAIN_RELAY_ACCOUNT_URL
+        (DefaultAzureCredential) or a connection string in AZURE_STORAGE_CONNECTION_STRING."""
         env = dict(os.environ if env is None else env)
-        watches = []
-        for item in filter(
-            None, (w.strip() for w in env.get("RETRAIN_RELAY_WATCH", "").split(","))
-        ):
-            container, _, prefix = item.partition("/")
-            watches.append(Watch(container, prefix.strip("/")))
+        watches = [
+            *_config_roots(env.get("RETRAIN_RELAY_CONFIG", "")),
+            *_watch_roots(env.get("RETRAIN_RELAY_WATCH", "")),
+        ]
         tenant = env.get("RETRAIN_RELAY_ENTRA_TENANT") or None
         settings = cls(
-            watches=watches,
-            marker=env.get("RETRAIN_RELAY_MARKER", "_SUCCESS") or None,
+            watches=list(dict.fromkeys(watches)),
+            marker=env.get("RETRAIN_RELAY_MARKER", MARKER) or None,
             quiet_seconds=float(env.get("RETRAIN_RELAY_QUIET_SECONDS", "300")),
             shared_secret=env.get("RETRAIN_RELAY_SECRET") or None,
             entra_audience=env.get("RETRAIN_RELAY_ENTRA_AUDIENCE") or None,
@@ -101,7 +96,15 @@ class RelaySettings:
         itself (quiet-period mode), rather than through a lister it was given."""
         env = dict(os.environ if env is None else env)
         if not self.watches:
-            raise RelayConfigError("RETRAIN_RELAY_WATCH names no container/prefix to watch")
+            raise RelayConfigError(
+                "RETRAIN_RELAY_CONFIG and RETRAIN_RELAY_WATCH name no data root to watch"
+            )
+        if self.marker not in (None, MARKER):
+            raise RelayConfigError(
+                f"RETRAIN_RELAY_MARKER is {self.marker!r}: a data version is complete once its "
+                f"{MARKER} marker is written (core/data_versions.py); set it empty for the "
+                "quiet-period mode of a root without versions"
+            )
         if not self.shared_secret and not self.entra_audience:
             raise RelayConfigError(
                 "the relay must authenticate its callers: set RETRAIN_RELAY_SECRET, or "
@@ -127,6 +130,27 @@ class RelaySettings:
                 connection_string_env=self.connection_string_env,
             )
         )
+
+
+def _config_roots(paths: str) -> list[DataRoot]:
+    """The data root of each config file named (the one a run of that config trains from)."""
+    from core.config import ConfigError, load_config
+
+    roots = []
+    for path in filter(None, (p.strip() for p in paths.split(","))):
+        try:
+            roots.append(load_config(path).data.root)
+        except ConfigError as exc:
+            raise RelayConfigError(f"RETRAIN_RELAY_CONFIG: {exc}") from None
+    return roots
+
+
+def _watch_roots(items: str) -> list[DataRoot]:
+    roots = []
+    for item in filter(None, (w.strip() for w in items.split(","))):
+        container, _, prefix = item.partition("/")
+        roots.append(DataRoot(container, prefix.strip("/")))
+    return roots
 
 
 @dataclass(frozen=True)
@@ -159,21 +183,19 @@ class Debouncer:
         self,
         settings: RelaySettings,
         send: Callable[[DataReady], str],
-        list_version: Callable[[Watch], tuple[str, Any] | None] | None = None,
+        list_version: Callable[[DataRoot], tuple[str, Any] | None] | None = None,
     ) -> None:
         self.settings, self.send = settings, send
         self.list_version = list_version or (
             lambda w: quiet_version(settings.container(w.container), w.prefix)
         )
-        self.pending: dict[Watch, dict[str, Any]] = {}
+        self.pending: dict[DataRoot, dict[str, Any]] = {}
         self.seen_ids: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def watch_for(self, container: str, name: str) -> Watch | None:
+    def watch_for(self, container: str, name: str) -> DataRoot | None:
         for watch in self.settings.watches:
-            if watch.container == container and (
-                not watch.prefix or name.startswith(f"{watch.prefix}/")
-            ):
+            if watch.container == container and watch.holds(name):
                 return watch
         return None
 
@@ -195,13 +217,16 @@ class Debouncer:
         watch = self.watch_for(event.container, event.name)
         if watch is None:
             return "not watched"
-        marker = self.settings.marker
-        if marker:
-            folder, _, base = event.name.rpartition("/")
-            if base != marker:
+        if self.settings.marker:
+            version = watch.version_of_marker(event.name)
+            if version is None:
+                if event.name.rpartition("/")[2] == MARKER:
+                    return "not a version marker: versions are folders directly below the root"
                 return "waiting for the marker"
             return self.send(
-                DataReady(event.container, folder, event.etag, event.schema, event.name)
+                DataReady(
+                    event.container, watch.prefix, version, event.schema, event.name, event.etag
+                )
             )
         with self._lock:
             group = self.pending.setdefault(watch, {"schema": event.schema})
@@ -223,7 +248,9 @@ class Debouncer:
             found = self.list_version(watch)
             ready = None
             if found is not None:
-                ready = DataReady(watch.container, watch.prefix, found[0], group["schema"])
+                ready = DataReady(
+                    watch.container, watch.prefix, "", group["schema"], revision=found[0]
+                )
                 if self.send(ready) == BUSY:
                     continue
                 sent.append(ready)
@@ -333,7 +360,7 @@ def _hide_key(app: Any) -> Any:
 def create_app(
     settings: RelaySettings,
     send: Callable[[DataReady], str] = emit,
-    list_version: Callable[[Watch], tuple[str, Any] | None] | None = None,
+    list_version: Callable[[DataRoot], tuple[str, Any] | None] | None = None,
 ) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request

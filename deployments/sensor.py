@@ -1,14 +1,19 @@
 """Polling sensor for users without Event Grid: the ``watch-new-data`` flow.
 
-Deployed on an interval (``watch-new-data/poll`` in prefect.yaml), it lists the data
-container under the config's prefix and reports each data version not yet in the ledger (the
+Deployed on an interval (``watch-new-data/poll`` in prefect.yaml), it looks below the config's
+data root (``core.data_versions``) and reports each data version not yet in the ledger (the
 per-version Prefect Variables of deployments/events.py, shared with the relay) as
-``retrain.data.ready``, which the ``retrain/on-new-data`` trigger turns into a run. The
-versions are the relay's, so relay and sensor together still start one run per version:
-- marker (default): each ``<prefix>/<version>/_SUCCESS`` blob, versioned by its ETag;
-- quiet period (``marker=None``): the whole listing under the prefix, versioned by a hash of
-  names and ETags (``events.quiet_version``, as the relay does), once its newest blob is older
-  than ``quiet_seconds``.
+``retrain.data.ready``, which the ``retrain/on-new-data`` trigger turns into a run of that
+version. The versions are the relay's, so relay and sensor together still start one run per
+version:
+- marker (default): each complete version (``<root>/<version>/_SUCCESS``), in the order the
+  markers were written, as of its marker's ETag; a root without versions whose own marker
+  (``<root>/_SUCCESS``) was written, as of that marker's;
+- quiet period (``marker=None``, a root without versions or markers): the whole listing under
+  the root, as of a hash of names and ETags (``events.quiet_version``, as the relay does), once
+  its newest blob is older than ``quiet_seconds``.
+A root that mixes loose files with versions reports nothing: the poll fails naming both, as
+every run over it would.
 """
 
 from __future__ import annotations
@@ -19,15 +24,16 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 
-from backends.blob import container_client, folder
+from backends.blob import container_client
+from backends.data_root import survey
 from core.config import load_config
+from core.data_versions import MARKER, DataRoot, refuse_mixed
 from deployments.events import (
     BUSY,
     STARTED,
     DataReady,
     already_sent,
     emit,
-    normalize_etag,
     quiet_version,
 )
 
@@ -36,22 +42,30 @@ def find_versions(
     container: Any, prefix: str, marker: str | None, quiet_seconds: float
 ) -> list[DataReady]:
     name = container.container_name
+    root = DataRoot(name, prefix.strip("/"))
     if marker:
-        blobs = container.list_blobs(name_starts_with=folder(prefix))
-        done = sorted(
-            (b for b in blobs if b.name.rpartition("/")[2] == marker), key=lambda b: b.last_modified
-        )
-        return [
-            DataReady(name, b.name.rpartition("/")[0], normalize_etag(b.etag), "sensor", b.name)
-            for b in done
+        if marker != MARKER:
+            raise ValueError(
+                f"marker {marker!r}: a data version is complete once its {MARKER} marker is "
+                "written (core/data_versions.py); None polls a root without markers"
+            )
+        found = survey(container, root.prefix)
+        refuse_mixed(found)
+        ready = [
+            DataReady(name, root.prefix, c.name, "sensor", root.marker(c.name), c.etag)
+            for c in sorted(found.complete, key=lambda c: (c.completed_at, c.name))
         ]
-    found = quiet_version(container, prefix)
-    if found is None:
+        if not ready and found.root_marker_etag:
+            own = root.marker(None)
+            return [DataReady(name, root.prefix, "", "sensor", own, found.root_marker_etag)]
+        return ready
+    listed = quiet_version(container, root.prefix)
+    if listed is None:
         return []
-    version, newest = found
+    revision, newest = listed
     if (datetime.now(UTC) - newest).total_seconds() < quiet_seconds:
         return []  # still arriving
-    return [DataReady(name, prefix.strip("/"), version, "sensor")]
+    return [DataReady(name, root.prefix, "", "sensor", revision=revision)]
 
 
 @flow(name="watch-new-data")

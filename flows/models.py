@@ -42,14 +42,14 @@ if TYPE_CHECKING:
 
 
 def _table(entries: list[RunEntry]) -> str:
-    lines = [f"{'run':<28} {'accuracy':>8}  decision"]
+    """One line per run: its id, the data version it trained, the accuracy of its model, and
+    the decision with its reason."""
+    width = max([len("data"), *(len(e.data) for e in entries)])
+    lines = [f"{'run':<28} {'data':<{width}} {'accuracy':>8}  decision"]
     for e in entries:
         accuracy = f"{e.accuracy:.4f}" if e.accuracy is not None else "-"
-        decision = (
-            "unfinished" if e.promoted is None else "promoted" if e.promoted else "not promoted"
-        )
         mark = "  <- champion" if e.champion else ""
-        lines.append(f"{e.run_id:<28} {accuracy:>8}  {decision}: {e.reason}{mark}")
+        lines.append(f"{e.run_id:<28} {e.data:<{width}} {accuracy:>8}  {e.decision}{mark}")
     return "\n".join(lines)
 
 
@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, type=Path, help="the config the runs used")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="every run: accuracy, promoted or not, and why")
+    sub.add_parser(
+        "list",
+        help="every run: its data version, accuracy, and decision (promoted, not promoted, up "
+        "to date, failed at a step) with why",
+    )
     get = sub.add_parser("download", help="the champion's model (or --run's) to a file")
     get.add_argument("--run", help="a run id from `list` (default: the champion)")
     get.add_argument("--file", help="another file of the run's outputs, e.g. score.json")

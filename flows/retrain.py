@@ -13,16 +13,20 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, PipelineConfig, load_config
+from core.data_versions import DataVersion
 from core.run import Run
 from flows.form import FormConfig
 from flows.pool_lock import hold_pool, local_pool_lock
+
+if TYPE_CHECKING:
+    from tasks.outcome import RunLog
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ def effective_config(
       the two the person meant is not knowable, and silently picking one trains the other;
     - otherwise the YAML file at ``config_path``;
     then ``overrides`` (``section.field=value``), then ``settings`` (the form's own fields,
-    such as ``training.epochs``) and ``data_container``/``data_prefix`` (what a new-data
-    trigger fills in from its event), set on their fields as given.
+    such as ``training.epochs`` and ``data.version``) and ``data_container``/``data_prefix``
+    (what a new-data trigger fills in from its event, with the version), set on their fields
+    as given.
     """
     if config is not None and config_path is not None and config_path != default_path:
         raise ConfigError(
@@ -82,10 +87,13 @@ def effective_config(
     return EffectiveConfig(cfg, "; ".join([source, *notes]))
 
 
-def form_settings(epochs: int | None, model: str | None) -> dict[str, Any]:
-    """The form's first fields, as the config fields they set (left empty: the config's)."""
-    chosen = {"training.epochs": epochs, "training.model": model}
-    return {name: value for name, value in chosen.items() if value is not None}
+def form_settings(
+    epochs: int | None, model: str | None, data_version: str | None = None
+) -> dict[str, Any]:
+    """The form's first fields, as the config fields they set (left empty: the config's; an
+    empty data version is what a trigger's template gives for a root without versions)."""
+    chosen = {"training.epochs": epochs, "training.model": model, "data.version": data_version}
+    return {name: value for name, value in chosen.items() if value not in (None, "")}
 
 
 def deployment_config_path(deployment_id: Any) -> str | None:
@@ -113,7 +121,7 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
         params.get("data_container"),
         params.get("data_prefix"),
         deployment_config_path(flow_run.deployment_id),
-        form_settings(params.get("epochs"), params.get("model")),
+        form_settings(params.get("epochs"), params.get("model"), params.get("data_version")),
     ).config
     with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
         if free:
@@ -126,15 +134,15 @@ def retrain(
     model: Literal["cnn", "resnet18", "resnet50"] | None = None,
     data_container: str | None = None,
     data_prefix: str | None = None,
+    data_version: str | None = None,
     force: bool = False,
     overrides: list[str] | None = None,
     config_path: str | None = None,
     config: FormConfig | None = None,
-    data_version: str | None = None,
 ) -> dict[str, Any]:
     """Retrain the image classifier: gate the data, train (Horovod or DDP), score, promote.
 
-    A run whose data, code and settings are those of the last trained run ends as up to date
+    A run whose data, code and settings are those of a run that trained ends as up to date
     before anything is provisioned (force trains anyway).
 
     Args:
@@ -143,10 +151,14 @@ def retrain(
             config's.
         data_container: The Blob container with the training data. Empty: the config's
             data.container. The new-data trigger fills it in from its event.
-        data_prefix: The folder (data version) in that container, e.g. digits or images/v2.
+        data_prefix: The data root in that container, e.g. images: its data versions are
+            the folders directly below it, each complete once its _SUCCESS marker is written.
             Empty: the config's data.prefix. The new-data trigger fills it in too.
-        force: Train even when data, code and settings equal the last trained run's (which
-            otherwise ends the run as up to date, before any node is rented).
+        data_version: The data version to train, a folder directly below the data root, e.g.
+            v2. Empty: the newest complete version (or the whole root when it holds no
+            versions). The new-data trigger fills in the version its event reports.
+        force: Train even when data, code and settings equal those of a run that trained
+            (which otherwise ends the run as up to date, before any node is rented).
         overrides: Any other config field, one per line as section.field=value, e.g.
             training.lr=0.1 or pool.dedicated_nodes=2 (numbers, booleans and lists are read as
             YAML; null clears an optional field). Applied after the config, before the fields
@@ -155,11 +167,34 @@ def retrain(
             configs/local.yaml). Ignored when the advanced config below is filled in.
         config: Advanced: the whole config, every field, starting from the shipped config's
             values. Filled in, it replaces the file at config_path.
-        data_version: For the new-data trigger only: the data version its event names (the
-            completion marker's ETag, or a hash of the listing), kept in the run's log and
-            result. What is trained, and compared with the champion, is named by the staged
-            version, a hash of the files staging wrote. Leave empty when starting a run by hand.
     """
+    from tasks.outcome import RunLog
+
+    logger = get_run_logger()
+    effective = effective_config(
+        config,
+        config_path,
+        overrides,
+        data_container,
+        data_prefix,
+        deployment_config_path(deployment.id),
+        form_settings(epochs, model, data_version),
+    )
+    run_config = effective.config
+    logger.info("config: %s", effective.source)
+    run = Run.start(flow_run.get_id(), run_config.output.prefix, run_config.work_dir)
+    record = RunLog(run_config, run)
+    try:
+        return _retrain(run_config, effective.source, run, record, force)
+    except Exception as exc:
+        record.failed(exc)
+        raise
+
+
+def _retrain(
+    run_config: PipelineConfig, source: str, run: Run, record: RunLog, force: bool
+) -> dict[str, Any]:
+    """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
     from registry.gateway import output_link
     from tasks.cost import PoolMeter
@@ -172,25 +207,6 @@ def retrain(
     from tasks.validate import validate_data
 
     logger = get_run_logger()
-    effective = effective_config(
-        config,
-        config_path,
-        overrides,
-        data_container,
-        data_prefix,
-        deployment_config_path(deployment.id),
-        form_settings(epochs, model),
-    )
-    run_config = effective.config
-    logger.info("config: %s", effective.source)
-    if data_version:
-        logger.info(
-            "started for new data: %s/%s, version %s",
-            run_config.data.container,
-            run_config.data.prefix,
-            data_version,
-        )
-    run = Run.start(flow_run.get_id(), run_config.output.prefix, run_config.work_dir)
     target = target_for(run_config)
     cluster = target.cluster()
     steps: list[StepRecord] = []
@@ -202,11 +218,20 @@ def retrain(
         try:
             gate = validate_data(run_config, run)
             steps.append(gate.record)
+            data = gate.value.version
+            record.chose(data)
+            # From here on the run names its version: staging, checkpoints, the champion.
+            run_config = run_config.model_copy(
+                update={"data": run_config.data.pinned(data.version)}
+            )
+            target = target_for(run_config)
             check = check_up_to_date(run_config, gate.value, force)
             steps.append(check.record)
             fresh = check.value.fresh
             if fresh:  # nothing was provisioned: nothing to release
-                return report_up_to_date(run.id, steps, check.value, run_config, effective.source)
+                result = report_up_to_date(run.id, steps, check.value, run_config, source)
+                record.ended("up to date", check.value.why, None, result["matched_run"])
+                return result
             meter.start()
             scripts_f = upload_scripts.submit(target)
             image_f = build_image.submit(target)
@@ -238,9 +263,13 @@ def retrain(
             steps.append(trainer(run_config, cluster, run, key).record)
             scored = collect_and_score(cluster, run)
             steps.append(scored.record)
-            promotion = promote(run_config, cluster, run, scored.value.score, staged.value.version)
+            promotion = promote(
+                run_config, cluster, run, scored.value.score, staged.value.version, data
+            )
             steps.append(promotion.record)
-            remember_run(run_config, run, check.value.fingerprint, scored.value.score["accuracy"])
+            remember_run(
+                run_config, run, check.value.fingerprint, scored.value.score["accuracy"], data
+            )
         finally:
             if not fresh:
                 meter.before_release()
@@ -256,17 +285,22 @@ def retrain(
         staged.value,
         outputs_url,
         run_config,
-        effective.source,
+        source,
         cost,
+        data,
     )
     logger.info("run %s: accuracy %.4f, %s", run.id, score["accuracy"], decision.reason)
+    record.ended(
+        "promoted" if decision.promoted else "not promoted", decision.reason, score["accuracy"]
+    )
     return {
         "run_id": run.id,
         "accuracy": score["accuracy"],
         "promoted": decision.promoted,
         "reason": decision.reason,
         "outputs": outputs_url,
-        "data_version": data_version,
+        "data_version": data.version,
+        "data": data.as_record(),
         "steps": [s.as_dict() for s in steps],
         "cost": cost,
     }
@@ -357,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.output.links_url
         else ""
     )
+    data = DataVersion.from_record(result["data"])
+    print(f"data: {data.describe()} ({data.chosen})")
     if result.get("up_to_date"):
         print(f"run {result['run_id']}: {result['reason']}, nothing trained (--force trains)")
         print(f"model in use: test accuracy {result['accuracy']:.4f}, outputs {result['outputs']}")

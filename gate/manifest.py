@@ -23,15 +23,13 @@ from typing import Any
 
 from backends.blob import container_client
 from core.config import BlobLocation
+from core.data_versions import MARKER
 from staging.blob import list_pinned
 from staging.listing import PinnedBlob
 from training.atomic import atomic_write, read_json_object
 from training.images import SPLITS, is_image_name, open_image
 
 HEADER_BYTES = 64 * 1024
-# Written last by an uploader, directly under the version's prefix; the relay and the sensor
-# wait for it. It is the one blob that is neither validated nor staged.
-COMPLETION_MARKER = "_SUCCESS"
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
 # reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content).
 DESCRIBE_VERSION = 3
@@ -40,11 +38,12 @@ CONTENT_FIELDS = ("width", "height", "channels", "readable", "md5")
 
 
 def list_dataset(location: BlobLocation, retries: int = 3) -> list[PinnedBlob]:
-    """Every blob under the prefix but the completion marker, as the gate validates it and
-    staging stages it (a name starting with ``_`` elsewhere is data like any other)."""
+    """Every blob under the prefix (a data version's folder, or a root without versions) but
+    its completion marker, as the gate validates it and staging stages it (a name starting with
+    ``_`` elsewhere is data like any other)."""
     container = container_client(location, retries)
     prefix = location.prefix
-    marker = f"{prefix}/{COMPLETION_MARKER}" if prefix else COMPLETION_MARKER
+    marker = f"{prefix}/{MARKER}" if prefix else MARKER
     return [b for b in list_pinned(container, prefix) if b.name != marker]
 
 

@@ -1,10 +1,10 @@
 """The champion record: which model serves, and the history of promotions beside it.
 
 ``<output prefix>/models/champion.json`` is one flat record (run, metric value, model blob, data
-version, time), replaced with an ETag condition so two runs finishing together cannot both win.
-It never embeds earlier records: each promotion also writes its own record under
-``models/history/``, so the champion stays a few hundred bytes after any number of promotions
-and the history is one listing away.
+version and where it is, time), replaced with an ETag condition so two runs finishing together
+cannot both win. It never embeds earlier records: each promotion also writes its own record
+under ``models/history/``, so the champion stays a few hundred bytes after any number of
+promotions and the history is one listing away.
 
 A stored record that cannot be used (not JSON, not an object, ``{}``, wrong types, a metric
 that is not a finite number in [0, 1], nested too deep to read) is reported as damaged with
@@ -38,6 +38,7 @@ class Champion:
     model: str  # blob in the output container
     data_version: str | None  # of the data it was scored on; None in records from before
     promoted_at: str
+    data: str | None = None  # the data version it was trained on (container/prefix)
 
     def as_record(self) -> dict[str, Any]:
         """The stored form: the metric under its own name, as the run's score has it."""
@@ -87,7 +88,7 @@ def parse_record(data: bytes, metric: str) -> Champion | str:
         return f"model is {model!r}, not a model blob name"
     if version is not None and not isinstance(version, str):
         return f"data_version is {version!r}, not a version"
-    promoted_at = record.get("promoted_at")
+    promoted_at, trained_on = record.get("promoted_at"), record.get("data")
     return Champion(
         run_id,
         metric,
@@ -95,6 +96,7 @@ def parse_record(data: bytes, metric: str) -> Champion | str:
         model,
         version,
         promoted_at if isinstance(promoted_at, str) else "",
+        trained_on if isinstance(trained_on, str) else None,
     )
 
 

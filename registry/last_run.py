@@ -6,17 +6,23 @@ saw, the code and image versions, the training settings and the number of proces
 run's id, model blob and accuracy. It is written only after a run's model was scored and the
 promotion decided, so a run that failed half-way never makes the next one skip its training.
 
+Each trained fingerprint also keeps a record of its own, ``models/trained/<digest>.json``: a
+data version trained once is not trained again when a run for it comes later, after another
+version was trained (the sensor reporting a version a manual run already trained, a run named
+for an older version).
+
 A stored record that cannot be used (not JSON, another shape) is reported with the reason and
 counts as no record: the next run trains, and says why, instead of crashing or skipping.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from registry.layout import last_run_blob
+from registry.layout import last_run_blob, trained_blob
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -34,6 +40,7 @@ class LastRun:
     outputs: str  # the run's output prefix
     accuracy: float
     finished_at: str  # ISO 8601, UTC
+    data: dict[str, Any] | None = None  # the data version's record; None in older records
 
 
 def _parse(data: bytes) -> LastRun | str:
@@ -57,14 +64,25 @@ def _parse(data: bytes) -> LastRun | str:
     for name, kind in wanted.items():
         if not isinstance(doc.get(name), kind) or isinstance(doc.get(name), bool):
             return f"field {name} is missing or not a {getattr(kind, '__name__', 'number')}"
-    return LastRun(**{name: doc[name] for name in wanted})
+    version = doc.get("data")
+    return LastRun(
+        **{name: doc[name] for name in wanted},
+        data=version if isinstance(version, dict) else None,
+    )
 
 
 def read_last_run(outputs: ContainerClient, base: str) -> tuple[LastRun | None, str | None]:
     """(the record, None), (None, None) when there is none, or (None, why it is unusable)."""
+    return _read(outputs, last_run_blob(base))
+
+
+def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _read(outputs: ContainerClient, name: str) -> tuple[LastRun | None, str | None]:
     from azure.core.exceptions import ResourceNotFoundError
 
-    name = last_run_blob(base)
     try:
         data = outputs.download_blob(name).readall()
     except ResourceNotFoundError:
@@ -75,9 +93,22 @@ def read_last_run(outputs: ContainerClient, base: str) -> tuple[LastRun | None, 
     return parsed, None
 
 
+def read_trained(
+    outputs: ContainerClient, base: str, fingerprint: dict[str, Any]
+) -> LastRun | None:
+    """The run that trained exactly ``fingerprint``, if one did (an unusable record: none)."""
+    record, _ = _read(outputs, trained_blob(base, fingerprint_digest(fingerprint)))
+    return record if record is not None and record.fingerprint == fingerprint else None
+
+
 def write_last_run(outputs: ContainerClient, base: str, record: LastRun) -> None:
-    """Replace the record (one blob upload: a reader sees the old record or the new one)."""
-    outputs.upload_blob(last_run_blob(base), json.dumps(asdict(record), indent=2), overwrite=True)
+    """Replace the record (one blob upload: a reader sees the old record or the new one), and
+    keep it as the record of its fingerprint."""
+    body = json.dumps(asdict(record), indent=2)
+    outputs.upload_blob(
+        trained_blob(base, fingerprint_digest(record.fingerprint)), body, overwrite=True
+    )
+    outputs.upload_blob(last_run_blob(base), body, overwrite=True)
 
 
 def blob_exists(outputs: ContainerClient, name: str) -> bool:

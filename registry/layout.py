@@ -4,11 +4,13 @@ Below ``output.prefix`` (``base``), so pipelines that share a container under di
 prefixes each keep their own champion and last run, as they keep their own runs::
 
     <base>/runs/<run id>/...               a run's outputs (core.run.output_prefix)
+    <base>/runs/<run id>/run.json          the run's record: data version, outcome, accuracy
     <base>/runs/<run id>/promotion.json    the run's promotion decision
     <base>/models/champion.json            the model that serves now (one flat record)
     <base>/models/history/<run id>.json    one record per promotion
     <base>/models/history/damaged-*.json   damaged champion records, kept when replaced
     <base>/models/last-run.json            the last run that trained: the up-to-date check's
+    <base>/models/trained/<digest>.json    each trained fingerprint's run, by its digest
 
 Run ids start with their UTC start time, so names under ``runs/`` and ``models/history/`` sort
 in the order the runs started.
@@ -21,7 +23,9 @@ from core.run import output_prefix
 CHAMPION = "models/champion.json"
 HISTORY = "models/history"
 LAST_RUN = "models/last-run.json"
+TRAINED = "models/trained"
 DECISION = "promotion.json"
+RUN_RECORD = "run.json"
 
 
 def records_blob(base: str, name: str) -> str:
@@ -35,6 +39,11 @@ def champion_blob(base: str) -> str:
 
 def last_run_blob(base: str) -> str:
     return records_blob(base, LAST_RUN)
+
+
+def trained_blob(base: str, digest: str) -> str:
+    """The run that trained the fingerprint whose digest is ``digest``."""
+    return records_blob(base, f"{TRAINED}/{digest}.json")
 
 
 def history_blob(base: str, run_id: str) -> str:
@@ -57,3 +66,8 @@ def run_folder(base: str, run_id: str) -> str:
 def decision_blob(run_prefix: str) -> str:
     """The promotion decision of the run whose outputs are at ``run_prefix``."""
     return f"{run_prefix}/{DECISION}"
+
+
+def run_record_blob(run_prefix: str) -> str:
+    """The record of the run whose outputs are at ``run_prefix``."""
+    return f"{run_prefix}/{RUN_RECORD}"

@@ -46,6 +46,7 @@ class Challenger:
     model: str  # blob in the output container
     staged_version: str  # of the staged data it was trained and scored on
     test_images: int | None
+    data: str | None = None  # the data version it was trained on: container/prefix
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,19 @@ def _baseline(
     return float(rescored[challenger.metric]), rescored, ""
 
 
+def _both_scored(champion: Champion | None, challenger: Challenger, rescored: bool) -> str:
+    """The clause that says which data both numbers come from, naming the data versions."""
+    if challenger.data is None:
+        return " (both scored on this run's test split)" if rescored else ""
+    if not rescored:
+        return f" (both trained and scored on {challenger.data})"
+    trained = champion.data if champion is not None and champion.data else "other data"
+    return (
+        f" (both scored on the test split of {challenger.data}; the champion was trained on "
+        f"{trained})"
+    )
+
+
 def challenge(
     container: Any,
     base: str,
@@ -131,8 +145,8 @@ def challenge(
         promoted, reason = True, f"{note}: accuracy {accuracy:.4f} becomes the champion"
     else:
         promoted, reason = decide(accuracy, baseline, margin)
-        if rescored is not None:
-            reason += " (both scored on this run's test split)"
+        if read.champion is not None:
+            reason += _both_scored(read.champion, challenger, rescored is not None)
     kept = None
     if promoted:
         new = Champion(
@@ -142,6 +156,7 @@ def challenge(
             challenger.model,
             challenger.staged_version,
             datetime.now(UTC).isoformat(),
+            challenger.data,
         )
         try:
             kept = replace_champion(container, base, new, read)
@@ -157,6 +172,7 @@ def challenge(
         "challenger": {
             metric: accuracy,
             "data_version": challenger.staged_version,
+            "data": challenger.data,
             "test_images": challenger.test_images,
         },
         "champion_record": read.state,

@@ -1,10 +1,13 @@
 """The trained models in the output container, as a person asks for them: which runs there
 were, how each scored and what was decided, and a model copied out to a file.
 
-Read from what the flow already writes (``<output prefix>/runs/<run id>/promotion.json``, the
-champion record), so nothing new is stored and a listing is always the flow's own account. A run
-that stopped before its promotion decision is listed too, as unfinished: a person looking for a
-run should find it and see why it has no model.
+Read from what the flow writes: each run's record (``<output prefix>/runs/<run id>/run.json``:
+its data version and how it ended, ``registry/run_record.py``), its promotion decision
+(``promotion.json``, all runs from before run records have) and the champion record, so a
+listing is always the flow's own account. Every run is listed: promoted, not promoted, up to date
+(nothing trained: another run's model is the one to use), failed (at which step, and why), or
+with no outcome recorded (still running, or stopped by a crash or a cancellation); a person
+looking for a run should find it and see why it has no model.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.champion import read_champion
-from registry.layout import decision_blob, run_folder, runs_root
+from registry.layout import RUN_RECORD, decision_blob, run_folder, runs_root
+from registry.run_record import RunRecord, read_run_record
 from training.atomic import atomic_write
 
 if TYPE_CHECKING:
@@ -33,10 +37,21 @@ class ModelStoreError(RuntimeError):
 @dataclass(frozen=True)
 class RunEntry:
     run_id: str
-    accuracy: float | None  # None: the run did not reach its promotion decision
+    accuracy: float | None  # None: the run trained no model it was scored on
     promoted: bool | None
     reason: str
     champion: bool  # the model serving now
+    outcome: str = "unfinished"  # promoted, not promoted, up to date, failed, unfinished
+    data: str = "-"  # the data version it trained (or was asked for), as a person reads it
+    failed_step: str | None = None
+
+    @property
+    def decision(self) -> str:
+        """The outcome and why, in one phrase for a table."""
+        if self.outcome == "failed":
+            where = f" at {self.failed_step}" if self.failed_step else ""
+            return f"failed{where}: {self.reason}"
+        return f"{self.outcome}: {self.reason}" if self.reason else self.outcome
 
 
 def _decision(container: ContainerClient, blob: str) -> dict[str, Any] | None:
@@ -55,6 +70,53 @@ def _decision(container: ContainerClient, blob: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else {"reason": f"{blob} is unusable (not an object)"}
 
 
+def data_label(data: dict[str, Any]) -> str:
+    """A run's data version in a word: its name, a root without versions, or, when the run
+    stopped before choosing, the version it asked for ("newest" when it asked for none)."""
+    version, root = data.get("version"), data.get("root")
+    if "chosen" in data:  # the data version the run trained on
+        return str(version) if version else f"{root or '(container)'} (no versions)"
+    return str(version) if version else "newest (not chosen)" if data else "-"
+
+
+def _entry(run_id: str, record: RunRecord, champion: bool) -> RunEntry:
+    outcome: str = record.outcome
+    reason = record.reason
+    if outcome == "up to date":
+        reason = f"nothing trained, run {record.matched_run}'s model is the one to use"
+    elif outcome == "running":
+        outcome = "unfinished"
+        reason = "no outcome recorded (still running, or stopped by a crash or a cancellation)"
+    promoted = {"promoted": True, "not promoted": False}.get(record.outcome)
+    return RunEntry(
+        run_id,
+        record.accuracy,
+        promoted,
+        reason,
+        champion,
+        outcome,
+        data_label(record.data),
+        record.failed_step,
+    )
+
+
+def _from_decision(container: ContainerClient, run_id: str, base: str, champion: bool) -> RunEntry:
+    """A run from before run records: what its promotion decision says, if it has one."""
+    doc = _decision(container, decision_blob(run_folder(base, run_id)))
+    value = doc.get("accuracy") if doc else None
+    accuracy = float(value) if isinstance(value, int | float) else None
+    promoted = doc.get("promoted") if doc else None
+    decided = promoted if isinstance(promoted, bool) else None
+    return RunEntry(
+        run_id,
+        accuracy,
+        decided,
+        str(doc.get("reason", "")) if doc else "did not reach its promotion decision",
+        champion,
+        "unfinished" if decided is None else "promoted" if decided else "not promoted",
+    )
+
+
 def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEntry]:
     """Every run under ``<base>/runs/``, oldest first (run ids sort by start time)."""
     champion = read_champion(container, base, metric).champion
@@ -64,19 +126,15 @@ def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEnt
         run_id = item.name[len(root) :].rstrip("/")
         if not run_id or not item.name.endswith("/"):
             continue  # a blob directly under runs/, not a run's folder
-        doc = _decision(container, decision_blob(run_folder(base, run_id)))
-        value = doc.get("accuracy") if doc else None
-        accuracy = float(value) if isinstance(value, int | float) else None
-        promoted = doc.get("promoted") if doc else None
-        entries.append(
-            RunEntry(
-                run_id,
-                accuracy,
-                promoted if isinstance(promoted, bool) else None,
-                str(doc.get("reason", "")) if doc else "did not reach its promotion decision",
-                champion is not None and champion.run_id == run_id,
-            )
-        )
+        serving = champion is not None and champion.run_id == run_id
+        record = read_run_record(container, run_folder(base, run_id))
+        if isinstance(record, RunRecord):
+            entries.append(_entry(run_id, record, serving))
+        elif isinstance(record, str):
+            blob = f"{run_folder(base, run_id)}/{RUN_RECORD}"
+            entries.append(RunEntry(run_id, None, None, f"{blob} is unusable ({record})", serving))
+        else:
+            entries.append(_from_decision(container, run_id, base, serving))
     return sorted(entries, key=lambda e: e.run_id)
 
 

@@ -1,8 +1,10 @@
 """`make demo`: the whole pipeline on the local target, from an empty machine state.
 
 Starts Azurite, seeds a Blob container with a real image dataset (scikit-learn's handwritten
-digits), runs the retrain flow once in this process, and stops everything it started. A second
-run finds the scripts, data and image unchanged and skips that work.
+digits) as the first data version of the local config's data root (``digits/v1/...``, its
+``_SUCCESS`` marker last: see core/data_versions.py), runs the retrain flow once in this process,
+and stops everything it started. A second run finds the scripts, data and image unchanged and
+ends up to date.
 
 `make azurite` (``--serve-storage``): the same Azurite data and the same upload, on Azurite's
 default port, kept running in the foreground until Ctrl-C, for the deployments and worker of
@@ -17,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -24,10 +27,13 @@ sys.path.insert(0, str(ROOT))
 from backends.azurite import running_azurite  # noqa: E402
 from backends.blob import container_client, upload_directory  # noqa: E402
 from core.config import PipelineConfig, load_config  # noqa: E402
+from core.data_versions import DataRoot  # noqa: E402
+from training.images import SPLITS  # noqa: E402
 from training.make_images import write_digits  # noqa: E402
 
 LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
 DEFAULT_PORT = 10000  # Azurite's own default, the one UseDevelopmentStorage=true points at
+SEED_VERSION = "v1"  # the data version the seeded digits are
 
 
 def dataset(demo: Path) -> Path:
@@ -40,11 +46,45 @@ def dataset(demo: Path) -> Path:
 
 
 def seed(config: PipelineConfig, source: Path, connection_string: str) -> int:
-    """Upload ``source`` where ``config`` reads its data; the number of new or changed images."""
+    """Upload ``source`` as data version v1 of ``config``'s data root, its marker last; the
+    number of new or changed images. The marker is written again only when an image changed:
+    a new marker is a new completion of the version, which the relay and the sensor report."""
     os.environ[config.data.connection_string_env or ""] = connection_string
-    n = upload_directory(container_client(config.data, create=True), source, config.data.prefix)
-    print(f"seeded {n} new or changed images into {config.data.container}/{config.data.prefix}")
+    container = container_client(config.data, create=True)
+    root = config.data.root
+    n = upload_directory(container, source, root.folder(SEED_VERSION))
+    marker = container.get_blob_client(root.marker(SEED_VERSION))
+    if n or not marker.exists():
+        marker.upload_blob(b"", overwrite=True)
+    print(
+        f"seeded {n} new or changed images into {config.data.container}/"
+        f"{root.folder(SEED_VERSION)} (data version {SEED_VERSION})"
+    )
+    moved = drop_earlier_layout(container, root, source)
+    if moved:
+        print(
+            f"removed the {moved} images an earlier demo seeded directly below "
+            f"{root.where}: they are data version {SEED_VERSION} now"
+        )
     return n
+
+
+def drop_earlier_layout(container: Any, root: DataRoot, source: Path) -> int:
+    """Delete the copies of ``source`` that an earlier demo uploaded loose below the root
+    (before data versions, it seeded ``digits/train/...``): beside version v1 they would make
+    the root hold loose files and versions, which no run trains. Only blobs at the paths this
+    demo's own files map to go, once v1 holds them; anything else stays for the run to name."""
+    ours = {p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()}
+    base = f"{root.folder(None)}/" if root.folder(None) else ""
+    loose = [
+        b.name
+        for split in SPLITS
+        for b in container.list_blobs(name_starts_with=f"{base}{split}/")
+        if b.name[len(base) :] in ours
+    ]
+    for name in loose:
+        container.delete_blob(name)
+    return len(loose)
 
 
 def serve_storage(demo: Path, port: int) -> int:

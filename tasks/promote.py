@@ -10,6 +10,7 @@ from prefect import get_run_logger
 from backends.blob import container_client
 from backends.cluster import Cluster
 from core.config import PipelineConfig
+from core.data_versions import DataVersion
 from core.run import Run
 from registry.layout import decision_blob
 from registry.promotion import Challenger, Decision, challenge, rescore_on_cluster
@@ -23,9 +24,11 @@ def promote(
     run: Run,
     score: dict[str, Any],
     staged_version: str,
+    data: DataVersion | None = None,
 ) -> Done[Decision]:
     """``score``: the scorer's report on this run's model; ``staged_version``: of the data it
-    was trained and scored on."""
+    was trained and scored on; ``data``: the data version that was (which the decision and
+    the champion record name)."""
     logger = get_run_logger()
     metric = config.promotion.metric
     challenger = Challenger(
@@ -35,6 +38,7 @@ def promote(
         f"{run.output_prefix}/model.pt",
         staged_version,
         score.get("num_images"),
+        f"{data.container}/{data.prefix}".rstrip("/") if data else None,
     )
     decision = challenge(
         container_client(config.output, config.retries.storage_retries),

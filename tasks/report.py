@@ -12,6 +12,7 @@ from prefect.cache_policies import NONE
 
 from backends.blob import container_client
 from core.config import PipelineConfig
+from core.data_versions import DataVersion
 from core.run import output_prefix
 from registry.gateway import output_link
 from registry.promotion import Decision
@@ -44,6 +45,7 @@ def summary_markdown(
     config_source: str = "",
     cost: dict[str, Any] | None = None,
     charts: dict[str, bytes] | None = None,
+    version: DataVersion | None = None,
 ) -> str:
     metrics, score = scored.metrics, scored.score
     lines = [
@@ -56,7 +58,8 @@ def summary_markdown(
         "",
         "## Data",
         "",
-        f"{data.files} files, version `{data.version}`: "
+        *data_lines(version),
+        f"{data.files} files staged (their digest `{data.version}`): "
         f"{data.downloaded} downloaded, {data.unchanged} unchanged.",
         "",
         "## Steps",
@@ -74,6 +77,13 @@ def summary_markdown(
     if config is not None:
         lines += [*config_markdown(config, config_source)]
     return "\n".join(lines)
+
+
+def data_lines(version: DataVersion | None) -> list[str]:
+    """Which data version the run trained, and why that one."""
+    if version is None:
+        return []
+    return [f"Trained on {version.describe()} ({version.chosen}).", ""]
 
 
 def epochs_run(steps: list[StepRecord]) -> set[int]:
@@ -188,13 +198,14 @@ def report(
     config: PipelineConfig,
     config_source: str,
     cost: dict[str, Any] | None = None,
+    version: DataVersion | None = None,
 ) -> str:
     score = scored.score
     charts = draw_charts(scored, steps)
     upload_charts(config, run_id, charts)
     create_markdown_artifact(
         summary_markdown(
-            run_id, steps, scored, decision, data, config, config_source, cost, charts
+            run_id, steps, scored, decision, data, config, config_source, cost, charts, version
         ),
         key="retrain-summary",
         description=f"retrain {run_id}",

@@ -10,6 +10,7 @@ shape everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -49,6 +50,23 @@ class StepResult(Generic[T]):
     value: T
 
 
+_FAILED_STEP = "retrain_failed_step"
+
+
+def mark_failed_step(exc: BaseException, name: str) -> None:
+    """Name the step ``exc`` came out of (the innermost, when a step calls another), so the
+    run's record can say where it failed: the flow sees the exception, not the task run."""
+    if getattr(exc, _FAILED_STEP, None) is None:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(exc, _FAILED_STEP, name)
+
+
+def failed_step(exc: BaseException) -> str | None:
+    """The step ``exc`` came out of; None when it did not come out of one."""
+    value = getattr(exc, _FAILED_STEP, None)
+    return value if isinstance(value, str) else None
+
+
 def step(
     name: str, **task_options: Any
 ) -> Callable[[Callable[P, Done[T]]], Task[P, StepResult[T]]]:
@@ -63,7 +81,11 @@ def step(
         @functools.wraps(body)
         def timed(*args: P.args, **kwargs: P.kwargs) -> StepResult[T]:
             started = time.perf_counter()
-            done = body(*args, **kwargs)
+            try:
+                done = body(*args, **kwargs)
+            except Exception as exc:
+                mark_failed_step(exc, name)
+                raise
             record = StepRecord(
                 name,
                 "ran" if done.ran else "skipped",

@@ -33,16 +33,19 @@ class TrainingFailedError(RuntimeError):
 
 
 def training_key(config: PipelineConfig, staged_version: str, code_version: str) -> str:
-    """Names the checkpoint folder: same data, code and settings, same folder (resume)."""
-    settings = json.dumps(
-        {
-            "training": dataclasses.asdict(config.training),
-            "processes": config.pool.nodes * config.pool.processes_per_node,
-            "data": staged_version,
-            "code": code_version,
-        },
-        sort_keys=True,
-    )
+    """Names the checkpoint folder: same data, code and settings, same folder (resume). The
+    data version's folder is part of it: two versions of equal content are still two
+    trainings, each resuming only its own checkpoints (a root without versions keeps the key
+    it had before versions existed)."""
+    inputs: dict[str, Any] = {
+        "training": dataclasses.asdict(config.training),
+        "processes": config.pool.nodes * config.pool.processes_per_node,
+        "data": staged_version,
+        "code": code_version,
+    }
+    if config.data.version:
+        inputs["data_version"] = config.data.dataset.prefix
+    settings = json.dumps(inputs, sort_keys=True)
     return hashlib.sha256(settings.encode()).hexdigest()[:16]
 
 

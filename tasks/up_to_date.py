@@ -3,9 +3,11 @@
 A nightly run over unchanged data would otherwise allocate a pool, stage nothing new, "resume"
 a finished checkpoint, export the same model and score it again: GPU nodes paid to do nothing.
 When the data version the gate validated, the code and image versions and the training settings
-all equal those of the last run that trained (``registry/last_run.py``) and that run's model is
-still there, the run is *up to date*: it ends before anything is provisioned, and its summary
-says which run it matched. ``force`` trains anyway.
+all equal those of the last run that trained (``registry/last_run.py``), or of any earlier run
+that trained exactly them, and that run's model is still there, the run is *up to date*: it
+ends before anything is provisioned, and its summary says which run and data version it
+matched. ``force`` trains anyway. So each data version is trained once however many runs ask
+for it: the relay's, the sensor's, the nightly's and a person's.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from backends.image import content_tag
 from backends.share import collect_files, file_sha256, tree_digest
 from backends.target import PROJECT_ROOT
 from core.config import PipelineConfig
+from core.data_versions import DataVersion
 from core.run import Run
 from registry.gateway import output_link
-from registry.last_run import LastRun, blob_exists, read_last_run, write_last_run
+from registry.last_run import LastRun, blob_exists, read_last_run, read_trained, write_last_run
 from registry.layout import LAST_RUN
 from tasks.provision import SCRIPT_PACKAGES
 from tasks.steps import Done, StepRecord, step
+from tasks.validate import Validated
 
 # What a fingerprint's fields are called in a sentence.
 FIELD_NAMES = {
@@ -56,12 +60,29 @@ def fingerprint(config: PipelineConfig, data_version: str) -> dict[str, Any]:
     }
 
 
-def differences(last: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What changed since ``last``, in words (empty when nothing did)."""
+def _data_label(data: dict[str, Any] | None, listing: Any) -> str:
+    """A data version as a person reads it: its name (or root) and its listing's digest."""
+    if not data:
+        return str(listing)
+    name = data.get("version") or f"{data.get('root') or '(container)'} (no versions)"
+    return f"{name} (listing {listing})"
+
+
+def differences(
+    last: dict[str, Any],
+    current: dict[str, Any],
+    data: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
+) -> list[str]:
+    """What changed since ``last``, in words (empty when nothing did); ``data``: the data
+    version records (before, now), which name the versions."""
     changed = []
     for name, value in current.items():
         before = last.get(name)
-        if name == "training" and isinstance(before, dict):
+        if name == "data_version" and before != value:
+            changed.append(
+                f"data version {_data_label(data[0], before)} -> {_data_label(data[1], value)}"
+            )
+        elif name == "training" and isinstance(before, dict):
             for field, setting in value.items():
                 if before.get(field) != setting:
                     changed.append(f"training.{field} {before.get(field)!r} -> {setting!r}")
@@ -70,29 +91,40 @@ def differences(last: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return changed
 
 
+def _same(current: dict[str, Any], run: LastRun, data: dict[str, Any] | None) -> str:
+    return (
+        f"data version {_data_label(data, current['data_version'])}, code version "
+        f"{current['code_version']}, training image and settings are those of run "
+        f"{run.run_id} (finished {run.finished_at}, test accuracy {run.accuracy:.4f}), whose "
+        f"model {run.model} exists; nothing was provisioned. Run with force=true to train "
+        "anyway"
+    )
+
+
 def decide(
     current: dict[str, Any],
     last: LastRun | None,
     unusable: str | None,
     model_exists: bool,
     force: bool,
+    earlier: LastRun | None = None,
+    data: dict[str, Any] | None = None,
 ) -> tuple[bool, str]:
-    """(up to date, why), the reason written for the person reading the run's summary."""
+    """(up to date, why), the reason written for the person reading the run's summary.
+    ``earlier``: a run before the last that trained exactly ``current``, whose model exists;
+    ``data``: this run's data version record, which names it."""
     if force:
         return False, "force is set: training again whatever the last run was"
+    if last is not None and not differences(last.fingerprint, current) and model_exists:
+        return True, _same(current, last, data)
+    if earlier is not None:
+        return True, _same(current, earlier, data)
     if last is None:
         return False, unusable or f"no earlier trained run ({LAST_RUN} does not exist yet)"
-    changed = differences(last.fingerprint, current)
+    changed = differences(last.fingerprint, current, (last.data, data))
     if changed:
         return False, f"changed since run {last.run_id}: {'; '.join(changed)}"
-    if not model_exists:
-        return False, f"the model of run {last.run_id} ({last.model}) no longer exists"
-    return True, (
-        f"data version {current['data_version']}, code version {current['code_version']}, "
-        f"training image and settings are those of run {last.run_id} (finished "
-        f"{last.finished_at}, test accuracy {last.accuracy:.4f}), whose model {last.model} "
-        "exists; nothing was provisioned. Run with force=true to train anyway"
-    )
+    return False, f"the model of run {last.run_id} ({last.model}) no longer exists"
 
 
 @dataclass(frozen=True)
@@ -102,35 +134,51 @@ class UpToDate:
     fresh: bool  # True: nothing to train
     why: str
     fingerprint: dict[str, Any]
-    last: LastRun | None
+    last: LastRun | None  # the run whose model is in use when fresh; else the last trained run
+    data: DataVersion
 
 
 @step("check-up-to-date")
-def check_up_to_date(config: PipelineConfig, data_version: str, force: bool) -> Done[UpToDate]:
-    """Compare this run with the last trained one. ``data_version`` is the gate's (the version
-    of the listing it pinned), so it is known before anything is staged."""
+def check_up_to_date(config: PipelineConfig, data: Validated, force: bool) -> Done[UpToDate]:
+    """Compare this run with the runs that trained. ``data`` is what the gate validated (the
+    version, and the digest of the listing it pinned), so it is known before anything is
+    staged."""
     outputs = container_client(config.output, config.retries.storage_retries)
-    current = fingerprint(config, data_version)
-    last, unusable = read_last_run(outputs, config.output.prefix)
+    base = config.output.prefix
+    current = fingerprint(config, data.listing_version)
+    record = data.version.as_record()
+    last, unusable = read_last_run(outputs, base)
     exists = last is not None and blob_exists(outputs, last.model)
-    fresh, why = decide(current, last, unusable, exists, force)
+    earlier = None
+    if not force and not (last is not None and exists and last.fingerprint == current):
+        earlier = read_trained(outputs, base, current)
+        if earlier is not None and not blob_exists(outputs, earlier.model):
+            earlier = None
+    fresh, why = decide(current, last, unusable, exists, force, earlier, record)
+    matched = (earlier or last) if fresh else last
     get_run_logger().info("%s: %s", "up to date" if fresh else "training", why)
     return Done(
         True,
-        UpToDate(fresh, why, current, last),
+        UpToDate(fresh, why, current, matched, data.version),
         {
             "up_to_date": fresh,
-            "data_version": current["data_version"],
+            "data_version": data.version.label,
+            "listing": current["data_version"],
             "code_version": current["code_version"],
             "last_run": last.run_id if last else None,
+            "matched_run": matched.run_id if fresh and matched else None,
         },
     )
 
 
 def remember_run(
-    config: PipelineConfig, run: Run, current: dict[str, Any], accuracy: float
+    config: PipelineConfig,
+    run: Run,
+    current: dict[str, Any],
+    accuracy: float,
+    data: DataVersion | None = None,
 ) -> None:
-    """Called once a run's model is scored and promoted or not: the next run compares with it."""
+    """Called once a run's model is scored and promoted or not: later runs compare with it."""
     outputs = container_client(config.output, config.retries.storage_retries)
     write_last_run(
         outputs,
@@ -142,6 +190,7 @@ def remember_run(
             outputs=run.output_prefix,
             accuracy=accuracy,
             finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            data=data.as_record() if data else None,
         ),
     )
 
@@ -170,6 +219,9 @@ def report_up_to_date(
         f"The model in use is [{last.model}]({output_link(config.output, outputs, last.model)}) "
         f"from run {last.run_id}.",
         "",
+        f"**Data:** {check.data.describe()} ({check.data.chosen}); the gate's listing "
+        f"`{check.fingerprint['data_version']}`.",
+        "",
         "| step | status | seconds |",
         "|---|---|---|",
         *(f"| {s.step} | {s.status} | {s.seconds:.2f} |" for s in steps),
@@ -187,6 +239,9 @@ def report_up_to_date(
         "accuracy": last.accuracy,
         "promoted": False,
         "reason": f"up to date with run {last.run_id}",
+        "matched_run": last.run_id,
+        "data_version": check.data.version,
+        "data": check.data.as_record(),
         "outputs": outputs_url,
         "steps": [s.as_dict() for s in steps],
         "cost": {"rented": False, "total_node_minutes": 0.0, "why": "no pool was provisioned"},

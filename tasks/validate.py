@@ -1,19 +1,24 @@
 """Step 1, the data gate (``gate/``): a failed gate raises, and nothing after it runs.
 
-Every blob under the prefix is validated but the completion marker; the listing the gate
-validated (names and ETags) is pinned in the run's output prefix, and staging stages exactly
-that listing: what is trained is what was validated.
+It first chooses the data version the run trains (``core.data_versions``: the one the run
+names, else the newest complete one, else the whole root when it holds no versions); every blob
+of that version is validated but its completion marker; the listing the gate validated (names
+and ETags) is pinned in the run's output prefix, and staging stages exactly that listing: what
+is trained is what was validated.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from backends.blob import container_client, upload_directory
+from backends.data_root import resolve
 from core.config import PipelineConfig
+from core.data_versions import DataVersion
 from core.run import Run
 from gate.manifest import build_manifest, list_dataset
 from gate.report import failure, gate_markdown
@@ -28,21 +33,32 @@ def gate_cache_dir(config: PipelineConfig) -> Path:
     return config.work_dir / "gate-cache"
 
 
+@dataclass(frozen=True)
+class Validated:
+    """What the gate passed: the data version, and its listing's digest (what the up-to-date
+    check compares, known before anything is staged)."""
+
+    version: DataVersion
+    listing_version: str
+
+
 @step("validate-data")
-def validate_data(config: PipelineConfig, run: Run) -> Done[str]:
-    """The gate; its value is the validated listing's version (what the up-to-date check
-    compares, known before anything is staged)."""
+def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
+    """The gate over the data version the run trains."""
     logger = get_run_logger()
     output_prefix = run.output_prefix
     retries = config.retries.storage_retries
-    blobs = list_dataset(config.data, retries)
-    rows, cached = build_manifest(config.data, gate_cache_dir(config), retries, blobs)
+    version = resolve(config.data, retries)
+    logger.info("data: %s (%s)", version.describe(), version.chosen)
+    dataset = config.data.pinned(version.version).dataset
+    blobs = list_dataset(dataset, retries)
+    rows, cached = build_manifest(dataset, gate_cache_dir(config), retries, blobs)
     docs = run.work_dir / "data_docs"
     success, records = run_expectations(rows, config.validation, docs)
     outputs = container_client(config.output, retries, create=True)
     upload_directory(outputs, docs, f"{output_prefix}/data_docs", workers=8)
     docs_url = output_link(config.output, outputs, f"{output_prefix}/data_docs/index.html")
-    where = f"{config.data.container}/{config.data.prefix}"
+    where = f"{dataset.container}/{dataset.prefix}".rstrip("/")
     create_markdown_artifact(
         gate_markdown(success, rows, records, where, docs_url),
         key="data-gate",
@@ -52,7 +68,7 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[str]:
         raise failure(rows, records)
     # Staging stages exactly this listing (names and ETags), nothing listed later.
     pinned = listing_blob(output_prefix)
-    outputs.upload_blob(pinned, listing_json(config.data.prefix, blobs), overwrite=True)
+    outputs.upload_blob(pinned, listing_json(dataset.prefix, blobs), overwrite=True)
     logger.info(
         "data gate passed: %d images (%d unchanged since the last gate, not read again), "
         "%d expectations",
@@ -62,8 +78,10 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[str]:
     )
     return Done(
         True,
-        listing_version(blobs),
+        Validated(version, listing_version(blobs)),
         {
+            "data_version": version.label,
+            "data_prefix": dataset.prefix,
             "images": len(rows),
             "read_from_cache": cached,
             "listing": pinned,

@@ -130,6 +130,9 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
             "data": {
                 "container": _container_url(config.data),
                 "prefix": config.data.prefix,
+                "version": config.data.version
+                or "the newest complete version below the prefix, chosen when the run starts "
+                "(the whole prefix when it holds no versions)",
                 "use": "read (gate on the orchestrator, staging on a node)",
             },
             "outputs": {"container": _container_url(config.output), "action": "create if missing"},

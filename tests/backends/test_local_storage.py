@@ -30,6 +30,7 @@ def test_serve_storage_seeds_what_the_local_config_reads(tmp_path: Path) -> None
     """From a fresh location: Azurite starts, the demo's dataset lands in the container and
     prefix configs/local.yaml reads, the terminal gets no access log, and SIGTERM stops it."""
     from backends.blob import container_client
+    from backends.data_root import resolve
 
     port = free_port()
     proc = subprocess.Popen(
@@ -53,11 +54,13 @@ def test_serve_storage_seeds_what_the_local_config_reads(tmp_path: Path) -> None
         container = container_client(config.data)
         names = {b.name for b in container.list_blobs(name_starts_with=config.data.prefix + "/")}
         images = {
-            f"{config.data.prefix}/{p.relative_to(tmp_path / 'demo' / 'digits').as_posix()}"
+            f"{config.data.prefix}/v1/{p.relative_to(tmp_path / 'demo' / 'digits').as_posix()}"
             for p in (tmp_path / "demo" / "digits").rglob("*.png")
         }
-        assert len(images) == 1797 and names == images  # every digit, where the config reads
-        assert any("train/" in n for n in names) and any("test/" in n for n in names)
+        # Every digit, as the first data version of the root the config reads.
+        assert len(images) == 1797 and names == images | {f"{config.data.prefix}/v1/_SUCCESS"}
+        assert any("/v1/train/" in n for n in names) and any("/v1/test/" in n for n in names)
+        assert resolve(config.data).version == "v1"
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -71,6 +74,42 @@ def test_serve_storage_seeds_what_the_local_config_reads(tmp_path: Path) -> None
     assert (tmp_path / "demo" / "azurite" / "azurite.log").is_file()
     with pytest.raises(OSError):  # Azurite stopped with it
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_seeding_again_keeps_the_version_and_moves_an_earlier_flat_copy(
+    azurite: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's seeding (`make azurite`, `make demo`) over an Azurite folder an earlier demo
+    filled before data versions (the digits loose below the root): the copy becomes version
+    v1 and the loose images go, so the root is not refused as mixed; what the demo did not
+    put there stays. Seeding again changes nothing, the marker included (a new marker would
+    be a new completion, reported again by the relay and the sensor)."""
+    from backends.blob import container_client, upload_directory
+    from backends.data_root import resolve
+    from core.data_versions import DataVersionError
+    from scripts.demo import seed
+    from training.make_images import write_digits
+
+    source = tmp_path / "digits"
+    write_digits(source, test_fraction=0.25, seed=0, per_class=6)
+    config = load_config(ROOT / "configs" / "local.yaml", [f"data.container=demo-{os.getpid()}"])
+    monkeypatch.setenv(config.data.connection_string_env or "", azurite)
+    container = container_client(config.data, create=True)
+    upload_directory(container, source, "digits")  # what the demo seeded before versions
+    container.upload_blob("digits/train/notes.txt", b"a person's own file")
+
+    seed(config, source, azurite)
+    names = {b.name for b in container.list_blobs(name_starts_with="digits/")}
+    assert names == {
+        f"digits/v1/{p.relative_to(source).as_posix()}" for p in source.rglob("*.png")
+    } | {"digits/v1/_SUCCESS", "digits/train/notes.txt"}
+    marker = container.get_blob_client("digits/v1/_SUCCESS").get_blob_properties().etag
+    assert seed(config, source, azurite) == 0
+    assert container.get_blob_client("digits/v1/_SUCCESS").get_blob_properties().etag == marker
+    with pytest.raises(DataVersionError, match=r"loose files \(train/\)"):
+        resolve(config.data)  # the person's own file is theirs to move
+    container.delete_blob("digits/train/notes.txt")
+    assert resolve(config.data).version == "v1"
 
 
 def test_serve_storage_refuses_a_port_in_use(tmp_path: Path) -> None:

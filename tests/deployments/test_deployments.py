@@ -4,6 +4,7 @@ over HTTP, the polling sensor, and the automations the server runs from the trig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.server
 import json
@@ -21,7 +22,8 @@ import yaml
 
 from backends.blob import container_client
 from core.config import BlobLocation
-from deployments.relay import RelaySettings, Watch, create_app
+from core.data_versions import DataRoot
+from deployments.relay import RelaySettings, create_app
 from deployments.sensor import find_versions, watch_new_data
 from tests.conftest import ROOT
 
@@ -54,16 +56,12 @@ def _wait_for_runs(deployment_id: Any, container: str, count: int) -> list[Any]:
     return _runs_for(deployment_id, container)
 
 
-@pytest.fixture
-def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+@contextlib.contextmanager
+def serving_relay(settings: RelaySettings) -> Iterator[tuple[str, Any]]:
+    """The relay as `python -m deployments.relay` serves it (uvicorn, over HTTP): its events
+    URL, and the app."""
     import uvicorn
 
-    settings = getattr(request, "param", None) or RelaySettings(
-        watches=[Watch("landing", "images")], shared_secret=SECRET
-    )
-    if settings.marker is None:  # quiet-period mode lists the watched prefix: on Azurite
-        azurite = request.getfixturevalue("azurite")
-        request.getfixturevalue("monkeypatch").setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
     app = create_app(settings)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,9 +71,23 @@ def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/events", app
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}/events", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def relay(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    settings = getattr(request, "param", None) or RelaySettings(
+        watches=[DataRoot("landing", "images")], shared_secret=SECRET
+    )
+    if settings.marker is None:  # quiet-period mode lists the watched prefix: on Azurite
+        azurite = request.getfixturevalue("azurite")
+        request.getfixturevalue("monkeypatch").setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    with serving_relay(settings) as served:
+        yield served
 
 
 def _eg_event(container: str, name: str, etag: str = "0x8DC1", event_id: str | None = None) -> dict:
@@ -162,15 +174,22 @@ def test_the_run_form_starts_from_what_a_person_changes(deployed: dict[str, Any]
     schema = deployed["retrain/manual"].parameter_openapi_schema
     fields = schema["properties"]
     order = sorted(fields, key=lambda name: fields[name]["position"])
-    assert order[:5] == ["epochs", "model", "data_container", "data_prefix", "force"]
-    assert order[-1] == "data_version" and order[-2] == "config"
+    assert order[:6] == [
+        "epochs",
+        "model",
+        "data_container",
+        "data_prefix",
+        "data_version",
+        "force",
+    ]
+    assert order[-1] == "config"
     for name, field in fields.items():
         assert len(field.get("description") or "") > 30, f"{name} is not described"
     assert fields["force"]["default"] is False
     assert fields["model"]["anyOf"][0]["enum"] == ["cnn", "resnet18", "resnet50"]
     assert "section.field=value" in fields["overrides"]["description"]
     assert "training.lr=0.1" in fields["overrides"]["description"]
-    assert fields["data_version"]["description"].startswith("For the new-data trigger only")
+    assert fields["data_version"]["description"].startswith("The data version to train")
     assert fields["config"]["description"].startswith("Advanced")
     # The advanced section starts from the shipped config, every field of it; nothing in it
     # is required (data and output containers included).
@@ -253,11 +272,12 @@ def test_a_burst_for_one_version_starts_exactly_one_run(
     ]
 
     (run,) = _wait_for_runs(deployed["retrain/on-new-data"].id, container, 1)
+    # The data root and the version below it: the run trains exactly that version.
     assert run.parameters == {
         "config_path": "configs/local.yaml",
         "data_container": "landing",
-        "data_prefix": "images/v1",
-        "data_version": "0x8DCF00D",
+        "data_prefix": "images",
+        "data_version": "v1",
     }
 
 
@@ -270,14 +290,17 @@ def test_cloudevents_schema_and_a_new_version_start_a_second_run(
     reply = _post(url, body, **{"Content-Type": "application/cloudevents-batch+json"})
     assert reply.status_code == 200 and reply.json()["outcomes"] == ["started"]
     runs = _wait_for_runs(deployed["retrain/on-new-data"].id, container, 2)
-    assert {r.parameters["data_prefix"] for r in runs} == {"images/v1", "images/v2"}
+    assert {(r.parameters["data_prefix"], r.parameters["data_version"]) for r in runs} == {
+        ("images", "v1"),
+        ("images", "v2"),
+    }
 
 
 @pytest.mark.parametrize(
     "relay",
     [
         RelaySettings(
-            watches=[Watch("quiet-landing", "")],
+            watches=[DataRoot("quiet-landing", "")],
             marker=None,
             quiet_seconds=1.0,
             shared_secret=SECRET,
@@ -301,8 +324,10 @@ def test_quiet_period_mode_reports_a_burst_once(
         assert set(_post(url, events).json()["outcomes"]) == {"waiting for quiet"}
     (run,) = _wait_for_runs(deployed["retrain/on-new-data"].id, "quiet-landing", 1)
     (sensed,) = find_versions(container, "", None, quiet_seconds=0)
-    assert run.parameters["data_prefix"] == ""
-    assert run.parameters["data_version"] == sensed.data_version  # the sensor's version
+    assert run.parameters["data_prefix"] == "" and run.parameters["data_version"] == ""
+    from deployments.events import already_sent
+
+    assert already_sent([sensed.key]) == {sensed.key}  # the relay reported the sensor's key
 
 
 def test_entra_token_is_accepted_and_a_wrong_audience_refused(tmp_path: Path) -> None:
@@ -318,7 +343,7 @@ def test_entra_token_is_accepted_and_a_wrong_audience_refused(tmp_path: Path) ->
     keys_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=keys_server.serve_forever, daemon=True).start()
     settings = RelaySettings(
-        watches=[Watch("landing", "images")],
+        watches=[DataRoot("landing", "images")],
         entra_audience="api://retrain-relay",
         entra_tenant=tenant,
         jwks_url=f"http://127.0.0.1:{keys_server.server_address[1]}/keys.json",
@@ -352,8 +377,68 @@ def test_relay_refuses_to_start_without_authentication() -> None:
 
     with pytest.raises(RelayConfigError, match="RETRAIN_RELAY_SECRET"):
         RelaySettings.from_env({"RETRAIN_RELAY_WATCH": "landing/images"})
-    with pytest.raises(RelayConfigError, match="RETRAIN_RELAY_WATCH"):
+    with pytest.raises(RelayConfigError, match="name no data root"):
         RelaySettings.from_env({"RETRAIN_RELAY_SECRET": "x"})
+
+
+def test_the_relay_watches_the_data_roots_its_configs_name(tmp_path: Path) -> None:
+    """RETRAIN_RELAY_CONFIG: the relay watches the data root a run of that config trains from,
+    and reports a version only for a marker directly below it."""
+    from starlette.testclient import TestClient
+
+    from deployments.relay import RelayConfigError
+
+    config = tmp_path / "team.yaml"
+    base = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    config.write_text(yaml.safe_dump({**base, "data": {**base["data"], "prefix": "images"}}))
+    env = {"RETRAIN_RELAY_CONFIG": str(config), "RETRAIN_RELAY_SECRET": SECRET}
+    settings = RelaySettings.from_env(env)
+    assert settings.watches == [DataRoot("training-data", "images")]
+    with pytest.raises(RelayConfigError, match="_SUCCESS marker"):
+        RelaySettings.from_env({**env, "RETRAIN_RELAY_MARKER": "DONE"})
+    with pytest.raises(RelayConfigError, match="does not exist"):
+        RelaySettings.from_env({**env, "RETRAIN_RELAY_CONFIG": str(tmp_path / "none.yaml")})
+
+    sent: list[Any] = []
+    client = TestClient(create_app(settings, send=lambda r: sent.append(r) or "started"))
+    blobs = ["images/v3/train/0/a.png", "images/v3/deep/_SUCCESS", "images/v3/_SUCCESS"]
+    reply = client.post(
+        "/events",
+        params={"key": SECRET},
+        json=[_eg_event("training-data", b, f"0xE{i}") for i, b in enumerate(blobs)],
+    )
+    assert reply.json()["outcomes"] == [
+        "waiting for the marker",
+        "not a version marker: versions are folders directly below the root",
+        "started",
+    ]
+    (ready,) = sent
+    assert (ready.container, ready.prefix, ready.data_version) == ("training-data", "images", "v3")
+    assert ready.key == "training-data/images/v3@0xE2"
+    assert ready.event()["payload"]["revision"] == "0xE2"
+
+
+def test_the_sensor_reports_complete_versions_and_refuses_a_mixed_root(
+    azurite: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core.data_versions import DataVersionError
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    container = container_client(
+        BlobLocation(container=f"mixed-{uuid.uuid4().hex[:8]}"), create=True
+    )
+    for name in ("images/v1/train/0/a.png", "images/v2/train/0/a.png", "images/v3/test/0/b.png"):
+        container.upload_blob(name, b"png")
+    container.upload_blob("images/v2/_SUCCESS", b"")
+    time.sleep(1.1)  # Last-Modified counts seconds: markers of one second go by name
+    container.upload_blob("images/v1/_SUCCESS", b"")  # completed after v2
+    container.upload_blob("images/v1/deep/_SUCCESS", b"")  # completes nothing of this root
+    found = find_versions(container, "images", "_SUCCESS", 0)
+    assert [(r.prefix, r.data_version) for r in found] == [("images", "v2"), ("images", "v1")]
+    assert [r.blob for r in found] == ["images/v2/_SUCCESS", "images/v1/_SUCCESS"]
+    container.upload_blob("images/train/0/loose.png", b"png")
+    with pytest.raises(DataVersionError, match=r"loose files \(train/\) and data versions"):
+        find_versions(container, "images", "_SUCCESS", 0)
 
 
 def test_polling_sensor_fires_once_per_new_data_version(
@@ -380,4 +465,5 @@ def test_polling_sensor_fires_once_per_new_data_version(
     assert len(second) == 1 and second[0].startswith(f"{name}/images/v2@")
 
     runs = _wait_for_runs(deployed["retrain/on-new-data"].id, name, 2)
-    assert sorted(r.parameters["data_prefix"] for r in runs) == ["images/v1", "images/v2"]
+    assert sorted(r.parameters["data_version"] for r in runs) == ["v1", "v2"]
+    assert {r.parameters["data_prefix"] for r in runs} == {"images"}

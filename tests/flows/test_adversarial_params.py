@@ -20,13 +20,15 @@ import pytest
 import yaml
 
 from core.config import ConfigError, load_config
-from flows.retrain import effective_config, main
+from flows.retrain import effective_config, form_settings, main
 from tests.conftest import ROOT, child_env, prefect_api_env
 from tests.reliability import report
 
 LOCAL = ROOT / "configs" / "local.yaml"
 # What YAML made of each: a comment cut off, bytes decoded, an int, a date, a bool, None.
 HOSTILE_PREFIXES = ["images/v1 #rollback", "!!binary aGk=", "2024", "2024-06-01", "true", "null"]
+# The same as data version names: one folder name each.
+HOSTILE_VERSIONS = ["v1 #rollback", "!!binary aGk=", "2024", "2024-06-01", "true", "null"]
 
 
 @pytest.mark.parametrize("prefix", HOSTILE_PREFIXES)
@@ -39,6 +41,19 @@ def test_trigger_values_reach_their_fields_as_given(prefix: str) -> None:
         "adversarial",
         f"new-data trigger: container 123456, prefix {prefix!r}",
         "trains on exactly that container and prefix",
+    )
+
+
+@pytest.mark.parametrize("version", HOSTILE_VERSIONS)
+def test_trigger_versions_reach_their_field_as_given(version: str) -> None:
+    settings = form_settings(None, None, version)
+    config = effective_config(None, str(LOCAL), None, "123456", "images", settings=settings).config
+    assert (config.data.prefix, config.data.version) == ("images", version)
+    assert config.data.dataset.prefix == f"images/{version}"
+    report.record(
+        "adversarial",
+        f"new-data trigger: root images, data version {version!r}",
+        "trains on exactly that version",
     )
 
 
@@ -176,28 +191,29 @@ def test_trigger_values_through_the_relay_and_the_deployment_trigger(
     automation -> flow run parameters -> the config the flow builds from them."""
     from starlette.testclient import TestClient
 
-    from deployments.relay import RelaySettings, Watch, create_app
+    from core.data_versions import DataRoot
+    from deployments.relay import RelaySettings, create_app
     from tests.deployments.test_deployments import _runs_for, _wait_for_runs
 
     container, tag = "123456", uuid.uuid4().hex[:8]
-    settings = RelaySettings(watches=[Watch(container, "")], shared_secret="k")
+    settings = RelaySettings(watches=[DataRoot(container, "images")], shared_secret="k")
     client = TestClient(create_app(settings))
     events = [
         {
             "id": str(uuid.uuid4()),
             "eventType": "Microsoft.Storage.BlobCreated",
-            "subject": f"/blobServices/default/containers/{container}/blobs/{p}/_SUCCESS",
+            "subject": f"/blobServices/default/containers/{container}/blobs/images/{v}/_SUCCESS",
             "data": {"eTag": f"0x{tag}{i}"},
         }
-        for i, p in enumerate(HOSTILE_PREFIXES)
+        for i, v in enumerate(HOSTILE_VERSIONS)
     ]
-    before = len(_runs_for(deployed["retrain/on-new-data"].id, container))
+    before = {r.id for r in _runs_for(deployed["retrain/on-new-data"].id, container)}
     reply = client.post("/events", params={"key": "k"}, json=events)
-    assert reply.json()["outcomes"] == ["started"] * len(HOSTILE_PREFIXES)
+    assert reply.json()["outcomes"] == ["started"] * len(HOSTILE_VERSIONS)
     runs = _wait_for_runs(
-        deployed["retrain/on-new-data"].id, container, before + len(HOSTILE_PREFIXES)
+        deployed["retrain/on-new-data"].id, container, len(before) + len(HOSTILE_VERSIONS)
     )
-    mine = [r for r in runs if str(r.parameters.get("data_version", "")).startswith(f"0x{tag}")]
+    mine = [r for r in runs if r.id not in before]
     built = {
         effective_config(
             None,
@@ -205,10 +221,11 @@ def test_trigger_values_through_the_relay_and_the_deployment_trigger(
             None,
             r.parameters["data_container"],
             r.parameters["data_prefix"],
-        ).config.data.prefix
+            settings=form_settings(None, None, r.parameters["data_version"]),
+        ).config.data.dataset.prefix
         for r in mine
     }
-    assert built == set(HOSTILE_PREFIXES)
+    assert built == {f"images/{v}" for v in HOSTILE_VERSIONS}
 
 
 def _wait(what: str, check: Any, seconds: float) -> Any:

@@ -23,6 +23,7 @@ from backends.processes import read_record
 from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
 from registry.gateway import serve
+from tests.conftest import ROOT
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from training.make_images import write_digits
 
@@ -60,6 +61,8 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert state.is_completed(), state.message
     result = state.result()
     assert result["accuracy"] > 0.5 and result["promoted"] is True
+    # A data root without versions (train/ and test/ directly below it) is trained whole.
+    assert result["data"]["version"] is None and result["data"]["prefix"] == config.data.prefix
 
     outputs = container_client(config.output)
     prefix = f"runs/{result['run_id']}"
@@ -227,6 +230,32 @@ def test_gate_stops_before_provisioning(case: str, tmp_path: Path, digits_source
         assert step not in task_runs, f"{step} ran after a failed gate"
     assert not (config.nfs.local_dir / "data").exists()
     assert not (config.work_dir / "pools" / config.pool.id / "tasks").exists()
+
+
+def test_a_run_over_a_root_mixing_loose_files_and_versions_fails_at_the_gate_and_says_so(
+    tmp_path: Path, digits_source: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the documented path left before versions were one concept: the seeded data loose
+    under the root and a new version beside it. The run fails at the gate with both named,
+    before anything is provisioned, and `list` says where and why."""
+    from backends.blob import upload_directory
+    from flows.models import main as models
+
+    config = make_config(tmp_path)
+    seed(config, digits_source)
+    container = container_client(config.data)
+    upload_directory(container, digits_source, f"{config.data.prefix}/v2")
+    container.upload_blob(f"{config.data.prefix}/v2/_SUCCESS", b"")
+    state, task_runs, _ = run(config)
+    assert state.is_failed()
+    assert "holds both loose files (test/, train/) and data versions (v2)" in state.message
+    assert set(task_runs) <= {"validate-data", "release-pool"}  # released in its finally
+    assert not (config.work_dir / "pools" / config.pool.id / "tasks").exists()
+    where = ["--set", f"output.container={config.output.container}"]
+    assert models(["--config", str(ROOT / "configs" / "local.yaml"), *where, "list"]) == 0
+    (row,) = capsys.readouterr().out.splitlines()[1:]
+    assert "newest (not chosen)" in row
+    assert "failed at validate-data: DataVersionError: data root" in row
 
 
 def test_killed_training_attempt_is_retried_and_resumes(

@@ -8,6 +8,7 @@ import hashlib
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from azure.storage.blob import ContainerClient, ContentSettings
@@ -138,3 +139,100 @@ def test_two_prefixes_in_one_container_have_their_own_champion_and_last_run(
     write_last_run(container, "team-a", record)
     assert read_last_run(container, "team-a") == (record, None)
     assert read_last_run(container, "team-b") == (None, None)
+
+
+def _record(container: ContainerClient, run_id: str, **fields: Any) -> None:
+    from registry.run_record import RunRecord, write_run_record
+
+    record = RunRecord(run_id, fields.pop("outcome"), "2026-11-25T02:00:00+00:00", **fields)
+    write_run_record(container, output_prefix("team", run_id), record)
+
+
+def test_list_tells_up_to_date_failed_and_unfinished_runs_apart_and_names_the_data(
+    outputs: tuple[ContainerClient, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each run's record (run.json) says which data it trained and how it ended; an up-to-date
+    run and a failed one used to both read 'unfinished: did not reach its promotion decision'."""
+    from core.data_versions import DataVersion
+
+    container, where = outputs
+    v1 = DataVersion("training-data", "images", "v1", "0x1", None, "the only complete version")
+    flat = DataVersion("training-data", "digits", None, None, None, "a data root without versions")
+    _record(
+        container,
+        "20261101-020000-aaaaaaaa",
+        outcome="promoted",
+        data=v1.as_record(),
+        accuracy=0.91,
+        reason="no champion yet: accuracy 0.9100 becomes the first",
+    )
+    _record(
+        container,
+        "20261102-020000-bbbbbbbb",
+        outcome="up to date",
+        data=v1.as_record(),
+        reason="data version v1 ... are those of run 20261101-020000-aaaaaaaa",
+        matched_run="20261101-020000-aaaaaaaa",
+    )
+    _record(
+        container,
+        "20261103-020000-cccccccc",
+        outcome="failed",
+        data={"container": "training-data", "root": "images", "version": None},
+        reason="DataVersionError: data root training-data/images holds both loose files",
+        failed_step="validate-data",
+    )
+    _record(
+        container,
+        "20261104-020000-dddddddd",
+        outcome="running",
+        data={"container": "training-data", "root": "images", "version": "v7"},
+    )
+    _record(
+        container,
+        "20261105-020000-eeeeeeee",
+        outcome="not promoted",
+        data=flat.as_record(),
+        accuracy=0.5,
+        reason="worse, so it does not beat it",
+    )
+    broken = f"{output_prefix('team', '20261106-020000-ffffffff')}/run.json"
+    container.upload_blob(broken, b'{"run_id": "x", "outcome": "won"}')
+    _run(container, "team", "20261107-020000-gggggggg", 0.95, b"a run from before run.json")
+
+    assert main(["--config", str(LOCAL), *where, "list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["run", "data", "accuracy", "decision"]
+    rows = {line.split()[0]: line for line in out[1:]}
+    assert "v1" in rows["20261101-020000-aaaaaaaa"].split()[1]
+    assert "0.9100  promoted: no champion yet" in rows["20261101-020000-aaaaaaaa"]
+    assert rows["20261102-020000-bbbbbbbb"].split()[1:4] == ["v1", "-", "up"]
+    assert (
+        "up to date: nothing trained, run 20261101-020000-aaaaaaaa's model is the one to use"
+        in (rows["20261102-020000-bbbbbbbb"])
+    )
+    assert "newest (not chosen)" in rows["20261103-020000-cccccccc"]
+    assert (
+        "failed at validate-data: DataVersionError: data root" in rows["20261103-020000-cccccccc"]
+    )
+    assert rows["20261104-020000-dddddddd"].split()[1] == "v7"
+    assert "unfinished: no outcome recorded" in rows["20261104-020000-dddddddd"]
+    assert "digits (no versions)" in rows["20261105-020000-eeeeeeee"]
+    assert "0.5000  not promoted: worse" in rows["20261105-020000-eeeeeeee"]
+    assert "run.json is unusable (no run_id, or an outcome" in rows["20261106-020000-ffffffff"]
+    assert "0.9500  promoted" in rows["20261107-020000-gggggggg"]
+    assert rows["20261107-020000-gggggggg"].endswith("<- champion")
+
+
+def test_a_failure_is_recorded_without_secrets() -> None:
+    from registry.run_record import error_summary
+
+    exc = RuntimeError(
+        "GET https://a.blob.core.windows.net/c/b?sv=2025&sig=c2VjcmV0%3D failed;\n"
+        "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=a2V5a2V5;EndpointSuffix=x"
+    )
+    line = error_summary(exc)
+    assert line.startswith("RuntimeError: GET https://a.blob.core.windows.net/c/b?sv=2025&sig=")
+    assert "c2VjcmV0" not in line and "a2V5a2V5" not in line and "\n" not in line
+    keyed = error_summary(ValueError("AccountKey=a2V5a2V5;AccountName=a " + "x" * 400))
+    assert "a2V5a2V5" not in keyed and len(keyed) <= 300

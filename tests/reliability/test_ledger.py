@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from core.data_versions import DataRoot
 from deployments.events import (
     ALREADY,
     BUSY,
@@ -32,10 +33,10 @@ from deployments.events import (
     post_event,
     record_name,
 )
-from deployments.relay import BlobCreated, Debouncer, RelaySettings, Watch, create_app
+from deployments.relay import BlobCreated, Debouncer, RelaySettings, create_app
 from deployments.sensor import find_versions
 from tests.conftest import ROOT, child_env, prefect_api_env
-from tests.ledger_claimer import PREFIX
+from tests.ledger_claimer import PREFIX, REVISION
 from tests.reliability import report
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -97,7 +98,7 @@ def test_two_reporters_racing_send_each_version_exactly_once(versions: int, tmp_
     assert set(delivered.values()) == {1}, "a version was sent twice"
     injected = sum(len(r["failed_once"]) for r in results)
     assert injected >= versions // 10, "the failing sends did not happen"
-    keys = [f"{container}/{PREFIX}@{v}" for v in everything]
+    keys = [DataReady(container, PREFIX, v, "test", revision=REVISION).key for v in everything]
     assert already_sent(keys) == set(keys)
     both_claimed = sum(1 for v in everything if all(v in r["outcomes"] for r in results))
     report.record(
@@ -118,7 +119,7 @@ def test_a_failed_send_is_sent_on_redelivery_and_starts_one_run(deployed: dict[s
 
     container = f"redeliver-{uuid.uuid4().hex[:6]}"
     post = FailOnce()
-    settings = RelaySettings(watches=[Watch(container, "images")], shared_secret=SECRET)
+    settings = RelaySettings(watches=[DataRoot(container, "images")], shared_secret=SECRET)
     client = TestClient(create_app(settings, send=lambda r: emit(r, post)))
     delivery = [_marker(container, "images/v1", "0x8DC1", event_id=str(uuid.uuid4()))]
 
@@ -130,7 +131,7 @@ def test_a_failed_send_is_sent_on_redelivery_and_starts_one_run(deployed: dict[s
     assert third.json()["outcomes"] == ["duplicate delivery"]
 
     (run,) = _wait_for_runs(deployed["retrain/on-new-data"].id, container, 1)
-    assert run.parameters["data_prefix"] == "images/v1"
+    assert (run.parameters["data_prefix"], run.parameters["data_version"]) == ("images", "v1")
     assert post.sent == Counter({f"{container}/images/v1@0x8DC1": 1})
     report.record(
         "adversarial",
@@ -143,7 +144,7 @@ def test_a_failed_send_is_sent_on_redelivery_and_starts_one_run(deployed: dict[s
 def test_events_without_an_id_are_each_handled() -> None:
     container = f"noid-{uuid.uuid4().hex[:6]}"
     sent: list[DataReady] = []
-    settings = RelaySettings(watches=[Watch(container, "images")], shared_secret=SECRET)
+    settings = RelaySettings(watches=[DataRoot(container, "images")], shared_secret=SECRET)
     client = TestClient(create_app(settings, send=lambda r: sent.append(r) or STARTED))
     for version in ("v1", "v2"):
         reply = client.post(
@@ -152,7 +153,7 @@ def test_events_without_an_id_are_each_handled() -> None:
             json=[_marker(container, f"images/{version}", version)],
         )
         assert reply.json()["outcomes"] == [STARTED]
-    assert [r.prefix for r in sent] == ["images/v1", "images/v2"]
+    assert [r.folder for r in sent] == ["images/v1", "images/v2"]
     report.record("adversarial", "relay: two events without an id", "both versions reported")
 
 
@@ -168,7 +169,7 @@ def test_events_without_an_id_are_each_handled() -> None:
 )
 def test_malformed_event_data_is_refused_with_400_naming_the_field(data: Any, named: str) -> None:
     sent: list[DataReady] = []
-    settings = RelaySettings(watches=[Watch("landing", "images")], shared_secret=SECRET)
+    settings = RelaySettings(watches=[DataRoot("landing", "images")], shared_secret=SECRET)
     client = TestClient(create_app(settings, send=lambda r: sent.append(r) or STARTED))
     event = {**_marker("landing", "images/v1", "0x1", "e1"), "data": data}
     for body in (event, [event]):
@@ -198,7 +199,7 @@ def test_quiet_period_relay_and_sensor_agree_and_a_failed_send_keeps_the_group(
         container.upload_blob(f"images/old/{i}.png", b"old")
     post = FailOnce()
     settings = RelaySettings(
-        watches=[Watch(name, "images")], marker=None, quiet_seconds=0.5, shared_secret=SECRET
+        watches=[DataRoot(name, "images")], marker=None, quiet_seconds=0.5, shared_secret=SECRET
     )
     debouncer = Debouncer(settings, lambda r: emit(r, post))
     for i in range(10):  # the burst: Event Grid reports only these
@@ -222,8 +223,8 @@ def test_quiet_period_relay_and_sensor_agree_and_a_failed_send_keeps_the_group(
         "adversarial",
         "quiet period: send fails once; relay and sensor see the same data",
         "group kept, sent on the next flush; one version, reported once",
-        relay_version=relayed.data_version,
-        sensor_version=sensed.data_version,
+        relay_version=relayed.revision,
+        sensor_version=sensed.revision,
     )
 
 
@@ -256,11 +257,14 @@ def test_long_keys_stale_claims_and_the_old_ledger() -> None:
     assert emit(stale, post) == STARTED
     assert emit(fresh, post) == BUSY
 
-    # The single-Variable ledger of earlier releases is carried over, then removed.
-    old = [f"c-{tag}/images@v{i}" for i in range(3)]
+    # The single-Variable ledger of earlier releases is carried over, then removed; its keys
+    # (a root and its listing's hash, a version's folder and its marker's ETag) are still the
+    # keys of the same reports.
+    old = [f"c-{tag}/images@v{i}" for i in range(3)] + [f"c-{tag}/images/v7@0x7"]
     with get_client(sync_client=True) as client:
         client.create_variable(VariableCreate(name=LEGACY_LEDGER, value=old))
-    assert migrate_legacy_ledger() == 3
-    assert emit(DataReady(f"c-{tag}", "images", "v1", "test"), post) == ALREADY
+    assert migrate_legacy_ledger() == 4
+    assert emit(DataReady(f"c-{tag}", "images", "", "test", revision="v1"), post) == ALREADY
+    assert emit(DataReady(f"c-{tag}", "images", "v7", "test", revision="0x7"), post) == ALREADY
     assert migrate_legacy_ledger() == 0
     assert sent == [long.key, stale.key]

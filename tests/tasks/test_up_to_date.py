@@ -87,3 +87,58 @@ def test_gate_data_version_follows_content_not_upload() -> None:
     assert listing_version([a]) != listing_version([new_content])
     rewritten = PinnedBlob("d/train/0/a.png", "etag-5", 10, None)
     assert listing_version([no_md5]) != listing_version([rewritten])  # content unknown
+
+
+V1 = {"container": "c", "root": "images", "version": "v1", "chosen": "named by the run"}
+V2 = {"container": "c", "root": "images", "version": "v2", "chosen": "the newest of 2"}
+
+
+def test_a_version_trained_before_the_last_run_is_up_to_date_with_its_run() -> None:
+    """The sensor reporting v1 after v2 was trained, or a run naming v1: the last run trained
+    other data, but an earlier one trained exactly this, and its model is the one to use."""
+    earlier = LastRun(
+        "run-v1", CURRENT, "runs/run-v1/model.pt", "runs/run-v1", 0.9, "2026-11-24", V1
+    )
+    latest = last(data_version="d2")
+    fresh, why = decide(CURRENT, latest, None, True, False, earlier, V1)
+    assert fresh and "run run-v1" in why and "data version v1 (listing d1)" in why
+    assert decide(CURRENT, latest, None, True, True, earlier, V1)[0] is False  # force
+
+
+def test_a_changed_data_version_is_named() -> None:
+    before = LastRun(
+        "run-a",
+        {**CURRENT, "data_version": "d0"},
+        "runs/run-a/model.pt",
+        "runs/run-a",
+        0.9,
+        "2026-11-24",
+        V1,
+    )
+    fresh, why = decide(CURRENT, before, None, True, False, None, V2)
+    assert not fresh
+    assert "data version v1 (listing d0) -> v2 (listing d1)" in why
+    # A record from before data versions names the listing only.
+    fresh, why = decide(CURRENT, last(data_version="d0"), None, True, False, None, V2)
+    assert "data version d0 -> v2 (listing d1)" in why
+
+
+def test_each_trained_fingerprint_keeps_its_run(azurite: str) -> None:
+    """models/trained/<digest>.json: found by the fingerprint, whatever ran after it."""
+    import uuid
+
+    from azure.storage.blob import ContainerClient
+
+    from registry.last_run import read_last_run, read_trained, write_last_run
+
+    outputs = ContainerClient.from_connection_string(azurite, f"trained-{uuid.uuid4().hex[:8]}")
+    outputs.create_container()
+    first = LastRun("run-v1", CURRENT, "p/runs/run-v1/model.pt", "p/runs/run-v1", 0.9, "t", V1)
+    second_fp = {**CURRENT, "data_version": "d2"}
+    second = LastRun("run-v2", second_fp, "p/runs/run-v2/model.pt", "p/runs/run-v2", 0.8, "t", V2)
+    write_last_run(outputs, "p", first)
+    write_last_run(outputs, "p", second)
+    assert read_last_run(outputs, "p") == (second, None)
+    assert read_trained(outputs, "p", CURRENT) == first
+    assert read_trained(outputs, "p", {**CURRENT, "processes": 4}) is None
+    assert read_trained(outputs, "other", CURRENT) is None
