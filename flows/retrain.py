@@ -239,7 +239,6 @@ def retrain(
             steps.append(scored.record)
             promotion = promote(run_config, cluster, run, scored.value.score, staged.value.version)
             steps.append(promotion.record)
-            remember_run(run_config, run, check.value.fingerprint, scored.value.score["accuracy"])
         finally:
             if not fresh:
                 meter.before_release()
@@ -258,6 +257,9 @@ def retrain(
         effective.source,
         cost,
     )
+    # Last: the record makes the next run of the same inputs end as up to date, so it is written
+    # only once this run's outcome is known (a run that fails in its report trains again).
+    remember_run(run_config, run, check.value.fingerprint, score["accuracy"])
     logger.info("run %s: accuracy %.4f, %s", run.id, score["accuracy"], decision.reason)
     return {
         "run_id": run.id,

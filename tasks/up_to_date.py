@@ -130,7 +130,8 @@ def check_up_to_date(config: PipelineConfig, data_version: str, force: bool) -> 
 def remember_run(
     config: PipelineConfig, run: Run, current: dict[str, Any], accuracy: float
 ) -> None:
-    """Called once a run's model is scored and promoted or not: the next run compares with it."""
+    """Called last, once a run's outcome is known (scored, promoted or not, reported): the next
+    run compares with it."""
     outputs = container_client(config.output, config.retries.storage_retries)
     write_last_run(
         outputs,
