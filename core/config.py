@@ -265,6 +265,14 @@ class RetryConfig(_Section):
 class PromotionConfig(_Section):
     metric: Literal["accuracy"] = "accuracy"
     min_improvement: float = Field(0.0, ge=0, description="challenger must beat the champion by")
+    min_scored_fraction: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="the share of the test split the scorer must have read for a promotion "
+        "to be decided; below it (images it could not decode) the champion stays, and the "
+        "decision says why",
+    )
 
 
 MAX_IMAGE_SIDE = 16384  # Pillow refuses to decode more than ~179 million pixels (a bomb)

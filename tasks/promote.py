@@ -35,6 +35,7 @@ def promote(
         f"{run.output_prefix}/model.pt",
         staged_version,
         score.get("num_images"),
+        len(score.get("skipped_images") or []),
     )
     decision = challenge(
         container_client(config.output, config.retries.storage_retries),
@@ -43,6 +44,7 @@ def promote(
         config.promotion.min_improvement,
         rescore_on_cluster(cluster, run.id, run.output_prefix, logger.info),
         decision_blob(run.output_prefix),
+        min_scored_fraction=config.promotion.min_scored_fraction,
     )
     if decision.note:
         logger.warning("promotion: %s", decision.note)
