@@ -128,6 +128,15 @@ class NfsConfig(_Section):
         None, description="the NFS export the Batch nodes mount, e.g. 10.0.0.4:/export/retrain"
     )
     mount_options: str = "-o vers=4.1,hard,nconnect=8"
+    checkpoint_days: float = Field(
+        7.0,
+        ge=0,
+        le=3650,
+        allow_inf_nan=False,
+        description="how long the checkpoints of a training that did not finish are kept under "
+        "checkpoints/ for a re-run to resume (removed by the next training after that); those of "
+        "a finished training go at the next training of other data, code or settings",
+    )
     shards: bool = Field(
         True,
         description="after staging, pack image folders into memory-mapped shards at the "

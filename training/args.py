@@ -154,6 +154,16 @@ class TrainerArgs(TrainingSettings):
         metadata=about("skip decoding every image at start (when a data gate already did)"),
     )
     keep_checkpoints: int = field(default=3, metadata=about("newest checkpoints kept", ge=1))
+    prune_checkpoint_folders: float | None = field(
+        default=None,
+        metadata=about(
+            "remove the other checkpoint folders beside --checkpoint-dir that no run will "
+            "resume: those whose training finished, and unfinished ones last written more "
+            "than this many days ago (the pipeline's NFS checkpoints; see training/checkpoint.py)",
+            ge=0,
+            allow_inf_nan=False,
+        ),
+    )
     log_every: int = field(default=50, metadata=about("steps between loss checks", ge=1))
 
     @property
