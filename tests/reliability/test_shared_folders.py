@@ -6,6 +6,7 @@ holder that died never blocks. Recorded for docs/reliability.md ("Adversarial in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ with running_azurite(Path(sys.argv[1])):
 """
 
 
-@contextmanager
+@contextlib.contextmanager
 def _azurite_in_another_process(location: Path) -> Iterator[subprocess.Popen[str]]:
     """A process of its own (and session: its Azurite child goes with a group kill) running
     Azurite on ``location`` until the block ends."""
@@ -62,7 +62,8 @@ def _azurite_in_another_process(location: Path) -> Iterator[subprocess.Popen[str
         assert proc.stdout is not None and proc.stdout.readline().strip() == "serving"
         yield proc
     finally:
-        if proc.poll() is None:
+        # The whole session: an Azurite whose starter was killed is still in it.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
