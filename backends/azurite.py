@@ -3,20 +3,40 @@
 Started from the copy `make setup` installs into node_modules, on a free loopback port, with
 the API-version check off (the SDK speaks a newer version than Azurite knows). The account key
 below is Azurite's published development key, not a secret of anyone's.
+
+One Azurite per data folder. Azurite keeps its blob index in memory and writes it back to the
+folder as a whole: two of them on one folder (``make azurite`` and ``make demo`` both use
+``.demo/azurite``) each overwrite the other's index, and blobs written through one are gone
+once both have stopped. So the folder is locked (``flock`` on ``azurite.lock`` in it) before
+Azurite starts, and the lock's file descriptor is handed down to Azurite itself: the kernel
+holds the lock as long as either process lives (an Azurite left running after its starter was
+killed still holds it) and drops it when both are gone, so a stale lock never blocks. The file
+names the holder, for the error a second start gets.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCOUNT = "devstoreaccount1"
 DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+LOCK_FILE = "azurite.lock"  # in the data folder: whoever holds it runs Azurite on that folder
+
+
+class FolderInUseError(RuntimeError):
+    """Another Azurite runs on the data folder; the message names the folder and the holder."""
 
 
 def connection_string(port: int) -> str:
@@ -43,23 +63,88 @@ def _port_free(port: int) -> bool:
         return True
 
 
+def _holder(text: str) -> str:
+    """Who holds the folder, from what the holder wrote into the lock file."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        return "another process (it recorded nothing about itself)"
+    parts = []
+    if doc.get("azurite_pid"):
+        parts.append(f"Azurite (pid {doc['azurite_pid']}) on 127.0.0.1:{doc.get('port')}")
+    parts.append(f"started by pid {doc.get('pid')} ({doc.get('command', '?')})")
+    if doc.get("since"):
+        parts.append(f"at {doc['since']}")
+    return " ".join(parts)
+
+
+def _lock_folder(location: Path) -> IO[str]:
+    """The held lock on ``location`` (its open lock file), or FolderInUseError."""
+    fh = open(location / LOCK_FILE, "a+")  # noqa: SIM115  # held as long as Azurite runs
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = _holder(fh.read())
+        fh.close()
+        raise FolderInUseError(
+            f"Azurite's data folder {location} is in use by {holder}: two Azurites on one "
+            "folder overwrite each other's blob index (blobs are lost). Stop that one first "
+            "(Ctrl-C in its terminal), or give this one another folder"
+        ) from None
+    return fh
+
+
+def _describe_holder(fh: IO[str], port: int, azurite_pid: int | None) -> None:
+    fh.seek(0)
+    fh.truncate()
+    fh.write(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "azurite_pid": azurite_pid,
+                "port": port,
+                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200],
+                "since": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+        )
+    )
+    fh.flush()
+
+
 @contextmanager
 def running_azurite(location: Path, port: int | None = None) -> Iterator[str]:
     """Run Azurite's Blob service until the block exits; yields its connection string.
 
     Its output goes to ``location/azurite.log``; ``--silent`` turns off its access log, a line
     per request, which would otherwise fill that file (or the terminal of whoever started it:
-    a worker's, in the service set-up)."""
+    a worker's, in the service set-up). The folder is locked for Azurite's life (see the module
+    docstring): a second start on it raises FolderInUseError naming the running one."""
     binary = ROOT / "node_modules" / ".bin" / "azurite-blob"
     if not binary.exists():
         raise FileNotFoundError(f"{binary} is missing: run `make setup` (npm ci installs Azurite)")
-    if port is None:
-        port = free_port()
-    elif not _port_free(port):  # else the wait below would find the other server and use it
-        raise RuntimeError(
-            f"127.0.0.1:{port} is already in use (another Azurite?): stop it or pick another port"
-        )
+    location = location.resolve()
     location.mkdir(parents=True, exist_ok=True)
+    lock = _lock_folder(location)  # first: the folder's holder says more than a taken port
+    try:
+        if port is None:
+            port = free_port()
+        elif not _port_free(port):  # else the wait below would find the other server and use it
+            raise RuntimeError(
+                f"127.0.0.1:{port} is already in use (another Azurite?): stop it or pick "
+                "another port"
+            )
+        _describe_holder(lock, port, None)
+        with _serve(binary, location, port, lock) as conn:
+            yield conn
+    finally:
+        lock.close()
+
+
+@contextmanager
+def _serve(binary: Path, location: Path, port: int, lock: IO[str]) -> Iterator[str]:
     log = open(location / "azurite.log", "ab")  # noqa: SIM115  # closed below
     proc = subprocess.Popen(
         [
@@ -76,8 +161,10 @@ def running_azurite(location: Path, port: int | None = None) -> Iterator[str]:
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        pass_fds=(lock.fileno(),),  # Azurite holds the folder's lock too, for as long as it runs
     )
     try:
+        _describe_holder(lock, port, proc.pid)
         deadline = time.monotonic() + 30
         while True:
             if proc.poll() is not None:

@@ -121,7 +121,9 @@ def training_task(
     config: PipelineConfig, task_id: str, training_key: str, output_prefix: str
 ) -> TaskSpec:
     """The trainer across nodes x processes under the configured engine (horovodrun or one
-    torchrun per node, started by launch.sh), on data and checkpoints in NFS (retries resume)."""
+    torchrun per node, started by launch.sh), on data and checkpoints in NFS (retries resume).
+    It removes the checkpoint folders of other keys that no run will resume (the policy in
+    ``training/checkpoint.py``; ``nfs.checkpoint_days``)."""
     paths = [
         "--data-dir",
         node_path(MOUNTS_DIR, NFS_MOUNT, "data"),
@@ -129,6 +131,8 @@ def training_task(
         node_path(WORKING_DIR, OUTPUT_DIR),
         "--checkpoint-dir",
         node_path(MOUNTS_DIR, NFS_MOUNT, "checkpoints", training_key),
+        "--prune-checkpoint-folders",
+        shlex.quote(f"{config.nfs.checkpoint_days:g}"),
     ]
     values = [*settings_argv(config.training), *config.training.extra_args]
     # Every config value is quoted, extra_args included: only the paths above expand.

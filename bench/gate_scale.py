@@ -19,7 +19,7 @@ timed on its own: (a) the listing; (b) ``build_manifest`` with every image's con
 the gate's cache (the nightly run, or a new version of unchanged images: no header is read);
 (c) ``run_expectations`` on rows sampled evenly from the manifest (every class kept) at the
 sizes asked, larger ones only while the measured scaling says they fit the budget; (d) the
-first gate's cost, one ranged header read per image, measured on real PNGs in Azurite.
+first gate's cost, one read and a whole decode per image, measured on real PNGs in Azurite.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def _expectations(rows: list[dict[str, Any]], sizes: list[int], budget: float) -
 
 
 def _header_reads(count: int, work: Path) -> dict[str, Any]:
-    """A first gate over ``count`` real PNGs in Azurite: one ranged read per image."""
+    """A first gate over ``count`` real PNGs in Azurite: one read and a decode per image."""
     from azure.storage.blob import ContainerClient
 
     from bench.dataset import png_images
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--budget", type=float, default=300, help="seconds a run_expectations size may take"
     )
-    p.add_argument("--sample", type=int, default=2_000, help="PNGs for the header-read rate")
+    p.add_argument("--sample", type=int, default=2_000, help="PNGs for the first gate's read rate")
     p.add_argument("--work", type=Path, default=ROOT / ".bench" / "gate_scale", help="scratch")
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)

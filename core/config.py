@@ -167,6 +167,15 @@ class NfsConfig(_Section):
         None, description="the NFS export the Batch nodes mount, e.g. 10.0.0.4:/export/retrain"
     )
     mount_options: str = "-o vers=4.1,hard,nconnect=8"
+    checkpoint_days: float = Field(
+        7.0,
+        ge=0,
+        le=3650,
+        allow_inf_nan=False,
+        description="how long the checkpoints of a training that did not finish are kept under "
+        "checkpoints/ for a re-run to resume (removed by the next training after that); those of "
+        "a finished training go at the next training of other data, code or settings",
+    )
     shards: bool = Field(
         True,
         description="after staging, pack image folders into memory-mapped shards at the "
@@ -304,7 +313,8 @@ class TrainingConfig(TrainingSettings):
             if owner == "the pipeline":
                 raise ValueError(
                     f"{word.split('=', 1)[0]} is set by the pipeline (the data it staged and "
-                    "validated, the run's outputs, its checkpoints): it cannot be given again"
+                    "validated, the run's outputs, its checkpoints and their pruning): it "
+                    "cannot be given again"
                 )
             if owner is not None:
                 raise ValueError(f"{word.split('=', 1)[0]} is {owner}: set that field instead")
@@ -320,6 +330,14 @@ class RetryConfig(_Section):
 class PromotionConfig(_Section):
     metric: Literal["accuracy"] = "accuracy"
     min_improvement: float = Field(0.0, ge=0, description="challenger must beat the champion by")
+    min_scored_fraction: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="the share of the test split the scorer must have read for a promotion "
+        "to be decided; below it (images it could not decode) the champion stays, and the "
+        "decision says why",
+    )
 
 
 MAX_IMAGE_SIDE = 16384  # Pillow refuses to decode more than ~179 million pixels (a bomb)

@@ -18,6 +18,21 @@ file lock alone serializes them (no lease to wait out after a crash). Without a 
 server (``PREFECT_API_URL`` unset: each process starts an ephemeral API of its own) no other
 machine could share a slot either. The file lock is always taken first, so runs on one machine
 never contend for the slot.
+
+The NFS folder is held the same way, for the same run. Pipelines with pools of their own may
+share it: on Azure several pools mount one export (``nfs.source``), and locally every config
+that keeps the default ``nfs.local_dir`` shares ``.work/nfs``. Staging makes the folder's
+``data/`` exactly one pipeline's data version, deleting every other file: run together, one
+pipeline's staging deleted the other's images between its training and its scoring, or the
+other trained on data that was not its own. So a run also holds its NFS folder: on this
+machine a file lock in the folder itself (``<nfs.local_dir>/.retrain.lock``: every config
+that names the folder, however spelled, meets the same lock), for a Batch pool a lock under
+``work_dir/locks/`` and the global concurrency limit of the export (``retrain-nfs-<digest>``),
+taken together with the pool's limit in one request. Pipelines that share an NFS folder
+therefore take turns, and each run's log says whom it waits for; give each pipeline an NFS
+folder of its own to run them side by side. Locks are always taken in one order (pool, then
+NFS folder; file locks before server slots, both server slots at once), so two runs never
+wait for each other.
 """
 
 from __future__ import annotations
@@ -28,10 +43,11 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO
 
 from core.config import PipelineConfig
-from core.pool_slot import ensure_limit, pool_slot
+from core.pool_slot import ensure_limit, nfs_slot, pool_slot
 
 # Renewed every 90 s while the run holds the slot (Prefect renews at 3/4 of the lease); Prefect's
 # default is 300 s, its minimum 60 s. Shorter: a re-run after a crash waits less; longer: a busy
@@ -39,7 +55,10 @@ from core.pool_slot import ensure_limit, pool_slot
 LEASE_SECONDS = 120
 
 
-def _lock(fh: IO[str], wait: bool, say: Callable[[str], None], pool_id: str) -> bool:
+NFS_LOCK = ".retrain.lock"  # in a local NFS folder: held by the run that uses the folder
+
+
+def _lock(fh: IO[str], wait: bool, say: Callable[[str], None], what: str) -> bool:
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -47,9 +66,39 @@ def _lock(fh: IO[str], wait: bool, say: Callable[[str], None], pool_id: str) -> 
         if not wait:
             return False
     fh.seek(0)
-    say(f"pool {pool_id} is in use by {fh.read().strip() or 'another run'}; waiting for it")
+    say(f"{what} is in use by {fh.read().strip() or 'another run'}; waiting for it")
     fcntl.flock(fh, fcntl.LOCK_EX)
     return True
+
+
+@contextlib.contextmanager
+def _file_lock(
+    path: Path, holder: dict[str, object], wait: bool, say: Callable[[str], None], what: str
+) -> Iterator[bool]:
+    """An flock on ``path`` for the block (yields False when taken and ``wait`` is off); the
+    file then names ``holder`` for whoever waits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        if not _lock(fh, wait, say, what):
+            yield False
+            return
+        fh.truncate(0)
+        fh.write(json.dumps({**holder, "pid": os.getpid(), "since": round(time.time())}))
+        fh.flush()
+        yield True
+
+
+def nfs_folder(config: PipelineConfig, shared: bool) -> tuple[str, Path]:
+    """The NFS folder a run of ``config`` uses, as (its name for people, its lock file here).
+
+    Not ``shared`` (the local target): ``nfs.local_dir``, a folder on this machine, locked in
+    itself. Shared (a Batch pool): the export ``nfs.source``, whose lock on this machine is
+    under ``work_dir/locks/`` (the server's limit covers the other machines)."""
+    if not shared:
+        folder = config.nfs.local_dir.resolve()
+        return f"NFS folder {folder}", folder / NFS_LOCK
+    source = str(config.nfs.source)
+    return f"NFS export {source}", config.work_dir / "locks" / f"{nfs_slot(source)}.lock"
 
 
 def _server_configured() -> bool:
@@ -74,15 +123,8 @@ def local_pool_lock(
     """
     pool_id = config.pool.id
     path = config.work_dir / "pools" / f"{pool_id}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        if not _lock(fh, wait, say, pool_id):
-            yield False
-            return
-        fh.truncate(0)
-        fh.write(json.dumps({"run": holder, "pid": os.getpid(), "since": round(time.time())}))
-        fh.flush()
-        yield True
+    with _file_lock(path, {"run": holder}, wait, say, f"pool {pool_id}") as held:
+        yield held
 
 
 @contextlib.contextmanager
@@ -92,19 +134,25 @@ def hold_pool(
     shared: bool,
     say: Callable[[str], None] = lambda _: None,
 ) -> Iterator[None]:
-    """Hold the config's pool for the block, waiting for the run that holds it now: the file
-    lock, then (a pool other machines can use too, ``shared``, with a server configured) one
-    slot of the pool's global concurrency limit."""
+    """Hold the config's pool and its NFS folder for the block, waiting for the runs that
+    hold them now: the file locks, then (a pool other machines can use too, ``shared``, with a
+    server configured) one slot of the pool's global concurrency limit and one of the NFS
+    export's, in one request."""
     from prefect.concurrency.sync import concurrency
 
-    with local_pool_lock(config, holder, say=say):
+    name, nfs_lock = nfs_folder(config, shared)
+    with (
+        local_pool_lock(config, holder, say=say),
+        _file_lock(nfs_lock, {"run": holder, "pool": config.pool.id}, True, say, name),
+    ):
         if not shared or not _server_configured():
             yield
             return
-        name = pool_slot(config.pool.id)
-        ensure_limit(name)
+        slots = [pool_slot(config.pool.id), nfs_slot(str(config.nfs.source))]
+        for slot in slots:
+            ensure_limit(slot)
         with concurrency(
-            name,
+            slots,
             occupy=1,
             lease_duration=LEASE_SECONDS,
             strict=True,

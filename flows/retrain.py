@@ -267,9 +267,6 @@ def _retrain(
                 run_config, cluster, run, scored.value.score, staged.value.version, data
             )
             steps.append(promotion.record)
-            remember_run(
-                run_config, run, check.value.fingerprint, scored.value.score["accuracy"], data
-            )
         finally:
             if not fresh:
                 meter.before_release()
@@ -289,6 +286,9 @@ def _retrain(
         cost,
         data,
     )
+    # Last: the record makes the next run of the same inputs end as up to date, so it is written
+    # only once this run's outcome is known (a run that fails in its report trains again).
+    remember_run(run_config, run, check.value.fingerprint, score["accuracy"], data)
     logger.info("run %s: accuracy %.4f, %s", run.id, score["accuracy"], decision.reason)
     record.ended(
         "promoted" if decision.promoted else "not promoted", decision.reason, score["accuracy"]

@@ -1,13 +1,18 @@
-"""The gate's manifest: one row per blob under the data prefix, from the listing plus one small
-ranged read per image (enough for the header, and usually the whole file).
+"""The gate's manifest: one row per blob under the data prefix, from the listing plus one read
+of each image, decoded whole as the trainer will decode it (``training.images.to_rgb``).
 
 So the gate costs seconds, and no GPU is provisioned and no data copied, for a dataset that
-would fail. What each read found is kept in the work folder by content: the blob's Content-MD5
-and size from the listing (by name and ETag for a blob stored without an MD5). A nightly run over
+would fail. "Readable" means decodable: a header alone says nothing about the pixels (PNGs cut
+after 60 bytes passed a header read, and the scorer then skipped 25 of 28 test images), and
+the width and height are the picture's, after its EXIF orientation (a phone photo's stored
+pixels are its sensor's, turned).
+
+What each read found is kept in the work folder by content: the blob's Content-MD5 and size
+from the listing (by name and ETag for a blob stored without an MD5). A nightly run over
 unchanged data lists the container and reads nothing, and a new version under a new prefix (the
-trigger's layout) reads only the images whose content is new: per-request cost, not bandwidth,
-is what a gate over many small images pays. Reusing a row by MD5 is sound because staging checks
-every byte it stages against that same MD5.
+trigger's layout) reads and decodes only the images whose content is new: each image is read
+once, whatever the number of runs and versions that hold it. Reusing a row by MD5 is sound
+because staging checks every byte it stages against that same MD5.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ from core.data_versions import MARKER
 from staging.blob import list_pinned
 from staging.listing import PinnedBlob
 from training.atomic import atomic_write, read_json_object
-from training.images import SPLITS, is_image_name, open_image
+from training.images import SPLITS, is_image_name, open_image, to_rgb
 
-HEADER_BYTES = 64 * 1024
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
-# reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content).
-DESCRIBE_VERSION = 3
+# reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content;
+# 4: readable means decoded whole, width and height after the EXIF orientation).
+DESCRIBE_VERSION = 4
 # What a cached row holds: what the image's bytes say, nothing that depends on its name.
 CONTENT_FIELDS = ("width", "height", "channels", "readable", "md5")
 
@@ -64,7 +69,8 @@ def _describe_image(container: Any, blob: PinnedBlob, prefix: str) -> dict[str, 
 
 
 def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
-    """What the blob's bytes say (:data:`CONTENT_FIELDS`): one ranged read of its head."""
+    """What the blob's bytes say (:data:`CONTENT_FIELDS`): one read of the whole image, decoded
+    as the trainer decodes it. ``channels``: the bands the file stores (the model gets RGB)."""
     row: dict[str, Any] = {
         "width": None,
         "height": None,
@@ -74,19 +80,14 @@ def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
     }
     if blob.size == 0 or not is_image_name(rel):  # the trainer reads only .png/.jpg/.jpeg
         return row
-    head = container.download_blob(
-        blob.name, offset=0, length=min(blob.size, HEADER_BYTES)
-    ).readall()
-    if row["md5"] is None and len(head) == blob.size:
-        row["md5"] = base64.b64encode(hashlib.md5(head, usedforsecurity=False).digest()).decode()
+    data = container.download_blob(blob.name).readall()
+    if row["md5"] is None:
+        row["md5"] = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
     try:
-        with open_image(io.BytesIO(head)) as image:
-            row.update(
-                width=image.width,
-                height=image.height,
-                channels=len(image.getbands()),
-                readable=True,
-            )
+        with open_image(io.BytesIO(data)) as image:
+            channels = len(image.getbands())
+            picture = to_rgb(image)  # every pixel decoded: a cut or corrupt file fails here
+        row.update(width=picture.width, height=picture.height, channels=channels, readable=True)
     except Exception:  # PIL raises many types for garbage; the gate reports them as unreadable
         pass
     return row

@@ -3,8 +3,9 @@
 ``<output prefix>/models/last-run.json`` in the output container (beside the champion record)
 holds the fingerprint of the last run that trained and scored a model: the data version the gate
 saw, the code and image versions, the training settings and the number of processes, with the
-run's id, model blob and accuracy. It is written only after a run's model was scored and the
-promotion decided, so a run that failed half-way never makes the next one skip its training.
+run's id, model blob and accuracy. It is written last, once the run's outcome is known (its
+model scored, the promotion decided, its report written), so a run that failed half-way never
+makes the next one skip its training.
 
 Each trained fingerprint also keeps a record of its own, ``models/trained/<digest>.json``: a
 data version trained once is not trained again when a run for it comes later, after another

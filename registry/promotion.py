@@ -7,6 +7,11 @@ cluster), and the decision is made on those two numbers (both are kept in ``prom
 A champion whose model cannot be scored on this data (it is gone, damaged, or knows other
 classes) is no baseline for it: the challenger replaces it, and the decision says why.
 
+A score is a measurement on the test split only if the scorer read most of it: the scorer skips
+images it cannot decode, and a promotion was once decided on 3 of 28 test images. When the
+scorer read less than ``promotion.min_scored_fraction`` of the split, nothing is decided: the
+champion stays, and the decision names the numbers.
+
 The champion record (``registry.champion``) is replaced with an ETag condition, so two runs
 finishing together cannot both believe they won; a damaged record is a named decision.
 """
@@ -45,7 +50,8 @@ class Challenger:
     value: float
     model: str  # blob in the output container
     staged_version: str  # of the staged data it was trained and scored on
-    test_images: int | None
+    test_images: int | None  # the test images the scorer read
+    unreadable_test_images: int = 0  # those it skipped: files it could not decode
     data: str | None = None  # the data version it was trained on: container/prefix
 
 
@@ -97,6 +103,21 @@ def rescore_on_cluster(
     return rescore
 
 
+def too_little_scored(challenger: Challenger, min_fraction: float) -> str:
+    """Why the challenger's score measures too little of the test split, or ""."""
+    scored, unreadable = challenger.test_images, challenger.unreadable_test_images
+    if scored is None or not unreadable:
+        return ""
+    split = scored + unreadable
+    if scored >= min_fraction * split:
+        return ""
+    return (
+        f"the scorer read only {scored} of the {split} test images ({unreadable} could not be "
+        f"decoded), less than the {min_fraction:g} of the split promotion.min_scored_fraction "
+        "asks for a decision"
+    )
+
+
 def _baseline(
     read: ChampionRead, challenger: Challenger, rescore: Rescore
 ) -> tuple[float | None, dict[str, Any] | None, str]:
@@ -135,13 +156,22 @@ def challenge(
     margin: float,
     rescore: Rescore,
     record_blob: str,
+    *,
+    min_scored_fraction: float,
 ) -> Decision:
     """Read the champion, decide, and replace it when the challenger wins (unless another run
-    replaced it meanwhile); the decision is written to ``record_blob`` either way."""
+    replaced it meanwhile); the decision is written to ``record_blob`` either way. A score on
+    less than ``min_scored_fraction`` of the test split decides nothing (the champion stays)."""
     metric, accuracy = challenger.metric, challenger.value
     read = read_champion(container, base, metric)
-    baseline, rescored, note = _baseline(read, challenger, rescore)
-    if note:
+    unmeasured = too_little_scored(challenger, min_scored_fraction)
+    baseline, rescored, note = (
+        (None, None, unmeasured) if unmeasured else _baseline(read, challenger, rescore)
+    )
+    if unmeasured:
+        stays = "the champion stays" if read.champion else "there is still no champion"
+        promoted, reason = False, f"{unmeasured}: not promoted, {stays}"
+    elif note:
         promoted, reason = True, f"{note}: accuracy {accuracy:.4f} becomes the champion"
     else:
         promoted, reason = decide(accuracy, baseline, margin)
@@ -174,6 +204,7 @@ def challenge(
             "data_version": challenger.staged_version,
             "data": challenger.data,
             "test_images": challenger.test_images,
+            "unreadable_test_images": challenger.unreadable_test_images,
         },
         "champion_record": read.state,
         "champion_before": champion.as_record() if champion else None,

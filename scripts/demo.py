@@ -24,7 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.azurite import running_azurite  # noqa: E402
+from backends.azurite import FolderInUseError, running_azurite  # noqa: E402
 from backends.blob import container_client, upload_directory  # noqa: E402
 from core.config import PipelineConfig, load_config  # noqa: E402
 from core.data_versions import DataRoot  # noqa: E402
@@ -165,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, FileNotFoundError, TimeoutError) as exc:  # Azurite did not start
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    return demo_run()
+    try:
+        return demo_run()
+    except FolderInUseError as exc:  # `make azurite` runs on the demo's folder
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

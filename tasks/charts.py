@@ -8,6 +8,10 @@ purpose (about 600x400 pixels) so the summary stays light in the Prefect databas
 matplotlib is imported inside the drawing functions: importing this module (and the flow) stays
 cheap, and its ``Figure`` is used without pyplot, so no global backend or figure state is touched
 by a flow that runs tasks in threads.
+
+Text that comes from the data (class names) is drawn as written, never parsed as matplotlib's
+mathtext. A picture is an illustration of figures the run has already recorded: the report
+leaves out a chart that cannot be drawn and names it (``tasks/report.py``), it never fails a run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 WIDTH, HEIGHT, DPI = 7.5, 5.0, 80  # inches at 80 dpi: 600x400 pixels
+# Longer class names are cut (with an ellipsis) on the axes: a folder name may be 255 bytes, and
+# labels that long leave the matrix no room (the per-class table has the names in full).
+LABEL_CHARS = 24
 
 
 def _png(fig: Figure) -> bytes:
@@ -78,8 +85,13 @@ def confusion_png(matrix: Sequence[Sequence[int]], class_names: Sequence[str]) -
     image = ax.imshow(matrix, cmap="Blues")
     fig.colorbar(image, ax=ax, label="images")
     ticks = list(range(n))
-    ax.set_xticks(ticks, list(class_names), rotation=45, ha="right")
-    ax.set_yticks(ticks, list(class_names))
+    names = [
+        name if len(name) <= LABEL_CHARS else name[: LABEL_CHARS - 1] + "…" for name in class_names
+    ]
+    # Class names are folder names, shown as written: with math parsing on, a name such as
+    # "$x^$" fails the drawing (a mathtext syntax error) and "${{{...}}}$" recurses too deep.
+    ax.set_xticks(ticks, names, rotation=45, ha="right", parse_math=False)
+    ax.set_yticks(ticks, names, parse_math=False)
     ax.set(title="Confusion matrix (test split)", xlabel="predicted", ylabel="true")
     if n <= 20:  # beyond that the numbers no longer fit in their cells
         top = max((max(row) for row in matrix), default=0)

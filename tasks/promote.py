@@ -38,6 +38,7 @@ def promote(
         f"{run.output_prefix}/model.pt",
         staged_version,
         score.get("num_images"),
+        len(score.get("skipped_images") or []),
         f"{data.container}/{data.prefix}".rstrip("/") if data else None,
     )
     decision = challenge(
@@ -47,6 +48,7 @@ def promote(
         config.promotion.min_improvement,
         rescore_on_cluster(cluster, run.id, run.output_prefix, logger.info),
         decision_blob(run.output_prefix),
+        min_scored_fraction=config.promotion.min_scored_fraction,
     )
     if decision.note:
         logger.warning("promotion: %s", decision.note)

@@ -4,9 +4,11 @@ the outputs. The pictures are also saved with the outputs, under ``<output prefi
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
@@ -44,7 +46,7 @@ def summary_markdown(
     config: PipelineConfig | None = None,
     config_source: str = "",
     cost: dict[str, Any] | None = None,
-    charts: dict[str, bytes] | None = None,
+    charts: Charts | None = None,
     version: DataVersion | None = None,
 ) -> str:
     metrics, score = scored.metrics, scored.score
@@ -54,7 +56,7 @@ def summary_markdown(
         f"**Test accuracy {score['accuracy']:.4f}** on {score['num_images']} images; "
         f"{'**promoted**' if decision.promoted else 'not promoted'}: {decision.reason}.",
         "",
-        *charts_markdown(charts or {}),
+        *charts_markdown(charts or Charts()),
         "",
         "## Data",
         "",
@@ -133,29 +135,53 @@ CHART_TITLES = {
 }
 
 
-def draw_charts(scored: Scored, steps: list[StepRecord]) -> dict[str, bytes]:
+@dataclass(frozen=True)
+class Charts:
+    """The run's pictures by file name, and those that could not be drawn, with why."""
+
+    drawn: dict[str, bytes] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+
+
+def draw_charts(scored: Scored, steps: list[StepRecord]) -> Charts:
     """The run's pictures, by file name. No curves for a run that trained no epoch: like the
-    epochs table, they would show figures an earlier run measured as this run's."""
-    charts: dict[str, bytes] = {}
-    if epochs_run(steps) and scored.metrics.get("epochs"):
-        charts["curves.png"] = curves_png(scored.metrics["epochs"])
+    epochs table, they would show figures an earlier run measured as this run's.
+
+    A picture that cannot be drawn (whatever the reason: the figures it needs are malformed,
+    matplotlib fails on some text) is left out and named, with why: the figures themselves are
+    already recorded (metrics.json, score.json, the summary's tables), and a picture of them
+    must never fail a run whose model is trained, scored and promoted."""
     score = scored.score
-    charts["confusion.png"] = confusion_png(score["confusion_matrix"], score["class_names"])
+    wanted: dict[str, Callable[[], bytes]] = {}
+    if epochs_run(steps) and scored.metrics.get("epochs"):
+        wanted["curves.png"] = lambda: curves_png(scored.metrics["epochs"])
+    wanted["confusion.png"] = lambda: confusion_png(score["confusion_matrix"], score["class_names"])
+    charts = Charts()
+    for name, draw in wanted.items():
+        try:
+            charts.drawn[name] = draw()
+        except Exception as exc:  # any failure: the picture is left out, and named
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            charts.left_out[name] = (
+                f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+            )
     return charts
 
 
-def charts_markdown(charts: dict[str, bytes]) -> list[str]:
+def charts_markdown(charts: Charts) -> list[str]:
     """The pictures embedded in the summary as ``data:`` URIs (the Prefect UI shows them): a link
     to the copy in private Blob storage would only open with a signature, and artifacts never
-    carry one."""
-    if not charts:
-        return []
-    lines = []
-    for name, png in charts.items():
+    carry one. A picture left out is named, with why."""
+    lines: list[str] = []
+    for name, png in charts.drawn.items():
         title = CHART_TITLES.get(name, name)
         lines += [f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})", ""]
-    saved = " and ".join(f"`charts/{name}`" for name in charts)
-    return [*lines, f"The pictures are saved with the run's outputs as {saved}."]
+    if charts.drawn:
+        saved = " and ".join(f"`charts/{name}`" for name in charts.drawn)
+        lines.append(f"The pictures are saved with the run's outputs as {saved}.")
+    for name, why in charts.left_out.items():
+        lines += ["", f"The {CHART_TITLES.get(name, name)} could not be drawn ({why}): left out."]
+    return lines
 
 
 def upload_charts(config: PipelineConfig, run_id: str, charts: dict[str, bytes]) -> list[str]:
@@ -202,7 +228,9 @@ def report(
 ) -> str:
     score = scored.score
     charts = draw_charts(scored, steps)
-    upload_charts(config, run_id, charts)
+    for name, why in charts.left_out.items():
+        get_run_logger().warning("report: %s could not be drawn, left out: %s", name, why)
+    upload_charts(config, run_id, charts.drawn)
     create_markdown_artifact(
         summary_markdown(
             run_id, steps, scored, decision, data, config, config_source, cost, charts, version

@@ -178,7 +178,8 @@ def remember_run(
     accuracy: float,
     data: DataVersion | None = None,
 ) -> None:
-    """Called once a run's model is scored and promoted or not: later runs compare with it."""
+    """Called last, once a run's outcome is known (scored, promoted or not, reported): the next
+    run compares with it."""
     outputs = container_client(config.output, config.retries.storage_retries)
     write_last_run(
         outputs,

@@ -154,6 +154,16 @@ class TrainerArgs(TrainingSettings):
         metadata=about("skip decoding every image at start (when a data gate already did)"),
     )
     keep_checkpoints: int = field(default=3, metadata=about("newest checkpoints kept", ge=1))
+    prune_checkpoint_folders: float | None = field(
+        default=None,
+        metadata=about(
+            "remove the other checkpoint folders beside --checkpoint-dir that no run will "
+            "resume: those whose training finished, and unfinished ones last written more "
+            "than this many days ago (the pipeline's NFS checkpoints; see training/checkpoint.py)",
+            ge=0,
+            allow_inf_nan=False,
+        ),
+    )
     log_every: int = field(default=50, metadata=about("steps between loss checks", ge=1))
 
     @property
@@ -171,20 +181,20 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-# Where a pipeline's run reads and writes: it passes these itself (the validated data it
-# staged, the run's outputs, the checkpoints of its training key).
-PIPELINE_PATHS = ("data_dir", "output_dir", "checkpoint_dir")
+# What a pipeline's run passes itself: where it reads and writes (the validated data it staged,
+# the run's outputs, the checkpoints of its training key) and which checkpoint folders go.
+PIPELINE_OPTIONS = ("data_dir", "output_dir", "checkpoint_dir", "prune_checkpoint_folders")
 
 
 def extra_option_owner(word: str) -> str | None:
     """Who sets the trainer option in ``word`` (``--name`` or ``--name=value``) when a pipeline
-    runs the trainer: "the pipeline" for its paths, ``training.<field>`` for a setting the run
+    runs the trainer: "the pipeline" for its paths and pruning, ``training.<field>`` for a setting the run
     records; None for the tuning options extra arguments are for. The trainer takes the last of
     a repeated option, so an extra one would replace the owner's value unseen."""
     if not word.startswith("--"):
         return None
     name = word[2:].split("=", 1)[0].replace("-", "_")
-    if name in PIPELINE_PATHS:
+    if name in PIPELINE_OPTIONS:
         return "the pipeline"
     if name in {f.name for f in fields(TrainingSettings)}:
         return f"training.{name}"

@@ -7,25 +7,53 @@ warning, and training falls back to the previous epoch rather than crashing. So 
 load but do not fit the model being trained (other shapes, another optimizer): applying one
 would fail on every retry of the job, so the search goes on to an older one, and with none
 left training starts from the beginning.
+
+Checkpoint folders are kept for resuming, and only for that. In the pipeline each training key
+(data, code and settings; a forced run's key also names the run) has a folder under the NFS
+folder's ``checkpoints/``, one to a few GB for a ResNet, and nothing else ever removed them.
+The policy (:func:`prune_checkpoint_folders`, run by the trainer at start when asked with
+``--prune-checkpoint-folders DAYS``, as the pipeline's training task does):
+
+- the folder being trained is kept (a retry, Prefect's or Batch's, resumes from it), and in it
+  the newest ``--keep-checkpoints`` (3) checkpoints;
+- a folder whose training finished (:data:`FINISHED`: the model was exported from it) is
+  removed by the next training of another key: the run it served either succeeded, and a run
+  of the same inputs is then up to date (or forced, with a key of its own), or failed after
+  training, and a re-run of the same inputs right after it still finds the folder (its own);
+- a folder whose training did not finish is kept for ``DAYS`` after its last write, so that a
+  re-run of a failed or killed run resumes, then removed;
+- a folder holding anything but checkpoints is left alone (with a warning): only what the
+  trainer wrote is removed.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from training.atomic import atomic_write
+from training.atomic import atomic_write, atomic_write_json
 
 log = logging.getLogger("training")
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 REQUIRED_KEYS = {"format_version", "epoch", "model", "optimizer", "args", "history"}
+# Written beside the checkpoints once the model was exported from them: the folder's training
+# is over, no later attempt of that run needs it.
+FINISHED = "finished.json"
+# What a checkpoint folder holds: checkpoints, the finished marker, and atomic_write's temp
+# files (".<name>.<random>.tmp") left by a writer that died.
+_OWN_FILE = re.compile(
+    r"^(checkpoint-\d+\.pt|finished\.json|\.(checkpoint-\d+\.pt|finished\.json)\..+\.tmp)$"
+)
+DAY_SECONDS = 86_400
 
 
 def atomic_save(obj: object, path: Path) -> None:
@@ -128,3 +156,47 @@ def prune_checkpoints(directory: Path, keep: int) -> None:
     """Keep the newest ``keep`` checkpoints: enough to fall back past a damaged one."""
     for _epoch, path in list_checkpoints(directory)[keep:]:
         path.unlink(missing_ok=True)
+
+
+def mark_finished(directory: Path, epochs: int) -> None:
+    """Say in ``directory`` that its training is over (the model was exported from it)."""
+    atomic_write_json({"epochs": epochs, "finished_at": round(time.time())}, directory / FINISHED)
+
+
+def _last_write(folder: Path, files: list[Path]) -> float:
+    return max([folder.stat().st_mtime, *(f.stat().st_mtime for f in files)])
+
+
+def prune_checkpoint_folders(
+    keep: Path, unfinished_days: float, now: float | None = None
+) -> list[tuple[Path, str]]:
+    """Remove the checkpoint folders beside ``keep`` that no run will resume (the policy in
+    the module docstring); the folders removed, each with why."""
+    now = time.time() if now is None else now
+    keep = keep.resolve()
+    removed: list[tuple[Path, str]] = []
+    if not keep.parent.is_dir():
+        return removed
+    for folder in sorted(keep.parent.iterdir()):
+        if folder.resolve() == keep or folder.is_symlink() or not folder.is_dir():
+            continue
+        entries = list(folder.iterdir())
+        strangers = [e.name for e in entries if not (e.is_file() and _OWN_FILE.match(e.name))]
+        if strangers:
+            log.warning(
+                "checkpoint folder %s also holds %s: not the trainer's alone, left as it is",
+                folder,
+                ", ".join(sorted(strangers)[:3]),
+            )
+            continue
+        if (folder / FINISHED).is_file():
+            why = "its training finished (the model was exported from it)"
+        else:
+            idle_days = (now - _last_write(folder, entries)) / DAY_SECONDS
+            if idle_days < unfinished_days:
+                continue  # a re-run of the run that left it may still resume from it
+            why = f"unfinished, last written {idle_days:.1f} days ago (kept {unfinished_days:g})"
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            removed.append((folder, why))
+    return removed

@@ -16,6 +16,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from training.images import to_rgb
+
 # Collects one picklable value from every rank (Horovod's allgather_object in the trainer), so
 # work such as verifying images can be split across ranks.
 Gather = Callable[[dict[str, str]], list[dict[str, str]]]
@@ -47,11 +49,12 @@ class DatasetInfo:
 
 
 def to_model_input(image: Image.Image, size: int) -> torch.Tensor:
-    """Resize the shorter side to ``size``, centre-crop, force RGB; return uint8 CHW.
+    """Resize the shorter side to ``size``, centre-crop, as RGB; return uint8 CHW.
 
-    Grayscale, palette and RGBA images all become 3 channels so one model fits all inputs.
+    Every image becomes the 8-bit RGB picture it shows (``training.images.to_rgb``: the EXIF
+    orientation applied, 16-bit scaled, transparency composited), so one model fits all inputs.
     """
-    image = image.convert("RGB")
+    image = to_rgb(image)
     w, h = image.size
     scale = size / min(w, h)
     if (w, h) != (size, size):

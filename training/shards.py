@@ -47,7 +47,9 @@ from training.staged_folder import SHARD_DIR, staged_md5s
 
 INDEX = "index.json"
 LOCK = ".pack.lock"  # held while a pack runs: two packs of one folder take turns
-PACK_FORMAT = 1
+# 2: rows decoded by what the pixels mean (training.images.to_rgb: EXIF orientation, 16-bit
+# scaled, transparency composited); rows of format 1 are neither reused nor read.
+PACK_FORMAT = 2
 TARGET_SHARD_BYTES = 64 << 20
 DECODE_BATCH = 4096  # images in flight at once: bounds memory on datasets of any size
 PROCESS_DECODE_MIN = 1024  # fewer images decode faster in threads than processes start

@@ -354,6 +354,11 @@ def run(args: TrainerArgs, world: World) -> dict[str, Any]:
     """Set up, train the epochs not yet done, finish; returns the metrics (rank 0 also writes
     them, with the model, to the output folder)."""
     started = time.perf_counter()
+    if args.prune_checkpoint_folders is not None and world.is_root:
+        for folder, why in ckpt.prune_checkpoint_folders(
+            args.checkpoints, args.prune_checkpoint_folders
+        ):
+            log.info("removed checkpoint folder %s: %s", folder, why)
     job = set_up(args, world)
     writer = _tensorboard(args, world)
     _train(job, writer)
@@ -533,6 +538,7 @@ def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
     metrics = _metrics(job, test, digests, time.perf_counter() - started)
     if job.world.is_root:
         _write_outputs(job, metrics, writer)
+        ckpt.mark_finished(job.args.checkpoints, job.args.epochs)  # after the model is out
     return metrics
 
 

@@ -1,13 +1,15 @@
 """Figures the reliability tests record, written as docs/reliability.md by ``make reliability``.
 
-Each test adds rows (what was tried, what happened, with figures); at the end of the session
-the conftest writes them, grouped by section, to ``$RETRAIN_RELIABILITY_REPORT`` (``make
-reliability`` points it at docs/reliability.md; otherwise .work/reliability.md).
+Each test adds rows (what was tried, what happened, with figures; the test that checked it is
+added from pytest's PYTEST_CURRENT_TEST); at the end of the session the conftest writes them,
+grouped by section, to ``$RETRAIN_RELIABILITY_REPORT`` (``make reliability`` points it at
+docs/reliability.md; otherwise .work/reliability.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import threading
 from collections import defaultdict
@@ -29,9 +31,16 @@ SECTIONS = {
 }
 
 
+def _current_test() -> str:
+    """The running test as ``file::name[params]`` (pytest sets it for each test's phases)."""
+    node = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    path, _, name = node.partition("::")
+    return f"{path.rsplit('/', 1)[-1]}::{name}" if name else path
+
+
 def record(section: str, case: str, result: str, **figures: Any) -> None:
     with _lock:
-        _rows[section].append({"case": case, "result": result, **figures})
+        _rows[section].append({"case": case, "result": result, "test": _current_test(), **figures})
 
 
 def has_rows() -> bool:
@@ -70,7 +79,8 @@ def write(path: Path, tests_passed: bool) -> None:
         rows = _rows.get(section)
         if not rows:
             continue
-        keys = ["case", "result", *sorted({k for r in rows for k in r} - {"case", "result"})]
+        first = ["case", "result", "test"]
+        keys = [*first, *sorted({k for r in rows for k in r} - set(first))]
         lines += [f"## {title}", "", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
         for row in rows:
             cells = [str(row.get(k, "")).replace("|", "\\|").replace("\n", " ") for k in keys]

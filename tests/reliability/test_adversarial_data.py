@@ -209,7 +209,20 @@ def _gif() -> bytes:
     return buffer.getvalue()
 
 
+def _jpeg(seed: int, side: int = 64) -> bytes:
+    import io
+
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
 GATE_CASES = {
+    # A valid header and no pixels: a header read called these readable, and the scorer then
+    # skipped 25 of 28 test images.
+    "PNG cut after 60 bytes": ({"test/c1/cut.png": _png(9, side=64)[:60]}, "cut.png"),
+    "JPEG cut in half": ({"train/c0/half.jpg": _jpeg(9)[: len(_jpeg(9)) // 2]}, "half.jpg"),
     "underscore name, 1x1 image": ({"train/c0/_tiny.png": _png(7, side=1)}, "_tiny.png"),
     "val split missing a class": ({"val/c0/v.png": _png(8)}, "val_images"),
     "EPS document named .png": (

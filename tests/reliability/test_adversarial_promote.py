@@ -154,3 +154,69 @@ def test_damaged_champion_record_is_a_named_decision(
         f"promotion: champion.json is {case}",
         "named decision: damaged record kept in history, challenger promoted",
     )
+
+
+@pytest.mark.parametrize(
+    ("scored", "unreadable", "champion", "promoted"),
+    [
+        (3, 25, True, False),  # the case found: 25 of 28 test images skipped by the scorer
+        (3, 25, False, False),  # no champion yet: a score of 3 images does not become one
+        (27, 1, True, True),  # one image the scorer could not read: still a measurement
+    ],
+)
+def test_a_test_split_the_scorer_could_not_mostly_read_decides_nothing(
+    scored: int,
+    unreadable: int,
+    champion: bool,
+    promoted: bool,
+    prefect_api: None,
+    azurite: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scorer's report as it writes it (num_images, skipped_images) goes to the promote
+    step: a score on less than promotion.min_scored_fraction (0.95) of the test split is no
+    measurement, so the champion stays (or none is made), and the decision says why."""
+    from prefect import flow
+
+    from backends.local_cluster import LocalCluster
+    from core.run import Run
+    from tasks.promote import promote
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    config = make_config(tmp_path)
+    assert config.promotion.min_scored_fraction == 0.95
+    outputs = container_client(config.output, create=True)
+    if champion:
+        replace_champion(outputs, "", _champion(1, "v9"), read_champion(outputs, "", "accuracy"))
+    cluster = LocalCluster(tmp_path / "work", "p", 1, tmp_path / "nfs", tmp_path / "share", outputs)
+    run = Run("run-new", "runs/run-new", tmp_path / "work" / "runs" / "run-new")
+    score = {
+        "accuracy": 1.0,  # better than any champion, on the images it read
+        "num_images": scored,
+        "skipped_images": [f"test/c/{i}.png: unreadable image" for i in range(unreadable)],
+    }
+
+    @flow
+    def promote_once() -> dict[str, Any]:
+        return promote(config, cluster, run, score, "v9").value.record
+
+    decision = promote_once()
+    assert decision["promoted"] is promoted, decision["reason"]
+    assert decision["challenger"]["unreadable_test_images"] == unreadable
+    now = read_champion(outputs, "", "accuracy").champion
+    if promoted:
+        assert now is not None and now.run_id == "run-new"
+        return
+    split = scored + unreadable
+    assert (
+        f"the scorer read only {scored} of the {split} test images ({unreadable} could not be "
+        "decoded), less than the 0.95 of the split promotion.min_scored_fraction asks for"
+    ) in decision["reason"]
+    assert now == (_champion(1, "v9") if champion else None)
+    report.record(
+        "adversarial",
+        f"promotion: the scorer read {scored} of {split} test images"
+        + ("" if champion else " (no champion yet)"),
+        "not promoted, a named decision: " + decision["reason"].split(": ", 1)[-1],
+    )

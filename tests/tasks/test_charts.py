@@ -63,11 +63,42 @@ def scored(epochs: list[dict[str, Any]]) -> Scored:
 def test_the_summary_embeds_each_picture_and_no_curves_for_a_run_that_trained_none() -> None:
     trained = [StepRecord("run-training", "ran", 1.0, {"epochs_run": [1, 2, 3]})]
     charts = draw_charts(scored(EPOCHS), trained)
-    assert set(charts) == {"curves.png", "confusion.png"}
+    assert set(charts.drawn) == {"curves.png", "confusion.png"} and not charts.left_out
     text = "\n".join(charts_markdown(charts))
     embedded = re.findall(r"!\[[^\]]+\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", text)
-    assert [base64.b64decode(e) for e in embedded] == list(charts.values())
+    assert [base64.b64decode(e) for e in embedded] == list(charts.drawn.values())
     assert sum(len(e) for e in embedded) < 100_000  # light enough for the Prefect database
 
     resumed = [StepRecord("run-training", "ran", 1.0, {"epochs_run": [], "resumed_from_epoch": 3})]
-    assert set(draw_charts(scored(EPOCHS), resumed)) == {"confusion.png"}
+    assert set(draw_charts(scored(EPOCHS), resumed).drawn) == {"confusion.png"}
+
+
+# Folder names a class may have: matplotlib's mathtext syntax ("$x^$" is a syntax error in
+# it, deep braces recurse past Python's limit), a backslash before a dollar, a 255-byte name.
+MATHTEXT_NAMES = ["$x^$", "$" + "{" * 126 + "}" * 126 + "$", "a\\$b$c", "n" * 255]
+
+
+def test_class_names_are_drawn_as_written_not_parsed_as_mathtext() -> None:
+    names = [*MATHTEXT_NAMES, "plain"]
+    matrix = [[5 if i == j else 0 for j in range(len(names))] for i in range(len(names))]
+    assert decoded(confusion_png(matrix, names)).size == (600, 400)
+
+
+def test_a_chart_that_cannot_be_drawn_is_left_out_and_named() -> None:
+    trained = [StepRecord("run-training", "ran", 1.0, {"epochs_run": [1]})]
+    broken = Scored(
+        {"epochs": [{"epoch": 1, "train_accuracy": 0.5}]},  # no train_loss: no curves
+        {"confusion_matrix": MATRIX, "class_names": CLASSES},
+        [],
+    )
+    charts = draw_charts(broken, trained)
+    assert set(charts.drawn) == {"confusion.png"}
+    assert charts.left_out == {
+        "curves.png": "ValueError: metrics.json: epochs[0] has no train_loss"
+    }
+    text = "\n".join(charts_markdown(charts))
+    assert "`charts/confusion.png`" in text and "`charts/curves.png`" not in text
+    assert (
+        "The loss and accuracy per epoch could not be drawn (ValueError: metrics.json: "
+        "epochs[0] has no train_loss): left out." in text
+    )

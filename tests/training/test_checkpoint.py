@@ -1,14 +1,24 @@
-"""Checkpoints are atomic, and a damaged newest one falls back to the previous epoch."""
+"""Checkpoints are atomic, a damaged newest one falls back to the previous epoch, and the
+folders no run will resume are removed."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import run_trainer
-from training.checkpoint import atomic_save, list_checkpoints, newest_valid_checkpoint
+from training.checkpoint import (
+    DAY_SECONDS,
+    FINISHED,
+    atomic_save,
+    list_checkpoints,
+    newest_valid_checkpoint,
+    prune_checkpoint_folders,
+)
 
 
 @pytest.mark.processes
@@ -66,3 +76,60 @@ def test_keeps_newest_checkpoints_only(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.output
     assert [e for e, _ in list_checkpoints(tmp_path / "out" / "checkpoints")] == [4, 3]
+
+
+def _folder(root: Path, name: str, files: dict[str, bytes], days_ago: float = 0.0) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    for file, data in files.items():
+        (folder / file).write_bytes(data)
+    when = time.time() - days_ago * DAY_SECONDS
+    for path in [*folder.iterdir(), folder]:
+        os.utime(path, (when, when))
+    return folder
+
+
+def test_checkpoint_folders_no_run_will_resume_are_removed(tmp_path: Path) -> None:
+    """The policy (training/checkpoint.py): the folder being trained stays; others go when
+    their training finished, or when unfinished and idle longer than the days given; a folder
+    with files the trainer did not write is left alone."""
+    root = tmp_path / "nfs" / "checkpoints"
+    ckpt = {"checkpoint-1.pt": b"x", "checkpoint-2.pt": b"y"}
+    own = _folder(root, "a1b2c3d4e5f60718", {**ckpt, FINISHED: b"{}"}, days_ago=30)
+    finished = _folder(root, "0000000000000001", {**ckpt, FINISHED: b"{}"})
+    forced = _folder(root, "0000000000000002-20261125-1200-abcd", {**ckpt, FINISHED: b"{}"})
+    failed_today = _folder(root, "0000000000000003", {**ckpt, ".checkpoint-3.pt.k2j.tmp": b""})
+    failed_long_ago = _folder(root, "0000000000000004", ckpt, days_ago=8)
+    empty_long_ago = _folder(root, "0000000000000005", {}, days_ago=8)
+    foreign = _folder(root, "notes", {"checkpoint-1.pt": b"x", "README": b"mine"}, days_ago=99)
+
+    removed = dict(prune_checkpoint_folders(own, unfinished_days=7))
+
+    assert set(removed) == {finished, forced, failed_long_ago, empty_long_ago}
+    assert removed[finished] == "its training finished (the model was exported from it)"
+    assert removed[failed_long_ago].startswith("unfinished, last written 8.0 days ago (kept 7)")
+    assert all(not folder.exists() for folder in removed)
+    assert own.is_dir() and failed_today.is_dir() and (foreign / "README").is_file()
+    # 0 days: nothing unfinished is kept either (but what is being trained, and others' files).
+    assert dict(prune_checkpoint_folders(own, unfinished_days=0)) == {
+        failed_today: "unfinished, last written 0.0 days ago (kept 0)"
+    }
+
+
+def test_the_trainer_marks_its_folder_finished_and_prunes_when_asked(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    stale = _folder(root, "0000000000000009", {"checkpoint-4.pt": b"x"}, days_ago=2)
+    done = run_trainer(
+        1,
+        "synthetic:200",
+        tmp_path / "out",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        str(root / "0000000000000010"),
+        "--prune-checkpoint-folders",
+        "1",
+    )
+    assert done.returncode == 0, done.output
+    assert f"removed checkpoint folder {stale}: unfinished, last written 2.0 days" in done.output
+    assert not stale.exists() and (root / "0000000000000010" / FINISHED).is_file()
