@@ -188,9 +188,10 @@ PIPELINE_OPTIONS = ("data_dir", "output_dir", "checkpoint_dir", "prune_checkpoin
 
 def extra_option_owner(word: str) -> str | None:
     """Who sets the trainer option in ``word`` (``--name`` or ``--name=value``) when a pipeline
-    runs the trainer: "the pipeline" for its paths and pruning, ``training.<field>`` for a setting the run
-    records; None for the tuning options extra arguments are for. The trainer takes the last of
-    a repeated option, so an extra one would replace the owner's value unseen."""
+    runs the trainer: "the pipeline" for its paths and pruning, ``training.<field>`` for a
+    setting the run records; None for the tuning options extra arguments are for. The trainer
+    takes the last of a repeated option, so an extra one would replace the owner's value
+    unseen."""
     if not word.startswith("--"):
         return None
     name = word[2:].split("=", 1)[0].replace("-", "_")
