@@ -24,9 +24,9 @@ def test_the_decision_and_the_champion_name_the_data_versions(azurite: str) -> N
 
     def run(run_id: str, accuracy: float, staged: str, data: str) -> dict[str, Any]:
         model = f"runs/{run_id}/model.pt"
-        challenger = Challenger(run_id, "accuracy", accuracy, model, staged, 30, data)
+        challenger = Challenger(run_id, "accuracy", accuracy, model, staged, 30, data=data)
         blob = f"runs/{run_id}/promotion.json"
-        challenge(outputs, "", challenger, 0.0, rescore, blob)
+        challenge(outputs, "", challenger, 0.0, rescore, blob, min_scored_fraction=0.95)
         return json.loads(outputs.download_blob(blob).readall())
 
     first = run("r1", 0.8, "staged-a", "c/images/v1")
