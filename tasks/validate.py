@@ -15,6 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from backends.blob import container_client, upload_directory
 from core.config import PipelineConfig
 from core.run import Run
+from gate.docs_assets import DocsAssetError, localize
 from gate.manifest import build_manifest, list_dataset
 from gate.report import failure, gate_markdown
 from gate.suites import run_expectations
@@ -39,6 +40,10 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[str]:
     rows, cached = build_manifest(config.data, gate_cache_dir(config), retries, blobs)
     docs = run.work_dir / "data_docs"
     success, records = run_expectations(rows, config.validation, docs)
+    try:  # readable offline: the pages' styles and scripts go with them (gate/docs_assets.py)
+        localize(docs)
+    except DocsAssetError as exc:
+        logger.warning("the Data Docs load their styles and scripts from CDNs: %s", exc)
     outputs = container_client(config.output, retries, create=True)
     upload_directory(outputs, docs, f"{output_prefix}/data_docs", workers=8)
     docs_url = output_link(config.output, outputs, f"{output_prefix}/data_docs/index.html")
