@@ -8,6 +8,8 @@ import functools
 import http.server
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -390,3 +392,42 @@ def test_polling_sensor_fires_once_per_new_data_version(
 
     runs = _wait_for_runs(deployed["retrain/on-new-data"].id, name, 2)
     assert sorted(r.parameters["data_prefix"] for r in runs) == ["images/v1", "images/v2"]
+
+
+def test_the_relay_listens_on_loopback_unless_told_otherwise(tmp_path: Path) -> None:
+    """Event Grid reaches it through a TLS proxy on the same machine: listening on every
+    interface by default would offer the plain-HTTP endpoint to the whole network."""
+    import psutil
+
+    from tests.conftest import child_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**child_env(), "RETRAIN_RELAY_WATCH": "landing/images", "RETRAIN_RELAY_SECRET": SECRET}
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "deployments.relay", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert relay.poll() is None and time.monotonic() < deadline, "the relay did not start"
+            time.sleep(0.2)
+        listening = {
+            c.laddr.ip
+            for c in psutil.Process(relay.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        }
+        assert listening == {"127.0.0.1"}
+    finally:
+        relay.terminate()
+        relay.wait(timeout=30)
