@@ -1,0 +1,527 @@
+"""``make service`` (``python -m deployments.service``): the whole local service in one command.
+
+In order, each started only once the one before answers its health check: Azurite with the
+local target's dataset uploaded, PostgreSQL (its data in the state folder, ``.service/``), a
+Prefect server on it (which creates or migrates its tables as it starts), the work pool and the
+deployments of prefect.yaml, a worker, the Event Grid relay and the outputs gateway. Each
+component prints one status line; every log goes to ``<state>/logs/``. Ctrl-C or SIGTERM stops
+them all in the reverse order, each with its whole process tree (a flow run the worker started,
+and its training processes, included); a component that exits on its own stops the rest, so
+nothing is left half running.
+
+Everything listens on loopback; the relay too unless ``--relay-host`` says otherwise (put it
+behind TLS: README, "Running it as a service"). The relay's shared secret is generated once into
+``<state>/relay-secret`` (mode 0600) unless ``RETRAIN_RELAY_SECRET`` is set; it is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+WORK_POOL = "retrain-workers"
+STOP_GRACE_SECONDS = 30.0  # a flow run the worker started gets this long to release its pool
+
+
+class ServiceError(RuntimeError):
+    """A component could not start; the message names it and where its log is."""
+
+
+@dataclass
+class Component:
+    """One process of the service (or one step, ``once``, that runs to completion)."""
+
+    name: str
+    command: list[str]
+    ready: Callable[[], bool] = lambda: True  # polled until True once the process runs
+    where: str = ""  # what the status line says about it: an address, a URL
+    env: dict[str, str] | None = None
+    popen: dict[str, Any] = field(default_factory=dict)  # account, cwd for Popen
+    before: Callable[[], str | None] | None = None  # set-up first; returns a note or None
+    after: Callable[[], str | None] | None = None  # once ready; returns a note or None
+    port: tuple[str, int] | None = None  # must be free before it starts
+    once: bool = False
+    stop_signal: int = signal.SIGTERM
+    signal_tree: bool = True  # False: only the main process is signalled (it stops the rest)
+    timeout: float = 180.0  # seconds to become ready
+    grace: float = STOP_GRACE_SECONDS  # seconds to stop before what is left is killed
+
+
+@dataclass
+class Started:
+    component: Component
+    proc: subprocess.Popen[Any]
+    log: Path
+
+
+def port_in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def http_ok(url: str, host_header: str | None = None, below: int = 300) -> bool:
+    """Whether ``url`` answers with a status under ``below``."""
+    request = urllib.request.Request(url, headers={"Host": host_header} if host_header else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status) < below
+    except urllib.error.HTTPError as exc:
+        return exc.code < below
+    except (OSError, ValueError):
+        return False
+
+
+class Supervisor:
+    """Starts components one after the other and stops them all, whatever happens between."""
+
+    def __init__(self, log_dir: Path, say: Callable[[str], None] = print) -> None:
+        self.log_dir = log_dir
+        self.say = say
+        self.running: list[Started] = []
+        self.stop_requested = False  # set by the signal handlers: checked between polls
+
+    def start(self, component: Component) -> None:
+        if component.port and port_in_use(*component.port):
+            host, port = component.port
+            raise ServiceError(
+                f"{component.name}: {host}:{port} is already in use (another {component.name}?)"
+                ": stop it, or choose another port (python -m deployments.service --help)"
+            )
+        began = time.monotonic()
+        notes = [n for n in [component.before() if component.before else None] if n]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{component.name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                component.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=component.env,
+                start_new_session=True,  # Ctrl-C reaches the supervisor only: it stops in order
+                **({"cwd": str(ROOT)} | component.popen),
+            )
+        started = Started(component, proc, log_path)
+        self.running.append(started)
+        self._wait_ready(started, began)
+        if component.after:
+            notes += [n for n in [component.after()] if n]
+        seconds = time.monotonic() - began
+        state = "done" if component.once else "ready"
+        details = "; ".join([component.where, *notes]) if component.where or notes else ""
+        self.say(
+            f"{component.name:<11} {state:<5} {seconds:6.1f}s  {details}"
+            f"{'  ' if details else ''}(log {_shown(log_path)})"
+        )
+
+    def _wait_ready(self, started: Started, began: float) -> None:
+        component, proc = started.component, started.proc
+        while True:
+            if self.stop_requested:
+                raise KeyboardInterrupt
+            code = proc.poll()
+            if code is not None:
+                if component.once and code == 0:
+                    self.running.remove(started)
+                    return
+                raise ServiceError(
+                    f"{component.name} exited with {code}"
+                    f"{'' if component.once else ' before it was ready'}: "
+                    f"{_tail(started.log)}(log {_shown(started.log)})"
+                )
+            if not component.once and component.ready():
+                return
+            if time.monotonic() - began > component.timeout:
+                raise ServiceError(
+                    f"{component.name} was not ready within {component.timeout:.0f} s "
+                    f"(log {_shown(started.log)})"
+                )
+            time.sleep(0.25)
+
+    def exited(self) -> Started | None:
+        """The first long-running component that is no longer running."""
+        return next((s for s in self.running if s.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Every started component, the last first, with its process tree."""
+        while self.running:
+            started = self.running.pop()
+            stopped = _stop_tree(started, started.component.grace)
+            self.say(f"{started.component.name:<11} stopped{stopped}")
+
+
+def _stop_tree(started: Started, grace: float) -> str:
+    """Signal the component (its tree, or its main process), wait for the whole tree, then kill
+    what is left of it: a child that outlived its parent or ignored the signal is not spared."""
+    import psutil
+
+    component, proc = started.component, started.proc
+    try:
+        main = psutil.Process(proc.pid)
+        tree = [main, *main.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree if component.signal_tree else tree[:1]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(component.stop_signal)
+    _, alive = psutil.wait_procs(tree, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+    proc.wait()
+    return f" (killed {len(alive)} left after {grace:.0f} s)" if alive else ""
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _tail(log: Path, lines: int = 5) -> str:
+    try:
+        text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return ("\n  " + "\n  ".join(text) + "\n") if text else ""
+
+
+@dataclass(frozen=True)
+class Options:
+    config: str
+    state: Path
+    azurite_port: int
+    prefect_port: int
+    relay_host: str
+    relay_port: int
+
+
+def relay_secret(state: Path) -> str:
+    """RETRAIN_RELAY_SECRET, else the state folder's own, generated once (owner-only file)."""
+    given = os.environ.get("RETRAIN_RELAY_SECRET")
+    if given:
+        return given
+    path = state / "relay-secret"
+    if not path.exists():
+        state.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(24))
+    return path.read_text().strip()
+
+
+def components(options: Options) -> list[Component]:
+    """The service, in start order."""
+    from backends.azurite import connection_string
+    from core.config import load_config
+    from deployments.postgres import Cluster
+    from registry.gateway import listen_address
+
+    config = load_config(options.config)
+    state = options.state
+    api = f"http://127.0.0.1:{options.prefect_port}/api"
+    storage = (
+        "UseDevelopmentStorage=true"
+        if options.azurite_port == 10000
+        else connection_string(options.azurite_port)
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        "PWD": str(ROOT),  # prefect.yaml's pull step: flows run from this checkout
+        "PREFECT_HOME": str(state / "prefect"),  # not ~/.prefect: the command line's own
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    for variable in {config.data.connection_string_env, config.output.connection_string_env}:
+        if variable:
+            env[variable] = storage
+    postgres = Cluster.at(state / "postgres")
+    worker_name = f"service-{socket.gethostname()}-{os.getpid()}"
+    gateway_host, gateway_port = listen_address(config.output.links_url)
+    gateway_netloc = f"[{gateway_host}]" if ":" in gateway_host else gateway_host
+    relay_env = {
+        **env,
+        "RETRAIN_RELAY_WATCH": os.environ.get("RETRAIN_RELAY_WATCH")
+        or f"{config.data.container}/{config.data.prefix}".rstrip("/"),
+        "RETRAIN_RELAY_SECRET": relay_secret(state),
+    }
+    deploy = [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"]
+    deploy += ["--prefect-file", str(deployments_file(options.config, state))]
+    return [
+        Component(
+            "azurite",
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "demo.py"),
+                "--serve-storage",
+                "--port",
+                str(options.azurite_port),
+                "--dir",
+                str(state),
+            ],
+            # Ready once it has answered and uploaded the dataset (its closing line says so).
+            ready=lambda: (
+                port_in_use("127.0.0.1", options.azurite_port)
+                and _said(state, "azurite", "Azurite is serving")
+            ),
+            where=f"Blob on 127.0.0.1:{options.azurite_port}, "
+            f"{config.data.container}/{config.data.prefix} uploaded",
+            env=env,
+            port=("127.0.0.1", options.azurite_port),
+            timeout=300,
+        ),
+        Component(
+            "postgres",
+            postgres.server_command(),
+            ready=postgres.accepting,
+            where=f"socket in {_shown(postgres.data_dir)}",
+            env=postgres.environment(),
+            popen=postgres.popen_options(),
+            before=lambda: "new database folder" if postgres.initialise() else None,
+            after=lambda: "database prefect created" if postgres.create_database() else None,
+            stop_signal=signal.SIGINT,  # a fast shutdown: sessions closed, data flushed
+            signal_tree=False,
+        ),
+        Component(
+            "prefect",
+            [
+                str(BIN / "prefect"),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(options.prefect_port),
+            ],
+            ready=lambda: http_ok(f"{api}/health"),
+            where=f"UI http://127.0.0.1:{options.prefect_port}, API {api}, on PostgreSQL",
+            env={**env, "PREFECT_API_DATABASE_CONNECTION_URL": postgres.url},
+            port=("127.0.0.1", options.prefect_port),
+            timeout=300,
+        ),
+        Component(
+            "pool",
+            [sys.executable, "-m", "deployments.setup", "--config", options.config],
+            where=f"work pool {WORK_POOL}, the pool's concurrency limit",
+            env=env,
+            once=True,
+        ),
+        Component(
+            "deploy",
+            deploy,
+            where="the deployments of prefect.yaml",
+            env={**env, "RETRAIN_FORM_CONFIG": options.config},
+            once=True,
+            timeout=300,
+        ),
+        Component(
+            "worker",
+            [str(BIN / "prefect"), "worker", "start", "--pool", WORK_POOL, "--name", worker_name],
+            ready=lambda: _worker_online(api, worker_name),
+            where=f"{worker_name} on {WORK_POOL}",
+            env=env,
+        ),
+        Component(
+            "relay",
+            [
+                sys.executable,
+                "-m",
+                "deployments.relay",
+                "--host",
+                options.relay_host,
+                "--port",
+                str(options.relay_port),
+            ],
+            ready=lambda: http_ok(
+                f"http://{_loopback(options.relay_host)}:{options.relay_port}/health"
+            ),
+            where=f"http://{options.relay_host}:{options.relay_port}/events, watching "
+            f"{relay_env['RETRAIN_RELAY_WATCH']} (its key: RETRAIN_RELAY_SECRET or "
+            f"{_shown(state / 'relay-secret')})",
+            env=relay_env,
+            port=(_loopback(options.relay_host), options.relay_port),
+        ),
+        Component(
+            "gateway",
+            [
+                sys.executable,
+                "-m",
+                "flows.models",
+                "--config",
+                options.config,
+                "serve",
+                "--host",
+                gateway_host,
+                "--port",
+                str(gateway_port),
+            ],
+            # Any answer but a server error: an empty output container is a 404, and healthy.
+            ready=lambda: http_ok(
+                f"http://{gateway_netloc}:{gateway_port}/",
+                f"{gateway_netloc}:{gateway_port}",
+                below=500,
+            ),
+            where=f"the runs' links: http://{gateway_netloc}:{gateway_port}/",
+            env=env,
+            port=(gateway_host, gateway_port),
+        ),
+    ]
+
+
+def deployments_file(config: str, state: Path) -> Path:
+    """prefect.yaml, or for another config than the shipped one a copy in ``state`` whose
+    deployments give every run that config (``prefect deploy --all`` ignores ``--param``)."""
+    import yaml
+
+    shipped = ROOT / "prefect.yaml"
+    if Path(config).resolve() == (ROOT / "configs" / "local.yaml").resolve():
+        return shipped
+    spec = yaml.safe_load(shipped.read_text())
+    for deployment in spec["deployments"]:
+        deployment["parameters"] = {**deployment.get("parameters", {}), "config_path": config}
+    copy = state / "prefect.yaml"
+    state.mkdir(parents=True, exist_ok=True)
+    copy.write_text(
+        "# Written by python -m deployments.service from prefect.yaml, for "
+        f"--config {config}\n" + yaml.safe_dump(spec, sort_keys=False)
+    )
+    return copy
+
+
+def _loopback(host: str) -> str:
+    """The address to reach a server bound to ``host`` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+
+
+def _said(state: Path, name: str, text: str) -> bool:
+    try:
+        return text in (state / "logs" / f"{name}.log").read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _worker_online(api: str, name: str) -> bool:
+    """Whether the worker named ``name`` has sent its heartbeat to the server."""
+    import json
+
+    request = urllib.request.Request(
+        f"{api}/work_pools/{WORK_POOL}/workers/filter",
+        data=b"{}",
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            workers = json.loads(response.read())
+    except (OSError, ValueError):
+        return False
+    return any(w.get("name") == name and w.get("status") == "ONLINE" for w in workers)
+
+
+def run(
+    make: Callable[[], list[Component]],
+    log_dir: Path,
+    running: str,
+    say: Callable[[str], None] = print,
+) -> int:
+    """Start the components ``make`` builds, one after the other, say ``running``, then wait
+    for Ctrl-C or SIGTERM (or a component's exit); stop everything started, whatever happened.
+    The exit status: 0 after a stop asked for, 1 when a component failed."""
+    supervisor = Supervisor(log_dir, say)
+
+    def request_stop(signum: int, frame: Any) -> None:
+        supervisor.stop_requested = True
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        for component in make():
+            supervisor.start(component)
+        say(running)
+        while not supervisor.stop_requested:
+            gone = supervisor.exited()
+            if gone is not None:
+                say(
+                    f"{gone.component.name} exited with {gone.proc.returncode}: "
+                    f"{_tail(gone.log)}stopping the service (log {_shown(gone.log)})"
+                )
+                code = 1
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # a component that cannot start: say why, stop the others
+        say(f"error: {exc}")
+        code = 1
+    finally:
+        for s in previous:  # a second Ctrl-C must not cut the stopping short
+            signal.signal(s, signal.SIG_IGN)
+        supervisor.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    say("the service is stopped")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m deployments.service",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default="configs/local.yaml", help="the pipeline config")
+    p.add_argument("--state", type=Path, default=ROOT / ".service", help="data and logs")
+    p.add_argument("--azurite-port", type=int, default=10000)
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument(
+        "--relay-host",
+        default="127.0.0.1",
+        help="the relay's address (default loopback: put it behind a TLS proxy)",
+    )
+    p.add_argument("--relay-port", type=int, default=8080)
+    args = p.parse_args(argv)
+    options = Options(
+        args.config,
+        args.state.resolve(),
+        args.azurite_port,
+        args.prefect_port,
+        args.relay_host,
+        args.relay_port,
+    )
+    logs = options.state / "logs"
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    say(f"starting the service; data in {_shown(options.state)}, logs in {_shown(logs)}")
+    running = (
+        f"the service is running: UI http://127.0.0.1:{options.prefect_port}; in another "
+        f"terminal, export PREFECT_API_URL=http://127.0.0.1:{options.prefect_port}/api to use "
+        "it from the command line. Ctrl-C stops everything."
+    )
+    return run(lambda: components(options), logs, running, say)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
