@@ -30,7 +30,10 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deployments.postgres import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -291,35 +294,8 @@ def components(options: Options) -> list[Component]:
             port=("127.0.0.1", options.azurite_port),
             timeout=300,
         ),
-        Component(
-            "postgres",
-            postgres.server_command(),
-            ready=postgres.accepting,
-            where=f"socket in {_shown(postgres.data_dir)}",
-            env=postgres.environment(),
-            popen=postgres.popen_options(),
-            before=lambda: "new database folder" if postgres.initialise() else None,
-            after=lambda: "database prefect created" if postgres.create_database() else None,
-            stop_signal=signal.SIGINT,  # a fast shutdown: sessions closed, data flushed
-            signal_tree=False,
-        ),
-        Component(
-            "prefect",
-            [
-                str(BIN / "prefect"),
-                "server",
-                "start",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(options.prefect_port),
-            ],
-            ready=lambda: http_ok(f"{api}/health"),
-            where=f"UI http://127.0.0.1:{options.prefect_port}, API {api}, on PostgreSQL",
-            env={**env, "PREFECT_API_DATABASE_CONNECTION_URL": postgres.url},
-            port=("127.0.0.1", options.prefect_port),
-            timeout=300,
-        ),
+        postgres_component(postgres),
+        prefect_component(options.prefect_port, postgres, env),
         Component(
             "pool",
             [sys.executable, "-m", "deployments.setup", "--config", options.config],
@@ -407,6 +383,42 @@ def deployments_file(config: str, state: Path) -> Path:
         f"--config {config}\n" + yaml.safe_dump(spec, sort_keys=False)
     )
     return copy
+
+
+def postgres_component(cluster: Cluster) -> Component:
+    """The PostgreSQL server of ``cluster``, its folder and database made on first use."""
+    return Component(
+        "postgres",
+        cluster.server_command(),
+        ready=cluster.accepting,
+        where=f"socket in {_shown(cluster.data_dir)}",
+        env=cluster.environment(),
+        popen=cluster.popen_options(),
+        before=lambda: "new database folder" if cluster.initialise() else None,
+        after=lambda: "database prefect created" if cluster.create_database() else None,
+        stop_signal=signal.SIGINT,  # a fast shutdown: sessions closed, data flushed
+        signal_tree=False,
+    )
+
+
+def prefect_component(port: int, cluster: Cluster, env: dict[str, str]) -> Component:
+    """A Prefect server (API and UI) on loopback:``port`` whose database is ``cluster``'s; it
+    creates or migrates its tables as it starts."""
+    api = f"http://127.0.0.1:{port}/api"
+    return Component(
+        "prefect",
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        ready=lambda: http_ok(f"{api}/health"),
+        where=f"UI http://127.0.0.1:{port}, API {api}, on PostgreSQL",
+        env={
+            **env,
+            "PREFECT_API_URL": api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_API_DATABASE_CONNECTION_URL": cluster.url,
+        },
+        port=("127.0.0.1", port),
+        timeout=300,
+    )
 
 
 def _loopback(host: str) -> str:

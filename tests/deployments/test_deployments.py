@@ -244,7 +244,7 @@ def test_requests_without_valid_credentials_are_refused_and_start_nothing(
 
 
 def test_a_burst_for_one_version_starts_exactly_one_run(
-    deployed: dict[str, Any], relay: tuple[str, Any]
+    prefect_database: str, deployed: dict[str, Any], relay: tuple[str, Any]
 ) -> None:
     url, _ = relay
     container = "landing"
