@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -57,6 +58,7 @@ class Component:
     popen: dict[str, Any] = field(default_factory=dict)  # account, cwd for Popen
     before: Callable[[], str | None] | None = None  # set-up first; returns a note or None
     after: Callable[[], str | None] | None = None  # once ready; returns a note or None
+    before_stop: Callable[[], str | None] | None = None  # before its signal; a note or None
     port: tuple[str, int] | None = None  # must be free before it starts
     once: bool = False
     stop_signal: int = signal.SIGTERM
@@ -166,8 +168,14 @@ class Supervisor:
         """Every started component, the last first, with its process tree."""
         while self.running:
             started = self.running.pop()
+            note = ""
+            if started.component.before_stop and started.proc.poll() is None:
+                try:
+                    note = started.component.before_stop() or ""
+                except Exception as exc:  # stopping goes on: the signal and the kill follow
+                    note = f"{type(exc).__name__}: {exc}"
             stopped = _stop_tree(started, started.component.grace)
-            self.say(f"{started.component.name:<11} stopped{stopped}")
+            self.say(f"{started.component.name:<11} stopped{f' ({note})' if note else ''}{stopped}")
 
 
 def _stop_tree(started: Started, grace: float) -> str:
@@ -315,6 +323,8 @@ def components(options: Options) -> list[Component]:
             "worker",
             [str(BIN / "prefect"), "worker", "start", "--pool", WORK_POOL, "--name", worker_name],
             ready=lambda: _worker_online(api, worker_name),
+            before=lambda: crash_orphans(api),
+            before_stop=lambda: cancel_runs(api),
             where=f"{worker_name} on {WORK_POOL}",
             env=env,
         ),
@@ -433,19 +443,81 @@ def _said(state: Path, name: str, text: str) -> bool:
         return False
 
 
-def _worker_online(api: str, name: str) -> bool:
-    """Whether the worker named ``name`` has sent its heartbeat to the server."""
-    import json
-
+def _post(url: str, body: dict[str, Any]) -> Any:
     request = urllib.request.Request(
-        f"{api}/work_pools/{WORK_POOL}/workers/filter",
-        data=b"{}",
+        url,
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
     )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        data = response.read()
+    return json.loads(data) if data else None
+
+
+_ACTIVE = {"any_": ["RUNNING", "PENDING", "CANCELLING"]}
+
+
+def _active_runs(api: str, pool: str) -> list[dict[str, Any]]:
+    query = {"flow_runs": {"state": {"type": _ACTIVE}}, "work_pools": {"name": {"any_": [pool]}}}
+    return list(_post(f"{api}/flow_runs/filter", query) or [])
+
+
+def cancel_runs(api: str, pool: str = WORK_POOL, seconds: float = 90.0) -> str | None:
+    """Cancel the flow runs in progress on ``pool`` and wait for them to end: a run cancelled
+    through the API stops its tasks and releases its pool (its cancellation hook), where a
+    signal would leave the pool held and the run marked running for good (and its deployment,
+    one run at a time, blocked). What it did, for the status line; None when nothing ran."""
+    runs = _active_runs(api, pool)
+    if not runs:
+        return None
+    for run in runs:
+        if run["state"]["type"] != "CANCELLING":
+            _post(
+                f"{api}/flow_runs/{run['id']}/set_state",
+                {"state": {"type": "CANCELLING", "message": "the service is stopping"}},
+            )
+    deadline = time.monotonic() + seconds
+    left = runs
+    while left and time.monotonic() < deadline:
+        time.sleep(1)
+        left = _active_runs(api, pool)
+    still = f", {len(left)} still running after {seconds:.0f} s" if left else ""
+    return f"cancelled {len(runs)} run{'s' if len(runs) > 1 else ''} in progress{still}"
+
+
+def crash_orphans(api: str, pool: str = WORK_POOL) -> str | None:
+    """Before the service's worker starts: runs still marked in progress on ``pool`` were left
+    by a service that did not stop cleanly (killed, power lost); their processes are gone, and
+    each holds its deployment's only slot. They are marked crashed, unless another worker is
+    online on the pool (then they may be its)."""
+    workers = _post(f"{api}/work_pools/{pool}/workers/filter", {}) or []
+    if any(w.get("status") == "ONLINE" for w in workers):
+        return None
+    runs = _active_runs(api, pool)
+    for run in runs:
+        _post(
+            f"{api}/flow_runs/{run['id']}/set_state",
+            {
+                "state": {
+                    "type": "CRASHED",
+                    "message": "left in progress by a service that did not stop cleanly",
+                },
+                "force": True,
+            },
+        )
+    return (
+        f"{len(runs)} run{'s' if len(runs) > 1 else ''} left by an earlier stop marked crashed"
+        if runs
+        else None
+    )
+
+
+def _worker_online(api: str, name: str) -> bool:
+    """Whether the worker named ``name`` has sent its heartbeat to the server."""
+
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            workers = json.loads(response.read())
+        workers = _post(f"{api}/work_pools/{WORK_POOL}/workers/filter", {})
     except (OSError, ValueError):
         return False
     return any(w.get("name") == name and w.get("status") == "ONLINE" for w in workers)
