@@ -9,6 +9,7 @@ prefixes each keep their own champion and last run, as they keep their own runs:
     <base>/models/history/<run id>.json    one record per promotion
     <base>/models/history/damaged-*.json   damaged champion records, kept when replaced
     <base>/models/last-run.json            the last run that trained: the up-to-date check's
+    <base>/labels/<id>/predictions.csv     new images labelled by a model (flows/label.py)
 
 Run ids start with their UTC start time, so names under ``runs/`` and ``models/history/`` sort
 in the order the runs started.
@@ -22,6 +23,7 @@ CHAMPION = "models/champion.json"
 HISTORY = "models/history"
 LAST_RUN = "models/last-run.json"
 DECISION = "promotion.json"
+LABELS = "labels"
 
 
 def records_blob(base: str, name: str) -> str:
@@ -57,3 +59,8 @@ def run_folder(base: str, run_id: str) -> str:
 def decision_blob(run_prefix: str) -> str:
     """The promotion decision of the run whose outputs are at ``run_prefix``."""
     return f"{run_prefix}/{DECISION}"
+
+
+def labels_blob(base: str, labelling_id: str) -> str:
+    """The predictions of one labelling of new images (``python -m flows.label``)."""
+    return records_blob(base, f"{LABELS}/{labelling_id}/predictions.csv")

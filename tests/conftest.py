@@ -244,6 +244,7 @@ async def _read_deployments() -> dict[str, Any]:
                 "retrain/nightly",
                 "retrain/on-new-data",
                 "watch-new-data/poll",
+                "label-images/manual",
             )
         }
 

@@ -50,20 +50,20 @@ def images_in(folder: Path) -> list[Path]:
 
 
 def _decoded(
-    paths: Iterable[Path], size: int, skipped: list[str]
+    paths: Iterable[Path], size: int, skipped: list[tuple[Path, str]]
 ) -> Iterator[tuple[Path, torch.Tensor]]:
     for path in paths:
         if not is_image_name(path):
-            skipped.append(f"{path}: not a .png, .jpg or .jpeg file")
+            skipped.append((path, "not a .png, .jpg or .jpeg file"))
             continue
         if not path.is_file():
-            skipped.append(f"{path}: no such file")
+            skipped.append((path, "no such file"))
             continue
         verdict = decode_checked(path, size)
         if isinstance(verdict, torch.Tensor):
             yield path, verdict
         else:
-            skipped.append(f"{path}: {verdict}")
+            skipped.append((path, verdict or "unreadable image"))
 
 
 def _batches(
@@ -86,7 +86,7 @@ def predict(
     top_k: int = 3,
     batch_size: int = 64,
     device: str | None = None,
-) -> tuple[list[Prediction], list[str]]:
+) -> tuple[list[Prediction], list[tuple[Path, str]]]:
     """The predictions for the usable images among ``paths`` and, for the others, why each
     was skipped. Decoding is lazy, a batch at a time, so memory stays flat."""
     model, saved = load_model(model_path)
@@ -94,7 +94,7 @@ def predict(
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(target)
     k = max(1, min(top_k, len(names)))
-    skipped: list[str] = []
+    skipped: list[tuple[Path, str]] = []
     predictions: list[Prediction] = []
     for batch in _batches(_decoded(paths, saved["input_size"], skipped), batch_size):
         images = torch.stack([tensor for _, tensor in batch]).to(target).float()
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 "no images: give image files, or --dir with a folder of .png/.jpg/.jpeg files"
             )
         predictions, skipped = predict(args.model, paths, args.top_k, args.batch_size, args.device)
-        for line in skipped:
-            print(f"skipped {line}", file=sys.stderr)
+        for path, why in skipped:
+            print(f"skipped {path}: {why}", file=sys.stderr)
         if not predictions:
             raise PredictError(f"none of the {len(paths)} images could be read")
     except (ModelFileError, PredictError) as exc:

@@ -137,6 +137,9 @@ def test_prefect_yaml_deployments(deployed: dict[str, Any]) -> None:
         assert d.global_concurrency_limit.limit == 1
         assert d.concurrency_options.collision_strategy == "ENQUEUE"
     assert deployed["watch-new-data/poll"].schedules[0].schedule.interval.total_seconds() == 600
+    labelling = deployed["label-images/manual"]
+    assert labelling.parameters == {"config_path": "configs/local.yaml"}
+    assert labelling.parameter_openapi_schema["required"] == ["container"]
     # The trigger in prefect.yaml is the one the server holds as an automation.
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     (trigger,) = next(d for d in spec["deployments"] if d["name"] == "on-new-data")["triggers"]
