@@ -166,7 +166,8 @@ def postgres_prefect_api() -> Iterator[str]:
     run against it as well as against the session's SQLite server (``prefect_database``):
     SQLite serializes writers, and the team service runs on PostgreSQL."""
     from deployments.postgres import Cluster, PostgresError
-    from deployments.service import Supervisor, postgres_component, prefect_component
+    from deployments.service import postgres_component, prefect_component
+    from deployments.supervisor import Supervisor
 
     # Not below pytest's own temporary folder (mode 0700): as root, PostgreSQL runs as the
     # postgres user, which must reach its data folder.
