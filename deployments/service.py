@@ -364,7 +364,22 @@ def main(argv: list[str] | None = None) -> int:
         help="the relay's address (default loopback: put it behind a TLS proxy)",
     )
     p.add_argument("--relay-port", type=int, default=8080)
+    p.add_argument(
+        "--cancel-runs",
+        action="store_true",
+        help="start nothing: cancel the runs in progress on the retrain-workers pool of the "
+        "server PREFECT_API_URL names, and wait for them to end (their pools released); for a "
+        "worker's service unit to run before it is stopped (README)",
+    )
     args = p.parse_args(argv)
+    if args.cancel_runs:
+        from prefect.settings import PREFECT_API_URL
+
+        api = PREFECT_API_URL.value()
+        if not api:
+            p.error("--cancel-runs needs PREFECT_API_URL: the server the worker serves")
+        print(cancel_runs(str(api).rstrip("/")) or "no run in progress", flush=True)
+        return 0
     options = Options(
         args.config,
         args.state.resolve(),

@@ -286,7 +286,7 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_runs_an_unclean_stop_left_in_progress_are_marked_crashed() -> None:
+def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them() -> None:
     """Their processes are gone and each holds its deployment's only slot; unless another
     worker is online on the pool, when they may be its own."""
     from prefect.client.orchestration import get_client
@@ -294,7 +294,7 @@ def test_runs_an_unclean_stop_left_in_progress_are_marked_crashed() -> None:
     from prefect.settings import PREFECT_API_URL
     from prefect.states import Running
 
-    from deployments.service import crash_orphans
+    from deployments.service import cancel_runs, crash_orphans
 
     api = str(PREFECT_API_URL.value())
     pool = f"orphans-{uuid.uuid4().hex[:8]}"
@@ -314,3 +314,10 @@ def test_runs_an_unclean_stop_left_in_progress_are_marked_crashed() -> None:
         client.send_worker_heartbeat(pool, "a worker on another machine")
         assert crash_orphans(api, pool) is None
         assert client.read_flow_run(other.id).state.type.value == "RUNNING"
+
+        # A stop (of the service, or of a worker's unit: --cancel-runs) asks for cancellation
+        # and waits for the worker to act on it; here no worker runs it, so it is still going.
+        assert cancel_runs(api, pool, seconds=2) == (
+            "cancelled 1 run in progress, 1 still running after 2 s"
+        )
+        assert client.read_flow_run(other.id).state.type.value == "CANCELLING"
