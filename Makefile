@@ -5,9 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
-	package.json package-lock.json
+	scripts/install_service_packages.sh package.json package-lock.json
 
-.PHONY: setup demo azurite azure-config test test-quick reliability lint bench clean
+.PHONY: setup demo azurite service azure-config test test-quick reliability lint bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,8 @@ $(STAMP): $(SETUP_INPUTS)
 	bash scripts/install_horovod.sh $(PY)
 	@# sshd for the emulated Batch nodes of the multi-node tests (root only; see the script).
 	bash scripts/install_sshd.sh
+	@# PostgreSQL for `make service` and Chromium for its UI tests (root only; see the script).
+	bash scripts/install_service_packages.sh
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
@@ -33,6 +35,14 @@ demo: setup
 # foreground until Ctrl-C.
 azurite: setup
 	$(PY) scripts/demo.py --serve-storage
+
+# The whole local service in one command (README, "Running it as a service"): Azurite, PostgreSQL,
+# a Prefect server on it, the work pool and deployments, a worker, the relay and the outputs
+# gateway, each started once the one before is healthy; data and logs in .service/; Ctrl-C
+# stops them all. SERVICE_ARGS: e.g. --config configs/azure.yaml (python -m deployments.service
+# --help).
+service: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m deployments.service $(SERVICE_ARGS)
 
 # configs/azure.yaml to fill in (docs/azure.md), from the example; an existing one is kept.
 azure-config:

@@ -15,7 +15,8 @@ Debounce, so 5,000 blobs landing make one retrain:
 - quiet period (``RETRAIN_RELAY_MARKER=``, for a root without versions): the root is ready
   when no new blob has arrived under it for ``RETRAIN_RELAY_QUIET_SECONDS``.
 
-``python -m deployments.relay --port 8080``; settings come from the environment (see
+``python -m deployments.relay --port 8080`` (on loopback; ``--host`` for another address);
+settings come from the environment (see
 ``RelaySettings.from_env``). It reports to the Prefect API named by ``PREFECT_API_URL``.
 """
 
@@ -457,7 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: loopback only; Event Grid reaches the relay "
+        "through a TLS reverse proxy on this machine, or pass 0.0.0.0 to listen on all)",
+    )
     p.add_argument("--port", type=int, default=8080)
     args = p.parse_args(argv)
     try:

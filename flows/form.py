@@ -1,5 +1,5 @@
-"""The run form's advanced section: the whole ``PipelineConfig``, with the shipped config's values
-as its defaults.
+"""The run form: optional fields of one plain type each, and the advanced section (the whole
+``PipelineConfig``, with the shipped config's values as its defaults).
 
 The Prefect UI fills a section's fields with the defaults of the parameter's JSON schema. With
 the schema's own defaults a person who opens the advanced section would see values no shipped
@@ -12,10 +12,12 @@ these are subclasses that change defaults only.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
@@ -32,6 +34,47 @@ def _section(annotation: Any) -> type[BaseModel] | None:
     candidates = [m for m in members if m is not type(None)] or [annotation]
     found = candidates[0] if len(candidates) == 1 else None
     return found if isinstance(found, type) and issubclass(found, BaseModel) else None
+
+
+def _absent() -> None:
+    return None
+
+
+def _optional_member(annotation: Any) -> Any:
+    """``X`` of an ``X | None`` annotation, else None."""
+    if get_origin(annotation) not in (Union, UnionType):
+        return None
+    members = [m for m in get_args(annotation) if m is not type(None)]
+    if len(members) == len(get_args(annotation)):
+        return None
+    return members[0] if len(members) == 1 else Union[tuple(members)]  # noqa: UP007
+
+
+def run_form_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """The signature Prefect derives a deployment's parameter schema from (``prefect deploy``
+    reads a flow's ``__signature__``), with each optional field of one plain type.
+
+    Python's ``x: int | None = None`` becomes ``anyOf: [integer, null]`` with ``default: null``:
+    the UI then shows a type toggle on the field (``Property is type "None"``) and sends the
+    null default, which a plain ``integer`` schema would refuse. Here such a parameter is
+    ``X`` with a default factory: pydantic writes its plain schema and no default for it, so
+    the UI shows the field alone and leaves it out of the run when nobody fills it in (the
+    flow's own default, None, then applies). The advanced ``config`` section keeps its toggle:
+    its nested fields all have defaults, so without one an untouched form would send a whole
+    config. Keyword-only, since a field without a default may now follow one with a default.
+    """
+    from pydantic import Field
+
+    params = []
+    for param in inspect.signature(fn, eval_str=True).parameters.values():
+        member = _optional_member(param.annotation)
+        if param.default is None and member is not None and _section(member) is None:
+            param = param.replace(
+                annotation=Annotated[member, Field(default_factory=_absent)],
+                default=inspect.Parameter.empty,
+            )
+        params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+    return inspect.Signature(params)
 
 
 def _from_base(cls: type[BaseModel], value: Any) -> Any:

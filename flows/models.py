@@ -23,11 +23,10 @@ import argparse
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from backends.blob import StorageConfigError, container_client, unreachable
 from core.config import ConfigError, PipelineConfig, load_config
-from registry.gateway import DEFAULT_PORT, serve
+from registry.gateway import listen_address, serve
 from registry.store import (
     ModelStoreError,
     RunEntry,
@@ -53,17 +52,6 @@ def _table(entries: list[RunEntry]) -> str:
     return "\n".join(lines)
 
 
-def _listen_on(links_url: str | None, host: str | None, port: int | None) -> tuple[str, int]:
-    """Where the gateway listens: as asked, else where ``links_url`` says when that is this
-    machine's loopback (anything else is a proxy in front of it), else loopback:4280."""
-    parts = urlsplit(links_url or "")
-    local = parts.hostname in ("127.0.0.1", "localhost", "::1")
-    default_port = (parts.port or (443 if parts.scheme == "https" else 80)) if local else None
-    return host or (parts.hostname if local and parts.hostname else "127.0.0.1"), (
-        port or default_port or DEFAULT_PORT
-    )
-
-
 def _serve(
     config: PipelineConfig, outputs: ContainerClient, host: str | None, port: int | None
 ) -> int:
@@ -71,7 +59,7 @@ def _serve(
     if problem:
         raise StorageConfigError(problem)
     links_url = config.output.links_url
-    host, port = _listen_on(links_url, host, port)
+    host, port = listen_address(links_url, host, port)
     server = serve(outputs, config.output.prefix, host, port, links_url)
     address = f"http://{f'[{host}]' if ':' in host else host}:{server.server_address[1]}"
     where = f"{config.output.container}/{config.output.prefix}".rstrip("/")

@@ -22,7 +22,7 @@ from prefect.runtime import deployment, flow_run
 from core.config import ConfigError, PipelineConfig, load_config
 from core.data_versions import DataVersion
 from core.run import Run
-from flows.form import FormConfig
+from flows.form import FormConfig, run_form_signature
 from flows.pool_lock import hold_pool, local_pool_lock
 
 if TYPE_CHECKING:
@@ -304,6 +304,10 @@ def _retrain(
         "steps": [s.as_dict() for s in steps],
         "cost": cost,
     }
+
+
+# The run form's fields (flows/form.py): what `prefect deploy` derives the parameter schema from.
+retrain.__signature__ = run_form_signature(retrain.fn)  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import mimetypes
 import socket
 import unicodedata
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
@@ -88,13 +89,45 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
+# What a run's outputs hold, by extension. Python's own table comes second, in its built-in
+# form only: ``mimetypes.guess_type`` also reads the machine's /etc/mime.types, where ``.pt`` is
+# a Super NES page table (the model was served as application/vnd.snesdev-page-table) and
+# ``.woff2`` may be missing, so the same blob went out as another type on another machine.
+_TEXT = "text/plain; charset=utf-8"
+OUTPUT_TYPES = {
+    ".pt": "application/octet-stream",  # a PyTorch checkpoint: downloaded, not shown
+    ".json": "application/json",
+    ".txt": _TEXT,
+    ".log": _TEXT,
+    ".yaml": _TEXT,
+    ".yml": _TEXT,
+    ".md": _TEXT,
+    ".csv": "text/csv; charset=utf-8",
+    ".html": "text/html; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".jpeg": "image/jpeg",
+    ".gif": "image/gif",
+    ".svg": "image/svg+xml",
+    ".ico": "image/vnd.microsoft.icon",
+    ".woff2": "font/woff2",
+    ".woff": "font/woff",
+    ".ttf": "font/ttf",
+    ".otf": "font/otf",
+}
+_BUILT_IN_TYPES = mimetypes.MimeTypes()  # the module's defaults, no system file
+
+
 def content_type(name: str, stored: str | None) -> str:
     """The stored type, unless it is the generic one uploads get by default; then the
-    extension's (Data Docs' pages must open as pages, not downloads)."""
+    extension's (Data Docs' pages must open as pages, their fonts load as fonts)."""
     if stored and stored != "application/octet-stream":
         return stored
-    guessed, _ = mimetypes.guess_type(name)
-    return guessed or "application/octet-stream"
+    suffix = PurePosixPath(name).suffix.lower()
+    guessed, _ = _BUILT_IN_TYPES.guess_type(name)
+    return OUTPUT_TYPES.get(suffix) or guessed or "application/octet-stream"
 
 
 def listing_html(container: ContainerClient, folder: str) -> str | None:
@@ -243,6 +276,19 @@ def host_names(host: str, port: int, links_url: str | None) -> set[str]:
         default = 443 if parts.scheme == "https" else 80
         names |= _host_headers(parts.hostname or "", parts.port or default, default)
     return {n.lower() for n in names}
+
+
+def listen_address(
+    links_url: str | None, host: str | None = None, port: int | None = None
+) -> tuple[str, int]:
+    """Where the gateway listens: as asked, else where ``links_url`` says when that is this
+    machine's loopback (anything else is a proxy in front of it), else loopback:4280."""
+    parts = urlsplit(links_url or "")
+    local = parts.hostname in ("127.0.0.1", "localhost", "::1")
+    default_port = (parts.port or (443 if parts.scheme == "https" else 80)) if local else None
+    return host or (parts.hostname if local and parts.hostname else "127.0.0.1"), (
+        port or default_port or DEFAULT_PORT
+    )
 
 
 def serve(

@@ -11,6 +11,7 @@ prefixes each keep their own champion and last run, as they keep their own runs:
     <base>/models/history/damaged-*.json   damaged champion records, kept when replaced
     <base>/models/last-run.json            the last run that trained: the up-to-date check's
     <base>/models/trained/<digest>.json    each trained fingerprint's run, by its digest
+    <base>/labels/<id>/predictions.csv     new images labelled by a model (flows/label.py)
 
 Run ids start with their UTC start time, so names under ``runs/`` and ``models/history/`` sort
 in the order the runs started.
@@ -26,6 +27,7 @@ LAST_RUN = "models/last-run.json"
 TRAINED = "models/trained"
 DECISION = "promotion.json"
 RUN_RECORD = "run.json"
+LABELS = "labels"
 
 
 def records_blob(base: str, name: str) -> str:
@@ -71,3 +73,8 @@ def decision_blob(run_prefix: str) -> str:
 def run_record_blob(run_prefix: str) -> str:
     """The record of the run whose outputs are at ``run_prefix``."""
     return f"{run_prefix}/{RUN_RECORD}"
+
+
+def labels_blob(base: str, labelling_id: str) -> str:
+    """The predictions of one labelling of new images (``python -m flows.label``)."""
+    return records_blob(base, f"{LABELS}/{labelling_id}/predictions.csv")

@@ -2,14 +2,16 @@
 
 Against a running Prefect server (``--api-url``, default ``$PREFECT_API_URL``), saves PNGs of
 the latest completed ``retrain`` flow run's page, its artifacts tab, its summary artifact (with
-the loss/accuracy curves and the confusion matrix embedded in it), the page its outputs link
+the loss/accuracy curves and the confusion matrix embedded in it), the confusion matrix's own
+image artifact (the picture comes from the outputs gateway), the page its outputs link
 opens (clicked through to the outputs gateway, which must be running: a 403 or a refused
 connection fails the script) and, when the
-``retrain/manual`` deployment exists, its custom-run form. It checks the UI in a real browser,
-which the test suite cannot assume is installed, so it is run by hand:
+``retrain/manual`` deployment exists, its custom-run form. Run it against ``make service``:
 
-    apt-get install -y chromium
     python scripts/ui_screenshots.py --api-url http://127.0.0.1:4200/api
+
+(``make setup`` installs Chromium as root; elsewhere ``apt-get install -y chromium``). The test
+suite drives the same browser through :class:`DevTools` (tests/deployments/test_service.py).
 
 The UI is a single-page app: each page gets a few seconds (``--settle``) to fetch and render
 before the shot. Chromium is driven over its DevTools protocol (the ``websockets`` client that
@@ -48,6 +50,7 @@ class Page:
     images: int = 0  # embedded (data: URI) images the page must show, decoded
     follow: str | None = None  # a link the page must show, which is then opened and shot
     expect: str = ""  # text the opened link's page must hold
+    picture: str | None = None  # the address of an image the page must show, decoded
 
 
 def api(base: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -110,6 +113,20 @@ def pages(api_url: str, flow_run_id: str | None) -> list[Page]:
         shots.append(Page("summary", url, 3200, images=shown))
     else:
         print(f"flow run {flow_run_id} has no retrain-summary artifact", file=sys.stderr)
+    chart = api(
+        api_url,
+        "artifacts/filter",
+        {
+            "artifacts": {
+                "flow_run_id": {"any_": [flow_run_id]},
+                "key": {"any_": ["chart-confusion"]},
+            },
+            "limit": 1,
+        },
+    )
+    if chart and chart[0]["type"] == "image":  # its own artifact, the copy the gateway serves
+        url = f"{ui}/artifacts/artifact/{chart[0]['id']}"
+        shots.append(Page("chart-artifact", url, 800, picture=chart[0]["data"]))
     folder = api(
         api_url,
         "artifacts/filter",
@@ -148,7 +165,9 @@ class DevTools:
     The command-line ``--screenshot`` cannot click, and the flow run page picks its tab only
     once the run has loaded, so the artifacts tab needs a click."""
 
-    def __init__(self, chromium: str, profile: Path) -> None:
+    def __init__(self, chromium: str, profile: Path, offline: bool = False) -> None:
+        """``offline``: nothing but 127.0.0.1 is reached (no host name resolves), as on a
+        machine without internet: a page that needs a CDN shows it."""
         self.proc = subprocess.Popen(
             [
                 chromium,
@@ -158,6 +177,7 @@ class DevTools:
                 "--hide-scrollbars",
                 "--remote-debugging-port=0",  # any free port: Chromium writes it in the profile
                 f"--user-data-dir={profile}",
+                *(["--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"] if offline else []),
                 "about:blank",
             ],
             stdout=subprocess.DEVNULL,
@@ -194,6 +214,50 @@ class DevTools:
             "result"
         ].get("value")
 
+    def navigate(self, url: str, width: int = 1400, height: int = 1400) -> None:
+        """Open ``url`` in a window of that size and wait for the document to load."""
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        self.call("Page.navigate", url=url)
+        self.wait_for("document.readyState === 'complete'", f"{url} to load")
+
+    def wait_for(self, expression: str, what: str, seconds: float = 30) -> Any:
+        """The value of ``expression`` once it is truthy (a single-page app renders late)."""
+        deadline = time.monotonic() + seconds
+        while not (value := self.evaluate(expression)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.25)
+        return value
+
+    def click(self, text: str) -> None:
+        """Click the button, tab or link whose text is ``text``."""
+        clicked = self.evaluate(
+            "(() => { const e = [...document.querySelectorAll('button, [role=tab], .p-tab, a')]"
+            f".find(e => e.textContent.trim() === {json.dumps(text)});"
+            " if (e) { e.click(); return true; } return false; })()"
+        )
+        if not clicked:
+            raise LookupError(f"nothing to click named {text!r}")
+
+    def type_into(self, selector: str, text: str) -> None:
+        """Focus the first element matching ``selector`` and type ``text`` as a person would
+        (the page's own input events follow)."""
+        if not self.evaluate(
+            f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
+            " if (e) { e.focus(); return true; } return false; })()"
+        ):
+            raise LookupError(f"no {selector} on the page")
+        self.call("Input.insertText", text=text)
+
+    def screenshot(self) -> bytes:
+        return base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
+
     def shoot(self, page: Page, width: int, settle: float) -> bytes:
         self.call(
             "Emulation.setDeviceMetricsOverride",
@@ -208,13 +272,10 @@ class DevTools:
             time.sleep(0.2)
         time.sleep(settle)  # the app's own requests, then its transitions
         if page.click:
-            clicked = self.evaluate(
-                "(() => { const e = [...document.querySelectorAll('button, [role=tab], .p-tab, a')]"
-                f".find(e => e.textContent.trim() === {json.dumps(page.click)});"
-                " if (e) { e.click(); return true; } return false; })()"
-            )
-            if not clicked:
-                raise SystemExit(f"{page.url}: nothing to click named {page.click!r}")
+            try:
+                self.click(page.click)
+            except LookupError as exc:
+                raise SystemExit(f"{page.url}: {exc}") from None
             time.sleep(settle)
         if page.follow:
             self.open_link(page, settle)
@@ -229,6 +290,13 @@ class DevTools:
         if decoded < page.images:
             raise SystemExit(
                 f"{page.url}: {decoded} of the {page.images} embedded images were shown"
+            )
+        if page.picture and not self.evaluate(
+            f"[...document.images].some(i => i.src === {json.dumps(page.picture)}"
+            " && i.complete && i.naturalWidth > 0)"
+        ):
+            raise SystemExit(
+                f"{page.url}: {page.picture} was not shown (is the outputs gateway running?)"
             )
         return base64.b64decode(shot["data"])
 
@@ -289,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     chromium = browser(args.browser)
     args.out.mkdir(parents=True, exist_ok=True)
     shots = pages(args.api_url, args.flow_run)
-    with tempfile.TemporaryDirectory(prefix="ui-shots-") as profile:
+    with tempfile.TemporaryDirectory(prefix="ui-shots-", ignore_cleanup_errors=True) as profile:
         chrome = DevTools(chromium, Path(profile))
         try:
             for page in shots:

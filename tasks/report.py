@@ -1,5 +1,6 @@
-"""Step 9: the run's Prefect artifacts: a summary with its pictures, per-class metrics, links to
-the outputs. The pictures are also saved with the outputs, under ``<output prefix>/charts/``."""
+"""Step 9: the run's Prefect artifacts: a summary with its pictures, each picture as an artifact of
+its own (shown on the run's Artifacts tab without opening the summary), per-class metrics, links
+to the outputs. The pictures are also saved with the outputs, under ``<output prefix>/charts/``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_image_artifact,
+    create_link_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
 from prefect.cache_policies import NONE
 
 from backends.blob import container_client
@@ -174,14 +180,37 @@ def charts_markdown(charts: Charts) -> list[str]:
     carry one. A picture left out is named, with why."""
     lines: list[str] = []
     for name, png in charts.drawn.items():
-        title = CHART_TITLES.get(name, name)
-        lines += [f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})", ""]
+        lines += [embedded(name, png), ""]
     if charts.drawn:
         saved = " and ".join(f"`charts/{name}`" for name in charts.drawn)
         lines.append(f"The pictures are saved with the run's outputs as {saved}.")
     for name, why in charts.left_out.items():
         lines += ["", f"The {CHART_TITLES.get(name, name)} could not be drawn ({why}): left out."]
     return lines
+
+
+def embedded(name: str, png: bytes) -> str:
+    """A picture as Markdown that carries its own bytes (a ``data:`` URI)."""
+    title = CHART_TITLES.get(name, name)
+    return f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+
+def chart_key(name: str) -> str:
+    """The artifact key of a picture: ``chart-curves``, ``chart-confusion``."""
+    return f"chart-{name.rsplit('.', 1)[0]}"
+
+
+def chart_artifact(config: PipelineConfig, run_id: str, name: str, png: bytes, link: str) -> None:
+    """A picture as an artifact of its own, so the run's Artifacts tab lists it beside the
+    summary. With ``output.links_url`` it is an image artifact of the copy in the run's outputs
+    (the gateway serves it); without, a link to private Blob storage would show a broken image
+    (it needs a sign-in, and no artifact carries a signature), so the picture is embedded in a
+    Markdown artifact instead."""
+    title = f"retrain {run_id}: {CHART_TITLES.get(name, name)}"
+    if config.output.links_url:
+        create_image_artifact(link, key=chart_key(name), description=title)
+    else:
+        create_markdown_artifact(embedded(name, png), key=chart_key(name), description=title)
 
 
 def upload_charts(config: PipelineConfig, run_id: str, charts: dict[str, bytes]) -> list[str]:
@@ -201,7 +230,9 @@ def upload_charts(config: PipelineConfig, run_id: str, charts: dict[str, bytes])
 
 
 def link_description(config: PipelineConfig, run_id: str, name: str) -> str:
-    """How a link opens, and the command that gets the file without it."""
+    """How a link opens, and the command that gets the file without it. The UI renders a
+    description as Markdown: each command is a code span, so it shows as typed (outside one,
+    ``<the config>`` would be read as an HTML tag and vanish)."""
     how = (
         "opens while `python -m flows.models --config <the config> serve` runs"
         if config.output.links_url
@@ -209,8 +240,13 @@ def link_description(config: PipelineConfig, run_id: str, name: str) -> str:
         "`python -m flows.models --config <the config> serve` for links that open)"
     )
     what = name or "the run's outputs folder"
-    get = f"; to download it: python -m flows.models --config <the config> download --run {run_id}"
-    return f"retrain {run_id}: {what}. The link {how}" + (f"{get} --file {name}" if name else "")
+    get = (
+        f"; to download it: `python -m flows.models --config <the config> download --run "
+        f"{run_id} --file {name}`"
+        if name
+        else ""
+    )
+    return f"retrain {run_id}: {what}. The link {how}{get}"
 
 
 @task(name="report", cache_policy=NONE)
@@ -230,7 +266,11 @@ def report(
     charts = draw_charts(scored, steps)
     for name, why in charts.left_out.items():
         get_run_logger().warning("report: %s could not be drawn, left out: %s", name, why)
-    upload_charts(config, run_id, charts.drawn)
+    outputs = container_client(config.output, config.retries.storage_retries)
+    drawn = charts.drawn
+    for name, blob in zip(drawn, upload_charts(config, run_id, drawn), strict=True):
+        link = output_link(config.output, outputs, blob)
+        chart_artifact(config, run_id, name, drawn[name], link)
     create_markdown_artifact(
         summary_markdown(
             run_id, steps, scored, decision, data, config, config_source, cost, charts, version
@@ -246,7 +286,6 @@ def report(
         key="per-class-metrics",
         description="precision, recall and F1 on the test split",
     )
-    outputs = container_client(config.output, config.retries.storage_retries)
     prefix = output_prefix(config.output.prefix, run_id)
     for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt", ""):
         # A key per output, so the artifacts list tells the links apart (each run adds a

@@ -20,6 +20,7 @@ from backends.data_root import resolve
 from core.config import PipelineConfig
 from core.data_versions import DataVersion
 from core.run import Run
+from gate.docs_assets import DocsAssetError, localize
 from gate.manifest import build_manifest, list_dataset
 from gate.report import failure, gate_markdown
 from gate.suites import run_expectations
@@ -55,6 +56,10 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
     rows, cached = build_manifest(dataset, gate_cache_dir(config), retries, blobs)
     docs = run.work_dir / "data_docs"
     success, records = run_expectations(rows, config.validation, docs)
+    try:  # readable offline: the pages' styles and scripts go with them (gate/docs_assets.py)
+        localize(docs)
+    except DocsAssetError as exc:
+        logger.warning("the Data Docs load their styles and scripts from CDNs: %s", exc)
     outputs = container_client(config.output, retries, create=True)
     upload_directory(outputs, docs, f"{output_prefix}/data_docs", workers=8)
     docs_url = output_link(config.output, outputs, f"{output_prefix}/data_docs/index.html")

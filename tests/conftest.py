@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_BATCH_INTERVAL"] = "0.3"
 os.environ["GX_ANALYTICS_ENABLED"] = "false"
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -169,19 +171,84 @@ def prefect_api_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PWD": str(ROOT)}
 
 
+PREFECT_DATABASES = ("sqlite", "postgresql")
+
+
 @pytest.fixture(scope="session")
-def deployed(prefect_api: None) -> dict[str, Any]:
-    """`python -m deployments.setup` then `prefect deploy --all`, as the README says."""
+def postgres_prefect_api() -> Iterator[str]:
+    """A Prefect server on a real PostgreSQL, started as `make service` starts them, once per
+    session and only when a test asks for it; yields its API URL.
+
+    The service tests (concurrent runs under the pool lock, the trigger burst, cancellation)
+    run against it as well as against the session's SQLite server (``prefect_database``):
+    SQLite serializes writers, and the team service runs on PostgreSQL."""
+    from deployments.postgres import Cluster, PostgresError
+    from deployments.service import postgres_component, prefect_component
+    from deployments.supervisor import Supervisor
+
+    # Not below pytest's own temporary folder (mode 0700): as root, PostgreSQL runs as the
+    # postgres user, which must reach its data folder.
+    state = Path(tempfile.mkdtemp(prefix="retrain-postgres-", dir="/tmp"))
+    state.chmod(0o755)
+    try:
+        cluster = Cluster.at(state / "pg")
+    except PostgresError as exc:
+        shutil.rmtree(state, ignore_errors=True)
+        if os.environ.get("RETRAIN_REQUIRE_EMULATED_NODES"):
+            pytest.fail(f"RETRAIN_REQUIRE_EMULATED_NODES is set but {exc}")
+        pytest.skip(f"no PostgreSQL here: {exc}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    supervisor = Supervisor(state / "logs", say=lambda line: None)
+    try:
+        supervisor.start(postgres_component(cluster))
+        supervisor.start(prefect_component(port, cluster, dict(os.environ)))
+        yield f"http://127.0.0.1:{port}/api"
+    finally:
+        supervisor.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(params=PREFECT_DATABASES)
+def prefect_database(request: pytest.FixtureRequest, prefect_api: None) -> Iterator[str]:
+    """The test runs twice: on the session's server (SQLite), then on one on PostgreSQL, with
+    every client, thread and subprocess of the test pointed at it."""
+    if request.param == "sqlite":
+        yield request.param
+        return
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api = request.getfixturevalue("postgres_prefect_api")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(temporary_settings(updates={PREFECT_API_URL: api}))
+        # As prefect_test_harness does: threads the test starts (the relay's) see it too.
+        stack.enter_context(_temporary_global_settings_context(get_settings_context()))
+        yield request.param
+
+
+_deployed: dict[str, dict[str, Any]] = {}
+
+
+@pytest.fixture
+def deployed(request: pytest.FixtureRequest, prefect_api: None) -> dict[str, Any]:
+    """`python -m deployments.setup` then `prefect deploy --all`, as the README says, once per
+    server (the test's ``prefect_database`` chooses which, when it asks for one)."""
+    if "prefect_database" in request.fixturenames:
+        request.getfixturevalue("prefect_database")
     env = prefect_api_env()
-    for args in (
-        [sys.executable, "-m", "deployments.setup", "--config", "configs/local.yaml"],
-        [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy", "--all"],
-    ):
-        proc = subprocess.run(
-            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return asyncio.run(_read_deployments())
+    if env["PREFECT_API_URL"] not in _deployed:
+        for args in (
+            [sys.executable, "-m", "deployments.setup", "--config", "configs/local.yaml"],
+            [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy", "--all"],
+        ):
+            proc = subprocess.run(
+                args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+            )
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        _deployed[env["PREFECT_API_URL"]] = asyncio.run(_read_deployments())
+    return _deployed[env["PREFECT_API_URL"]]
 
 
 async def _read_deployments() -> dict[str, Any]:
@@ -195,6 +262,7 @@ async def _read_deployments() -> dict[str, Any]:
                 "retrain/nightly",
                 "retrain/on-new-data",
                 "watch-new-data/poll",
+                "label-images/manual",
             )
         }
 

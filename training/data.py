@@ -14,12 +14,13 @@ reported, never silently used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from training.cifar import find_cifar, load_cifar
 from training.dataset import DatasetError, DatasetInfo, Gather
 from training.image_folders import load_image_folders
-from training.images import SPLITS
+from training.images import REQUIRED_SPLITS, SPLITS
 from training.shards import open_shards
 from training.synthetic import load_synthetic
 
@@ -38,8 +39,11 @@ def open_dataset(
     world: int = 1,
     gather: Gather = _single_process_gather,
     use_shards: bool = True,
+    required_splits: Sequence[str] = REQUIRED_SPLITS,
 ) -> DatasetInfo:
     """Detect the layout at ``data_dir`` and index it; raise DatasetError on anything unusable.
+    ``required_splits``: the image-folder splits that must be there (train and test for
+    training; the scorer asks only for the split it scores).
 
     Image folders packed by staging (``training.shards``) are read from their shards when the
     shards match the folder's data and ``image_size``; ``notes`` says why when they do not.
@@ -63,6 +67,6 @@ def open_dataset(
         if isinstance(packed, DatasetInfo):
             return packed
         note = f"reading loose files: {packed}"
-    info = load_image_folders(root, image_size, verify_images, rank, world, gather)
+    info = load_image_folders(root, image_size, verify_images, rank, world, gather, required_splits)
     info.notes.append(note)
     return info

@@ -70,19 +70,23 @@ def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
     return classes
 
 
-def list_image_folders(root: Path) -> tuple[list[str], dict[str, dict[str, list[Path]]]]:
+def list_image_folders(
+    root: Path, required: Sequence[str] = REQUIRED_SPLITS
+) -> tuple[list[str], dict[str, dict[str, list[Path]]]]:
     """The class names and, per split present, each class's image files; checks that every
-    split has the same classes (a model cannot score a class it never saw)."""
-    listed = {
-        s: _list_split(root, s) for s in SPLITS if s in REQUIRED_SPLITS or (root / s).is_dir()
-    }
-    class_names = sorted(listed["train"])
+    split has the same classes (a model cannot score a class it never saw). ``required``: the
+    splits that must be there (the scorer needs only the one it scores)."""
+    listed = {s: _list_split(root, s) for s in SPLITS if s in required or (root / s).is_dir()}
+    if not listed:
+        raise DatasetError(f"{root} has none of the splits {', '.join(SPLITS)}")
+    first = "train" if "train" in listed else next(iter(listed))
+    class_names = sorted(listed[first])
     for split, classes in listed.items():
         if sorted(classes) != class_names:
             only_here = sorted(set(classes) - set(class_names))
             missing = sorted(set(class_names) - set(classes))
             raise DatasetError(
-                f"class sets differ between train and {split}: "
+                f"class sets differ between {first} and {split}: "
                 f"only in {split}: {only_here or 'none'}; missing from {split}: {missing or 'none'}"
             )
     return class_names, listed
@@ -116,11 +120,17 @@ def labelled_samples(
 
 
 def load_image_folders(
-    root: Path, size: int, verify: bool, rank: int, world: int, gather: Gather
+    root: Path,
+    size: int,
+    verify: bool,
+    rank: int,
+    world: int,
+    gather: Gather,
+    required: Sequence[str] = REQUIRED_SPLITS,
 ) -> DatasetInfo:
     """The image folders under ``root`` as loose files, decoded lazily; with ``verify``, every
     file is decoded once first and the damaged ones are left out (and reported)."""
-    class_names, listed = list_image_folders(root)
+    class_names, listed = list_image_folders(root, required)
     bad: dict[str, str] = {}
     if verify:
         # Each rank decodes its own share of the files; the verdicts are then shared, so every

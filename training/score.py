@@ -1,6 +1,7 @@
 """Score a trained model: ``python -m training.score --model O/model.pt --data-dir D``.
 
-Runs in one process on held-out data and writes accuracy, per-class precision/recall/F1 and the
+Runs in one process on held-out data (a folder needs only the split it scores: ``D/test/<class>/``
+for the default) and writes accuracy, per-class precision/recall/F1 and the
 confusion matrix (scikit-learn computes them, the same way everyone reading the numbers would).
 The model file carries its class names and input size, so the scorer needs no training args;
 a dataset whose classes differ from the model's is refused rather than scored wrongly.
@@ -89,7 +90,7 @@ def score(model_path: Path, data_dir: str, split: str = "test", seed: int = 0) -
     from sklearn.metrics import accuracy_score, confusion_matrix, precision_recall_fscore_support
 
     model, saved = load_model(model_path)
-    info = open_dataset(data_dir, saved["input_size"], seed=seed)
+    info = open_dataset(data_dir, saved["input_size"], seed=seed, required_splits=(split,))
     if split not in info.splits:
         raise DatasetError(f"split {split!r} not found in {data_dir} (have {sorted(info.splits)})")
     if info.class_names != saved["class_names"]:

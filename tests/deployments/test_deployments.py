@@ -9,6 +9,8 @@ import functools
 import http.server
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -147,6 +149,9 @@ def test_prefect_yaml_deployments(deployed: dict[str, Any]) -> None:
         assert d.global_concurrency_limit.limit == 1
         assert d.concurrency_options.collision_strategy == "ENQUEUE"
     assert deployed["watch-new-data/poll"].schedules[0].schedule.interval.total_seconds() == 600
+    labelling = deployed["label-images/manual"]
+    assert labelling.parameters == {"config_path": "configs/local.yaml"}
+    assert labelling.parameter_openapi_schema["required"] == ["container"]
     # The trigger in prefect.yaml is the one the server holds as an automation.
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     (trigger,) = next(d for d in spec["deployments"] if d["name"] == "on-new-data")["triggers"]
@@ -186,7 +191,16 @@ def test_the_run_form_starts_from_what_a_person_changes(deployed: dict[str, Any]
     for name, field in fields.items():
         assert len(field.get("description") or "") > 30, f"{name} is not described"
     assert fields["force"]["default"] is False
-    assert fields["model"]["anyOf"][0]["enum"] == ["cnn", "resnet18", "resnet50"]
+    assert fields["model"]["enum"] == ["cnn", "resnet18", "resnet50"]
+    # Optional fields are of one plain type with no default: the UI shows them without a type
+    # toggle and leaves an untouched one out of the run (a null default it would send, and a
+    # plain type refuse). The advanced section keeps its toggle: it says whether it is used.
+    plain = {name: field for name, field in fields.items() if name != "config"}
+    for name, field in plain.items():
+        assert "anyOf" not in field and field.get("type") != "null", name
+        assert field.get("default", "absent") is not None, name
+    assert {f["type"] for f in plain.values()} == {"integer", "string", "boolean", "array"}
+    assert [a.get("type") for a in fields["config"]["anyOf"]] == [None, "null"]
     assert "section.field=value" in fields["overrides"]["description"]
     assert "training.lr=0.1" in fields["overrides"]["description"]
     assert fields["data_version"]["description"].startswith("The data version to train")
@@ -252,7 +266,7 @@ def test_requests_without_valid_credentials_are_refused_and_start_nothing(
 
 
 def test_a_burst_for_one_version_starts_exactly_one_run(
-    deployed: dict[str, Any], relay: tuple[str, Any]
+    prefect_database: str, deployed: dict[str, Any], relay: tuple[str, Any]
 ) -> None:
     url, _ = relay
     container = "landing"
@@ -467,3 +481,42 @@ def test_polling_sensor_fires_once_per_new_data_version(
     runs = _wait_for_runs(deployed["retrain/on-new-data"].id, name, 2)
     assert sorted(r.parameters["data_version"] for r in runs) == ["v1", "v2"]
     assert {r.parameters["data_prefix"] for r in runs} == {"images"}
+
+
+def test_the_relay_listens_on_loopback_unless_told_otherwise(tmp_path: Path) -> None:
+    """Event Grid reaches it through a TLS proxy on the same machine: listening on every
+    interface by default would offer the plain-HTTP endpoint to the whole network."""
+    import psutil
+
+    from tests.conftest import child_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**child_env(), "RETRAIN_RELAY_WATCH": "landing/images", "RETRAIN_RELAY_SECRET": SECRET}
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "deployments.relay", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert relay.poll() is None and time.monotonic() < deadline, "the relay did not start"
+            time.sleep(0.2)
+        listening = {
+            c.laddr.ip
+            for c in psutil.Process(relay.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        }
+        assert listening == {"127.0.0.1"}
+    finally:
+        relay.terminate()
+        relay.wait(timeout=30)

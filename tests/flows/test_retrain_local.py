@@ -106,6 +106,11 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
         png = outputs.download_blob(f"{prefix}/charts/{name}.png").readall()
         assert png.startswith(b"\x89PNG") and title in summary
         assert f"(data:image/png;base64,{base64.b64encode(png).decode()})" in summary
+        # Each is an artifact of its own too: an image of the copy the gateway serves.
+        chart = next(a for a in artifacts if a.key == f"chart-{name}")
+        assert chart.type == "image" and chart.data.endswith(f"/{prefix}/charts/{name}.png")
+        with urllib.request.urlopen(chart.data, timeout=60) as response:
+            assert (response.headers["Content-Type"], response.read()) == ("image/png", png)
     links = [a.data for a in artifacts if isinstance(a.data, str) and a.data.startswith("[")]
     for name in ("model.pt", "metrics.json", "score.json", "logs/stdout.txt"):
         link = next((x for x in links if f"{prefix}/{name})" in x), None)
@@ -119,6 +124,10 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert docs, gate_report
     with urllib.request.urlopen(docs.group(1), timeout=60) as response:
         assert response.headers["Content-Type"].startswith("text/html")
+        page = response.read().decode()
+    # The Data Docs carry their styles and scripts: nothing comes from a CDN.
+    assert "static/vendor/jquery/dist/jquery.min.js" in page
+    assert not re.findall(r'<(?:script|link)[^>]*(?:src|href)="https?://', page)
     assert result["outputs"] == f"http://127.0.0.1:{port}/{prefix}/"
     gateway.shutdown()
 

@@ -341,3 +341,36 @@ def test_a_loopback_ipv6_links_url_is_served(outputs: ContainerClient) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_outputs_go_out_with_the_type_of_what_they_are(outputs: ContainerClient) -> None:
+    """By the outputs' own table, not the machine's /etc/mime.types (which named the model a
+    Super NES page table, application/vnd.snesdev-page-table, and may not know web fonts)."""
+    expected = {
+        "runs/r1/model.pt": "application/octet-stream",
+        "runs/r1/metrics.json": "application/json",
+        "runs/r1/logs/stdout.txt": "text/plain; charset=utf-8",
+        "runs/r1/tensorboard/events.out.tfevents.1700000000.node": "application/octet-stream",
+        "runs/r1/data_docs/index.html": "text/html; charset=utf-8",
+        "runs/r1/data_docs/static/vendor/x/css/all.min.css": "text/css; charset=utf-8",
+        "runs/r1/data_docs/static/vendor/x/jquery.min.js": "text/javascript; charset=utf-8",
+        "runs/r1/data_docs/static/vendor/x/webfonts/fa-solid-900.woff2": "font/woff2",
+        "runs/r1/data_docs/static/vendor/x/webfonts/fa-solid-900.ttf": "font/ttf",
+        "runs/r1/data_docs/static/images/favicon.ico": "image/vnd.microsoft.icon",
+    }
+    for name in expected:  # as the flow uploads them: no type of their own
+        outputs.upload_blob(name, b"x")
+    outputs.upload_blob(  # a type stored with the blob is kept
+        "runs/r1/charts/curves.png", b"x", content_settings=ContentSettings("image/png")
+    )
+    expected["runs/r1/charts/curves.png"] = "image/png"
+    server = serve(outputs, "", "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = int(server.server_address[1])
+        for name, kind in expected.items():
+            status, headers, _ = _get(port, f"/{name}", host=f"127.0.0.1:{port}")
+            assert (status, headers["content-type"]) == (200, kind), name
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -379,7 +379,7 @@ def test_abort_hook_leaves_alone_a_pool_another_run_holds(tmp_path: Path) -> Non
     assert cluster.state() == "released" and box["result"].exit_code == -signal.SIGKILL
 
 
-@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.usefixtures("prefect_database")
 def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) -> None:
     """Two orchestrators with work dirs of their own (two machines: no file lock in common)
     and one Batch pool: the pool's global concurrency limit, created on first use, lets one

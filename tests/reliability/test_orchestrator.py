@@ -84,7 +84,11 @@ def _overrides(config: Any) -> list[str]:
 
 
 def test_cancellation_through_the_api_stops_training_and_releases_the_pool(
-    deployed: dict[str, Any], azurite: str, tmp_path: Path, digits_source: Path
+    prefect_database: str,
+    deployed: dict[str, Any],
+    azurite: str,
+    tmp_path: Path,
+    digits_source: Path,
 ) -> None:
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
@@ -143,7 +147,7 @@ def test_cancellation_through_the_api_stops_training_and_releases_the_pool(
         worker.wait(timeout=60)
     report.record(
         "orchestrator",
-        "cancel through the Prefect API during training",
+        f"cancel through the Prefect API during training (server on {prefect_database})",
         "flow run Cancelled; Horovod job killed; pool released",
         seconds_to_cancelled=round(seconds, 1),
     )

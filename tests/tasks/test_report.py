@@ -1,11 +1,15 @@
-"""The run summary says only what the run measured (tasks/report.py)."""
+"""The run summary says only what the run measured; its links and pictures show as meant in the
+UI (tasks/report.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tasks.report import epochs_markdown
 from tasks.steps import StepRecord
+from tests.conftest import ROOT
 
 METRICS = {
     "epochs": [
@@ -51,3 +55,68 @@ def test_progress_says_where_training_is_how_fast_and_how_long_to_go() -> None:
     assert progress_text(record, seen) == (
         "epoch 2 of 4: loss 0.5123, accuracy 0.8000, 912 images/s, about 1 min 20 s left"
     )
+
+
+def _outside_code_spans(markdown: str) -> str:
+    return "".join(markdown.split("`")[0::2])
+
+
+@pytest.mark.parametrize("links_url", ["http://127.0.0.1:4280", None])
+@pytest.mark.parametrize("name", ["model.pt", "logs/stdout.txt", ""])
+def test_link_descriptions_show_each_command_as_typed(links_url: str | None, name: str) -> None:
+    """The UI renders a description as Markdown: a command outside a code span loses its
+    ``<the config>`` (read as an HTML tag)."""
+    from core.config import load_config
+    from tasks.report import link_description
+
+    config = load_config(
+        ROOT / "configs" / "local.yaml", [f"output.links_url={links_url or 'null'}"]
+    )
+    text = link_description(config, "20261125-1-abc", name)
+    outside = _outside_code_spans(text)
+    assert "<" not in outside and "python -m" not in outside, text
+    assert "`python -m flows.models --config <the config> serve`" in text
+    if name:
+        assert (
+            "`python -m flows.models --config <the config> download --run 20261125-1-abc "
+            f"--file {name}`"
+        ) in text
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_each_picture_is_an_artifact_of_its_own() -> None:
+    """An image artifact of the copy the gateway serves; without a gateway, the picture itself
+    (a link to private Blob storage would show a broken image)."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from core.config import load_config
+    from tasks.charts import confusion_png
+    from tasks.report import chart_artifact
+
+    png = confusion_png([[3, 1], [0, 4]], ["a", "b"])
+    link = "http://127.0.0.1:4280/runs/r/charts/confusion.png"
+
+    @flow
+    def pictures(links_url: str | None) -> str:
+        from prefect.runtime import flow_run
+
+        config = load_config(
+            ROOT / "configs" / "local.yaml", [f"output.links_url={links_url or 'null'}"]
+        )
+        chart_artifact(config, "r", "confusion.png", png, link)
+        return str(flow_run.get_id())
+
+    def artifacts(run_id: str) -> list[Any]:
+        with get_client(sync_client=True) as client:
+            return client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+            )
+
+    (served,) = artifacts(pictures("http://127.0.0.1:4280"))
+    assert (served.key, served.type, served.data) == ("chart-confusion", "image", link)
+    assert served.description == "retrain r: confusion matrix on the test split"
+    (embedded,) = artifacts(pictures(None))
+    assert (embedded.key, embedded.type) == ("chart-confusion", "markdown")
+    assert embedded.data.startswith("![confusion matrix on the test split](data:image/png;base64,")

@@ -1,0 +1,195 @@
+"""A PostgreSQL server for the Prefect server of the local service, with its data in a folder of
+the project (``.service/postgres``) and no network listener.
+
+Prefect recommends PostgreSQL for anything shared: SQLite serializes writers, and the service's
+workers, relay, sensor and UI all write at once. Debian's ``postgresql`` package provides the
+binaries (``make setup`` installs it as root). The server listens on a Unix socket inside its
+data folder only (``listen_addresses=''``), so no port can collide and only the folder's owner
+(and root) can connect; authentication inside is ``trust`` for the one role, ``prefect``.
+
+PostgreSQL refuses to run as root: as root, the server and ``initdb`` run as the ``postgres``
+user the package creates (which must be able to reach the folder: every folder above it needs
+``o+x``).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROLE = "prefect"
+DATABASE = "prefect"
+SOCKET_PORT = 5432  # names the socket file only (.s.PGSQL.5432): nothing listens on a port
+_SOCKET_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL
+
+
+class PostgresError(RuntimeError):
+    """PostgreSQL is missing, or its folder cannot be set up; the message says what to do."""
+
+
+def binaries() -> Path:
+    """The folder of ``initdb`` and ``postgres``: Debian keeps them out of PATH, under
+    /usr/lib/postgresql/<version>/bin (the newest installed version is used)."""
+    debian = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/postgres"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
+    if debian:
+        return debian[-1].parent
+    found = shutil.which("postgres")
+    if found and shutil.which("initdb"):
+        return Path(found).resolve().parent
+    raise PostgresError(
+        "PostgreSQL is not installed: `make setup` installs Debian's postgresql when run as "
+        "root (or: apt-get install postgresql)"
+    )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One PostgreSQL data folder and how to run its server."""
+
+    data_dir: Path
+    bin_dir: Path
+    user: str | None  # the account the server runs as; None: this process's own
+
+    @classmethod
+    def at(cls, data_dir: Path) -> Cluster:
+        data_dir = data_dir.resolve()
+        socket = data_dir / f".s.PGSQL.{SOCKET_PORT}"
+        if len(os.fsencode(socket)) > _SOCKET_PATH_MAX:
+            raise PostgresError(
+                f"{data_dir} is too deep for PostgreSQL's socket ({socket} is over "
+                f"{_SOCKET_PATH_MAX} bytes): choose a shorter state folder"
+            )
+        return cls(data_dir, binaries(), "postgres" if os.geteuid() == 0 else None)
+
+    @property
+    def url(self) -> str:
+        """The SQLAlchemy URL Prefect's ``PREFECT_API_DATABASE_CONNECTION_URL`` takes."""
+        return f"postgresql+asyncpg://{ROLE}@/{DATABASE}?host={self.data_dir}&port={SOCKET_PORT}"
+
+    def _as_owner(self) -> dict[str, Any]:
+        """Popen arguments that run a command as the server's account."""
+        if self.user is None:
+            return {}
+        try:
+            account = pwd.getpwnam(self.user)
+        except KeyError:
+            raise PostgresError(
+                f"there is no {self.user} user to run PostgreSQL as (it refuses to run as "
+                "root): install Debian's postgresql package, which creates it"
+            ) from None
+        return {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+
+    def environment(self) -> dict[str, str]:
+        return {"PATH": f"{self.bin_dir}:/usr/bin:/bin", "LC_ALL": "C", "HOME": str(self.data_dir)}
+
+    def initialise(self) -> bool:
+        """Create the data folder once (``initdb``); False when it already holds a cluster."""
+        if (self.data_dir / "PG_VERSION").exists():
+            return False
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        owner = self._as_owner()
+        if owner:
+            os.chown(self.data_dir, owner["user"], owner["group"])
+        self.data_dir.chmod(0o700)
+        proc = subprocess.run(
+            [
+                str(self.bin_dir / "initdb"),
+                "--pgdata",
+                str(self.data_dir),
+                "--auth",
+                "trust",
+                "--username",
+                ROLE,
+                "--encoding",
+                "UTF8",
+                "--locale",
+                "C",
+                "--no-instructions",
+            ],
+            env=self.environment(),
+            capture_output=True,
+            text=True,
+            check=False,
+            **owner,
+        )
+        if proc.returncode != 0:
+            hint = (
+                f" (the {self.user} user must be able to reach {self.data_dir}: every folder "
+                "above it needs o+x)"
+                if self.user and "ermission denied" in proc.stderr
+                else ""
+            )
+            raise PostgresError(f"initdb {self.data_dir} failed{hint}: {proc.stderr.strip()}")
+        return True
+
+    def server_command(self) -> list[str]:
+        """The server in the foreground (its supervisor stops it with SIGINT: a fast shutdown)."""
+        return [
+            str(self.bin_dir / "postgres"),
+            "-D",
+            str(self.data_dir),
+            "-p",
+            str(SOCKET_PORT),
+            "-k",
+            str(self.data_dir),
+            "-c",
+            "listen_addresses=",
+        ]
+
+    def popen_options(self) -> dict[str, Any]:
+        """What the server's process needs besides its command and environment: the account
+        it runs as and its working folder."""
+        return {**self._as_owner(), "cwd": str(self.data_dir)}
+
+    def accepting(self) -> bool:
+        """Whether the server accepts connections (``pg_isready`` on its socket)."""
+        proc = subprocess.run(
+            [
+                str(self.bin_dir / "pg_isready"),
+                "--host",
+                str(self.data_dir),
+                "--port",
+                str(SOCKET_PORT),
+                "--username",
+                ROLE,
+                "--dbname",
+                "postgres",
+                "--quiet",
+            ],
+            env=self.environment(),
+            check=False,
+        )
+        return proc.returncode == 0
+
+    def create_database(self) -> bool:
+        """The ``prefect`` database, once; False when it exists. Prefect's server creates its
+        tables in it (its migrations) when it starts."""
+        proc = subprocess.run(
+            [
+                str(self.bin_dir / "createdb"),
+                "--host",
+                str(self.data_dir),
+                "--port",
+                str(SOCKET_PORT),
+                "--username",
+                ROLE,
+                DATABASE,
+            ],
+            env=self.environment(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode == 0:
+            return True
+        if "already exists" in proc.stderr:
+            return False
+        raise PostgresError(f"createdb {DATABASE} failed: {proc.stderr.strip()}")

@@ -1,0 +1,113 @@
+"""Label a folder of new images in Blob storage with a trained model (the champion's by default):
+the images are downloaded as staging downloads data (path-safe, verified), labelled by
+``training.predict`` (the trainer's own decoding and preprocessing), and the predictions go to
+the output container as a CSV, with a table and a link as the run's artifacts.
+
+It runs on the orchestrator, on its CPU (or its GPU when it has one): for a folder of thousands
+of images, not for a dataset; those are scored on the pool (``training.score``).
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NONE
+
+from backends.blob import container_client
+from core.config import BlobLocation, PipelineConfig
+from registry.gateway import output_link
+from registry.layout import labels_blob
+from registry.store import download, model_blob
+
+TABLE_ROWS = 200  # what the run's table shows; the CSV holds every image
+
+
+@dataclass(frozen=True)
+class Labelled:
+    csv_blob: str
+    link: str
+    model: str
+    labelled: int
+    skipped: list[str]
+
+
+@task(name="label-images", cache_policy=NONE)
+def label_images(
+    config: PipelineConfig,
+    images: BlobLocation,
+    labelling_id: str,
+    run_id: str | None = None,
+    top_k: int = 3,
+) -> Labelled:
+    from staging.sync import sync_to_directory
+    from training.predict import Prediction, images_in, predict, write_csv
+
+    logger = get_run_logger()
+    retries = config.retries.storage_retries
+    outputs = container_client(config.output, retries)
+    base = config.output.prefix
+    model = model_blob(outputs, base, config.promotion.metric, run_id)
+    with tempfile.TemporaryDirectory(prefix="label-") as work:
+        folder = Path(work) / "images"
+        report = sync_to_directory(container_client(images, retries), images.prefix, folder)
+        logger.info("downloaded %d files from %s", report.total_files, where(images))
+        model_file = download(outputs, model, Path(work) / "model.pt")
+        predictions, skipped = predict(model_file, images_in(folder), top_k)
+        prefix = images.prefix.strip("/")
+
+        def blob_name(path: str) -> str:
+            relative = Path(path).relative_to(folder).as_posix()
+            return f"{prefix}/{relative}" if prefix else relative
+
+        predictions = [Prediction(blob_name(p.image), p.top) for p in predictions]
+        unusable = [f"{blob_name(str(path))}: {why}" for path, why in skipped]
+    for line in unusable:
+        logger.warning("skipped %s", line)
+    if not predictions:
+        raise ValueError(f"no readable image under {where(images)} ({len(unusable)} skipped)")
+    text = io.StringIO()
+    write_csv(predictions, text, top_k)
+    blob = labels_blob(base, labelling_id)
+    outputs.upload_blob(blob, text.getvalue().encode(), overwrite=True)
+    link = output_link(config.output, outputs, blob)
+    create_table_artifact(
+        [
+            {"image": p.image, "label": p.top[0][0], "probability": round(p.top[0][1], 4)}
+            for p in predictions[:TABLE_ROWS]
+        ],
+        key="labels",
+        description=f"the likeliest class of each image under {where(images)} (the first "
+        f"{TABLE_ROWS}; every image and its top {top_k} are in the CSV)",
+    )
+    create_link_artifact(
+        link,
+        link_text="predictions.csv",
+        key="labels-csv",
+        description=f"{len(predictions)} images labelled by {model}",
+    )
+    if unusable:
+        create_markdown_artifact(
+            "\n".join(
+                ["## Images that could not be labelled", "", *(f"- `{s}`" for s in unusable)]
+            ),
+            key="labels-skipped",
+            description=f"{len(unusable)} images skipped",
+        )
+    return Labelled(blob, link, model, len(predictions), unusable)
+
+
+def where(location: BlobLocation) -> str:
+    return f"{location.container}/{location.prefix}".rstrip("/")
+
+
+def images_location(config: PipelineConfig, container: str, prefix: str) -> BlobLocation:
+    """The new images' place, read with the data location's credentials (validated: a bad
+    container name is named)."""
+    fields: dict[str, Any] = {**config.data.model_dump(), "container": container, "prefix": prefix}
+    return BlobLocation.model_validate(fields)

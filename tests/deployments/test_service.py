@@ -1,0 +1,323 @@
+"""make service (deployments/service.py): its relay secret, the runs an unclean stop left, and the
+whole service from make service to Ctrl-C, driven through a browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from tests.conftest import ROOT, child_env
+from tests.deployments.test_supervisor import free_port, lines_until, process_tree
+
+
+def test_a_generated_relay_secret_is_the_owners_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deployments.service import relay_secret
+
+    monkeypatch.delenv("RETRAIN_RELAY_SECRET", raising=False)
+    first = relay_secret(tmp_path)
+    assert len(first) == 48 and relay_secret(tmp_path) == first  # kept across restarts
+    assert (tmp_path / "relay-secret").stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("RETRAIN_RELAY_SECRET", "given")
+    assert relay_secret(tmp_path) == "given"
+
+
+def _api(base: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    from scripts.ui_screenshots import api
+
+    return api(base, path, body)
+
+
+def _wait(what: str, check: Callable[[], Any], seconds: float) -> Any:
+    deadline = time.monotonic() + seconds
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)
+    return value
+
+
+@pytest.fixture
+def chromium() -> str:
+    found = shutil.which("chromium")
+    if found is None:
+        reason = "no chromium: `make setup` installs it as root (apt-get install chromium)"
+        if os.environ.get("RETRAIN_REQUIRE_EMULATED_NODES"):
+            pytest.fail(f"RETRAIN_REQUIRE_EMULATED_NODES is set but {reason}")
+        pytest.skip(reason)
+    return found
+
+
+def test_make_service_a_run_from_the_form_its_links_and_its_model(
+    chromium: str, horovodrun: Path, tmp_path: Path
+) -> None:
+    """From a fresh state: `make service`; a run started from the UI form in a browser that
+    reaches nothing but this machine; its pictures, links and Data Docs opened there; its model
+    labelling a folder of new images; Ctrl-C during a second run: that run cancelled, its pool
+    released, no process of the service left."""
+    from azure.storage.blob import ContainerClient
+
+    from backends.azurite import connection_string
+    from backends.blob import upload_directory
+    from scripts.ui_screenshots import DevTools
+    from training.make_images import write_digits
+
+    # Below /tmp, not pytest's own folder (0700): PostgreSQL runs as the postgres user.
+    base = Path(tempfile.mkdtemp(prefix="retrain-service-", dir="/tmp"))
+    base.chmod(0o755)
+    ports = [free_port() for _ in range(4)]
+    azurite_port, prefect_port, relay_port, gateway_port = ports
+    config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    config["output"]["links_url"] = f"http://127.0.0.1:{gateway_port}"
+    # Tiny training: a tenth of the digits, in a container of its own on the service's Azurite.
+    config["data"].update(container="e2e-digits", prefix="v1")
+    config.update(work_dir=str(base / "work"))
+    config["share"]["local_dir"] = str(base / "share")
+    config["nfs"]["local_dir"] = str(base / "nfs")
+    config["pool"].update(id=f"e2e-{uuid.uuid4().hex[:8]}", processes_per_node=1)
+    config["training"].update(timeline=False)
+    config_path = base / "service.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    args = (
+        f"--config {config_path} --state {base / 'state'} --azurite-port {azurite_port} "
+        f"--prefect-port {prefect_port} --relay-port {relay_port}"
+    )
+    make = subprocess.Popen(
+        ["make", "--no-print-directory", "service", f"SERVICE_ARGS={args}"],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a terminal of its own: Ctrl-C goes to its process group
+    )
+    ui = f"http://127.0.0.1:{prefect_port}"
+    api = f"{ui}/api"
+    began = time.monotonic()
+
+    def mark(what: str) -> None:  # where the time goes, in the output of a failed run
+        print(f"{time.monotonic() - began:6.1f}s  {what}", flush=True)
+
+    service: list[psutil.Process] = []
+    profile = base / "chromium"
+    browser: DevTools | None = None
+    try:
+        lines = lines_until(make, "the service is running", seconds=600)
+        status = {
+            line.split()[0]: line for line in lines if line.split()[1:2] in (["ready"], ["done"])
+        }
+        assert list(status) == [
+            "azurite",
+            "postgres",
+            "prefect",
+            "pool",
+            "deploy",
+            "worker",
+            "relay",
+            "gateway",
+        ], "\n".join(lines)
+        assert "on PostgreSQL" in status["prefect"]
+        assert f"127.0.0.1:{relay_port}" in status["relay"]
+        service = process_tree(make.pid)
+        mark("the service is running")
+        small = base / "digits"
+        write_digits(small, test_fraction=0.25, seed=0, per_class=12)
+        data = ContainerClient.from_connection_string(connection_string(azurite_port), "e2e-digits")
+        data.create_container()
+        upload_directory(data, small, "v1")
+
+        # The run form, in the browser: only epochs is filled in.
+        deployment = _api(api, "deployments/name/retrain/manual")
+        profile.mkdir()
+        browser = DevTools(chromium, profile, offline=True)
+        browser.navigate(f"{ui}/deployments/deployment/{deployment['id']}/run", height=2400)
+        browser.wait_for("!!document.querySelector('input[type=number]')", "the run form")
+        form_text = browser.evaluate("document.body.innerText")
+        assert 'Property is type "None"' in form_text  # the advanced config's toggle only
+        assert form_text.count('Property is type "None"') == 1, form_text
+        browser.type_into("input[type=number]", "1")
+        browser.click("Submit")
+        run = _wait(
+            "the run the form started",
+            lambda: _api(
+                api,
+                "flow_runs/filter",
+                {"deployments": {"id": {"any_": [deployment["id"]]}}, "limit": 1},
+            ),
+            60,
+        )[0]
+        # An untouched field is left out (the flow's default applies), not sent as null.
+        assert {k: v for k, v in run["parameters"].items() if v is not None} == {
+            "config_path": str(config_path),
+            "epochs": 1,
+            "force": False,
+        }, run["parameters"]
+        assert set(run["parameters"]) <= {"config_path", "epochs", "force", "config"}
+        mark("the form started a run")
+
+        final = _wait(
+            "the run to finish",
+            lambda: (
+                (r := _api(api, f"flow_runs/{run['id']}"))["state"]["type"]
+                in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+                and r
+            ),
+            420,
+        )
+        assert final["state"]["type"] == "COMPLETED", final["state"]
+        mark("the run completed")
+        artifacts = {
+            a["key"]: a
+            for a in _api(
+                api, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}
+            )
+        }
+        assert {"chart-curves", "chart-confusion", "retrain-summary", "outputs"} <= set(artifacts)
+
+        # The Artifacts tab lists the pictures; each opens as an image the gateway serves.
+        browser.navigate(f"{ui}/runs/flow-run/{run['id']}")
+        browser.wait_for("document.body.innerText.includes('Artifacts')", "the run page")
+        browser.click("Artifacts")
+        tab = browser.wait_for(
+            "document.body.innerText.includes('chart-confusion') && document.body.innerText",
+            "the artifacts tab",
+        )
+        assert "chart-curves" in tab and "IMAGE" in tab.upper()
+        browser.navigate(f"{ui}/artifacts/artifact/{artifacts['chart-confusion']['id']}")
+        browser.wait_for(
+            "[...document.images].some(i => i.src.includes('/charts/confusion.png')"
+            " && i.complete && i.naturalWidth > 0)",
+            "the confusion matrix from the gateway",
+        )
+        # A link's description shows its download command as typed.
+        browser.navigate(f"{ui}/artifacts/artifact/{artifacts['output-model-pt']['id']}")
+        text = browser.wait_for(
+            "document.body.innerText.includes('download --run') && document.body.innerText",
+            "the model link's description",
+        )
+        assert "python -m flows.models --config <the config> download --run" in text
+
+        # The run's outputs folder opens through the gateway, and so do its Data Docs, whole,
+        # with their own styles and scripts (no CDN resolves in this browser).
+        folder = artifacts["outputs"]["data"].rsplit("](", 1)[-1].rstrip(")")
+        assert folder.startswith(f"http://127.0.0.1:{gateway_port}/")
+        browser.navigate(folder)
+        assert "model.pt" in browser.evaluate("document.body.innerText")
+        browser.navigate(f"{folder}data_docs/index.html")
+        browser.wait_for(
+            "document.body.innerText.includes('Showing 1 to')", "the Data Docs' table", 30
+        )
+        assert (
+            browser.evaluate(
+                "getComputedStyle(document.querySelector('.navbar') || document.body).display"
+            )
+            != "inline"
+        )
+        model = base / "model.pt"
+        with urllib.request.urlopen(f"{folder}model.pt", timeout=60) as response:
+            assert response.headers["Content-Type"] == "application/octet-stream"
+            model.write_bytes(response.read())
+            mark("links, pictures and Data Docs opened")
+
+        # The model labels a folder of new, unlabelled images; a damaged one is named.
+        new = base / "new-images"
+        new.mkdir()
+        digits = sorted((base / "state" / "digits" / "test").glob("*/*.png"))[::40]  # unseen
+        for i, image in enumerate(digits):
+            shutil.copyfile(image, new / f"img{i:03d}.png")
+        (new / "damaged.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+        proc = subprocess.run(
+            [sys.executable, "-m", "training.predict", "--model", str(model), "--dir", str(new)],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        rows = proc.stdout.strip().splitlines()
+        assert len(rows) == 1 + len(digits) and rows[0].startswith("image,label_1,")
+        assert f"skipped {new / 'damaged.png'}: unreadable image" in proc.stderr
+        mark("new images labelled")
+
+        # A long run in progress when Ctrl-C comes: cancelled, its pool released.
+        _api(
+            api,
+            f"deployments/{deployment['id']}/create_flow_run",
+            {"parameters": {"epochs": 200, "force": True}},
+        )
+        running = base / "work" / "pools" / config["pool"]["id"] / "running"
+        _wait("the second run's training", lambda: list(running.glob("train-*.pid")), 300)
+        mark("a second run is training")
+    finally:
+        if browser is not None:
+            browser.close()
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGINT)  # Ctrl-C in the terminal of `make service`
+        rest, _ = make.communicate(timeout=300)
+        mark("the service stopped")
+        pool_state = base / "work" / "pools" / config["pool"]["id"] / "pool.json"
+        if pool_state.exists():
+            shutil.copyfile(pool_state, tmp_path / "pool.json")
+        shutil.rmtree(base, ignore_errors=True)
+    pool_state = tmp_path / "pool.json"
+    assert "the service is stopped" in rest, rest
+    assert "worker      stopped (cancelled 1 run in progress)" in rest, rest
+    assert json.loads(pool_state.read_text())["state"] == "released"
+    for name in ("gateway", "relay", "worker", "prefect", "postgres", "azurite"):
+        assert f"{name:<11} stopped" in rest, rest
+    alive = [p for p in service if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], [p.cmdline() for p in alive]
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them() -> None:
+    """Their processes are gone and each holds its deployment's only slot; unless another
+    worker is online on the pool, when they may be its own."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Running
+
+    from deployments.service import cancel_runs, crash_orphans
+
+    api = str(PREFECT_API_URL.value())
+    pool = f"orphans-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        flow_id = client.create_flow_from_name(f"orphaned-{pool}")
+        deployment_id = client.create_deployment(flow_id, "d", work_pool_name=pool)
+        runs = [client.create_flow_run_from_deployment(deployment_id) for _ in range(2)]
+        for run in runs:
+            client.set_flow_run_state(run.id, Running(), force=True)
+
+        assert crash_orphans(api, pool) == "2 runs left by an earlier stop marked crashed"
+        assert {client.read_flow_run(r.id).state.type.value for r in runs} == {"CRASHED"}
+
+        other = client.create_flow_run_from_deployment(deployment_id)
+        client.set_flow_run_state(other.id, Running(), force=True)
+        client.send_worker_heartbeat(pool, "a worker on another machine")
+        assert crash_orphans(api, pool) is None
+        assert client.read_flow_run(other.id).state.type.value == "RUNNING"
+
+        # A stop (of the service, or of a worker's unit: --cancel-runs) asks for cancellation
+        # and waits for the worker to act on it; here no worker runs it, so it is still going.
+        assert cancel_runs(api, pool, seconds=2) == (
+            "cancelled 1 run in progress, 1 still running after 2 s"
+        )
+        assert client.read_flow_run(other.id).state.type.value == "CANCELLING"
