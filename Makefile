@@ -5,9 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
-	package.json package-lock.json
+	scripts/install_image_tools.sh package.json package-lock.json
 
-.PHONY: setup demo azurite azure-config test reliability lint bench clean
+.PHONY: setup demo image azurite azure-config test reliability lint bench clean
 
 setup: $(STAMP)
 
@@ -22,11 +22,18 @@ $(STAMP): $(SETUP_INPUTS)
 	bash scripts/install_horovod.sh $(PY)
 	@# sshd for the emulated Batch nodes of the multi-node tests (root only; see the script).
 	bash scripts/install_sshd.sh
+	@# buildah, debootstrap and docker-registry for the training image (root only; see the script).
+	bash scripts/install_image_tools.sh
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py
+
+# The training image's cpu variant (docker/Dockerfile), built with buildah and pushed to the local
+# registry; nothing is built when the registry has its tag already (README, "The training image").
+image: setup
+	$(PY) scripts/image.py
 
 # The local target's Blob storage for the deployments (README, "Running it as a service"):
 # Azurite on its default port 127.0.0.1:10000 with the demo's dataset uploaded, in the

@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +28,15 @@ def image_inputs(root: Path) -> dict[str, Path]:
     return files
 
 
-def content_tag(root: Path) -> str:
+def content_tag(root: Path, build_args: Mapping[str, str] | None = None) -> str:
+    """The files the image is built from, and the build arguments that choose its variant
+    (none for the image Azure runs: the Dockerfile's defaults are in the Dockerfile)."""
     files = image_inputs(root)
     digest = hashlib.sha256()
     for rel in sorted(files):
         digest.update(f"{rel}\0{file_sha256(files[rel])}\n".encode())
+    for name, value in sorted((build_args or {}).items()):
+        digest.update(f"--build-arg\0{name}={value}\n".encode())
     return digest.hexdigest()[:16]
 
 

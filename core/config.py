@@ -136,8 +136,17 @@ class NfsConfig(_Section):
 
 
 class ImageConfig(_Section):
-    builder: Literal["none", "acr", "docker"] = "none"
-    registry: str | None = Field(None, description="<registry>.azurecr.io")
+    builder: Literal["none", "buildah", "acr", "docker"] = Field(
+        "none",
+        description="who builds and pushes the training image: acr (ACR Tasks) or docker on "
+        "Azure; buildah on the local target (the cpu variant, pushed to a registry on this "
+        "machine); none uses the tag as it is",
+    )
+    registry: str | None = Field(
+        None,
+        description="<registry>.azurecr.io; on the local target a loopback host:port, where a "
+        "registry is started when none listens",
+    )
     repository: str = "retrain/horovod"
     registry_username: str | None = Field(
         None, description="a pull-only ACR token name; omit to pull with the pool's identity"
@@ -364,6 +373,11 @@ class PipelineConfig(_Section):
             raise ValueError(f"target azure needs {', '.join(missing)}")
         if self.image.registry_username and not self.image.registry_password_secret:
             raise ValueError("image.registry_username needs image.registry_password_secret")
+        if self.image.builder == "buildah":
+            raise ValueError(
+                "image.builder buildah builds the local target's cpu image; on Azure use acr "
+                "(or docker)"
+            )
         return self
 
 
