@@ -137,7 +137,8 @@ class Buildah:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """One build at a time on this machine (several sessions may share its cache)."""
+    """One build of a tag (or of the base) at a time on this machine: several sessions may
+    share its cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -186,7 +187,7 @@ class HostMounts:
     def volume_args(self) -> list[str]:
         args = []
         for source, target in self.mounts:
-            mode = "rw" if target.endswith("/horovod-wheels") else "ro"
+            mode = "rw" if target.endswith(("/horovod-wheels", "/pip-cache")) else "ro"
             args += ["-v", f"{source}:{target}:{mode}"]
         return args
 
@@ -241,39 +242,60 @@ def base_image(root: Path) -> str:
     return f"localhost/retrain-base:bookworm-{digest}"
 
 
-def cpu_build_args(root: Path) -> dict[str, str]:
-    """What makes the local image the cpu variant; part of its tag."""
-    return {"VARIANT": "cpu", "BASE_IMAGE": base_image(root)}
+def variant_build_args(root: Path, variant: str = "cpu") -> dict[str, str]:
+    """What makes the local image the cpu (or, built here once to check it, the gpu) variant
+    on the local base; part of its tag."""
+    return {"VARIANT": variant, "BASE_IMAGE": base_image(root)}
 
 
 class LocalImageBuilder:
-    """Builds the cpu variant into buildah's storage and pushes it to ``registry``."""
+    """Builds a variant (cpu: the local target's) into buildah's storage and pushes it to
+    ``registry``."""
 
-    def __init__(self, registry: ImageRegistry, cache: Path | None = None) -> None:
-        self.registry = registry
+    def __init__(
+        self, registry: ImageRegistry, cache: Path | None = None, variant: str = "cpu"
+    ) -> None:
+        self.registry, self.variant = registry, variant
         self.cache = cache or cache_dir()
         self.buildah = Buildah(self.cache / "build")
 
     def reference(self, root: Path, repository: str) -> str:
-        return f"{self.registry.address}/{repository}:{content_tag(root, cpu_build_args(root))}"
+        tag = content_tag(root, variant_build_args(root, self.variant))
+        return f"{self.registry.address}/{repository}:{tag}"
 
-    def build(self, root: Path, repository: str, on_line: OnLine) -> ImageResult:
-        tag = content_tag(root, cpu_build_args(root))
-        reference = f"{self.registry.address}/{repository}:{tag}"
-        if self.registry.has_tag(repository, tag):
+    def build(self, root: Path, repository: str, on_line: OnLine, push: bool = True) -> ImageResult:
+        """The image in the registry (``push``), or in buildah's storage only."""
+        reference = self.reference(root, repository)
+        tag = reference.rsplit(":", 1)[1]
+
+        def there() -> bool:
+            if push:
+                return self.registry.has_tag(repository, tag)
+            return self.buildah.has_image(reference)
+
+        if there():
             return ImageResult(reference, False, "tag already in the registry")
         reason = unavailable_reason()
         if reason:
             raise BuildError(f"image.builder buildah: {reason} (or set image.builder: none)")
-        with _locked(self.cache / "build.lock"):
-            if self.registry.has_tag(repository, tag):  # built meanwhile by another process
+        with _locked(self.cache / "locks" / f"{tag}.lock"):
+            if there():  # built meanwhile by another process
                 return ImageResult(reference, False, "tag already in the registry")
             self._ensure_base(root, on_line)
             self._build(root, reference, on_line)
             self._forget_mount_points(reference)
+            if not push:
+                return ImageResult(reference, True, f"built with buildah ({self.buildah.driver})")
             on_line(f"pushing {reference}")
             self.buildah.stream(
-                ["push", "--tls-verify=false", "--quiet", reference, f"docker://{reference}"],
+                [
+                    "push",
+                    "--tls-verify=false",
+                    "--quiet",
+                    "--disable-compression",
+                    reference,
+                    f"docker://{reference}",
+                ],
                 on_line,
             )
         return ImageResult(
@@ -284,6 +306,11 @@ class LocalImageBuilder:
         name = base_image(root)
         if self.buildah.has_image(name):
             return
+        with _locked(self.cache / "locks" / "base.lock"):
+            if not self.buildah.has_image(name):
+                self._make_base(root, name, on_line)
+
+    def _make_base(self, root: Path, name: str, on_line: OnLine) -> None:
         tarball = self.cache / "base" / f"{name.rsplit(':', 1)[1]}.tar"
         if not tarball.exists():
             on_line(f"base image: debootstrap Debian 12 into {tarball} (about a minute)")
@@ -316,14 +343,17 @@ class LocalImageBuilder:
     def _build(self, root: Path, reference: str, on_line: OnLine) -> None:
         mounts = HostMounts()
         settings = pip_settings()
-        version = dockerfile_arg(root, "TORCH_VERSION")
-        args = {
-            **cpu_build_args(root),
-            "TORCH_FIND_LINKS": cpu_torch_source(settings, mounts, version),
-        }
+        args = variant_build_args(root, self.variant)
+        if self.variant == "cpu":
+            version = dockerfile_arg(root, "TORCH_VERSION")
+            args["TORCH_FIND_LINKS"] = cpu_torch_source(settings, mounts, version)
         wheels = horovod_wheel_cache()
         wheels.mkdir(parents=True, exist_ok=True)
         args["HOROVOD_WHEEL_CACHE"] = mounts.add(wheels, "horovod-wheels")
+        downloads = self.cache / "pip-cache"  # what pip fetched, for the next cold build
+        downloads.mkdir(parents=True, exist_ok=True)
+        args["PIP_NO_CACHE_DIR"] = ""  # empty: caching on (any value turns it off)
+        args["PIP_CACHE_DIR"] = mounts.add(downloads, "pip-cache")
         with tempfile.TemporaryDirectory(dir=self.cache) as work:
             context, pip_dir = Path(work) / "context", Path(work) / "pip"
             for rel, source in image_inputs(root).items():
@@ -339,6 +369,7 @@ class LocalImageBuilder:
                     "--isolation",
                     "chroot",
                     "--layers",
+                    "--force-rm",
                     "--pull=never",
                     "-f",
                     DOCKERFILE,

@@ -1,4 +1,4 @@
-"""The training image: a content-addressed tag, and builders (none on the local target).
+"""The training image: a content-addressed tag, and what every builder shares.
 
 The tag is a hash of everything that goes into the image (docker/, training/ and the pinned
 dependencies), so an unchanged image is never rebuilt and a changed one never reuses a tag.
@@ -48,11 +48,12 @@ class ImageResult:
 
 
 def build_local(root: Path, repository: str) -> ImageResult:
-    """The local target runs the trainer as processes: nothing to build, the tag is recorded."""
+    """image.builder none on the local target: nothing built, the tag is recorded (its cluster
+    runs the trainer as local processes either way)."""
     return ImageResult(
         f"{repository}:{content_tag(root)}",
         False,
-        "not needed: the local target runs the trainer as local processes",
+        "not built (image.builder none): the local target runs the trainer as local processes",
     )
 
 

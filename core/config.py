@@ -355,6 +355,11 @@ class PipelineConfig(_Section):
     def _azure_complete(self) -> PipelineConfig:
         """A run on Azure that lacks a resource fails at load, before anything is created."""
         if self.target != "azure":
+            if self.image.builder in ("acr", "docker"):
+                raise ValueError(
+                    f"image.builder {self.image.builder} is for target azure; the local target "
+                    "builds with buildah (or none)"
+                )
             return self
         needed = {
             "azure.batch_account_url": self.azure.batch_account_url,

@@ -6,8 +6,9 @@ set -eu
 fail() { echo "check_base: $*; BASE_IMAGE must be a plain OS image (see docker/Dockerfile)" >&2; exit 1; }
 held=$(apt-mark showhold 2>/dev/null | tr '\n' ' ')
 [ -z "$held" ] || fail "the base image holds packages: $held"
-for dir in /usr/local/cuda /usr/local/cuda-*; do
-  [ ! -e "$dir" ] || fail "the base image has a CUDA toolkit at $dir"
+root=${CHECK_BASE_ROOT:-}  # another root to look in (the tests' stand-in for a base)
+for dir in "$root"/usr/local/cuda "$root"/usr/local/cuda-*; do
+  [ ! -e "$dir" ] || fail "the base image has a CUDA toolkit at ${dir#"$root"}"
 done
 found=$(ldconfig -p | grep -E 'lib(cudart|nccl)\.so' | tr '\n' ' ' || true)
 [ -z "$found" ] || fail "the base image has CUDA or NCCL libraries: $found"

@@ -2,13 +2,14 @@
 
 Runs in the image's builder stage. ``--cuda``/``--nccl`` are the Dockerfile's TORCH_CUDA and
 TORCH_NCCL; the first thing checked is that the installed torch requires exactly those (its
-wheel metadata), so a torch whose CUDA moved fails the build here, naming both. Then, without
-``--record``: prints the shell settings install_horovod.sh builds with (eval'd by the RUN):
-torch's CUDA folder (nvidia/cu13, where ``cuda-toolkit[nvcc,cccl]`` of the same release put
-nvcc) as HOROVOD_CUDA_HOME, torch's NCCL as HOROVOD_NCCL_HOME (linked shared, so the process has
-torch's copy only), and the GPU architectures torch itself was built for. With ``--record``:
-writes what the build used (nvcc's release, the NCCL header's version) for check_image.py to
-compare with what torch loads at run time.
+wheel metadata), so a torch whose CUDA moved fails the build here, naming both (``--check``
+does only that, before anything is installed). Then, without ``--record``: prints the shell
+settings install_horovod.sh builds with (eval'd by the RUN): torch's CUDA folder (nvidia/cu13,
+where ``cuda-toolkit[nvcc,cccl]`` of the same release put nvcc) as HOROVOD_CUDA_HOME, torch's
+NCCL as HOROVOD_NCCL_HOME (linked shared, so the process has torch's copy only), and the GPU
+architectures torch itself was built for. With ``--record``: writes what the build used
+(nvcc's release, the NCCL header's version) for check_image.py to compare with what torch
+loads at run time.
 """
 
 from __future__ import annotations
@@ -112,7 +113,12 @@ def main() -> None:
     parser.add_argument("--nccl", required=True)
     parser.add_argument("--variant", default="gpu")
     parser.add_argument("--record", type=Path)
+    parser.add_argument("--check", action="store_true", help="torch's pins only, then exit")
     args = parser.parse_args()
+    if args.check:
+        check_torch_pins(args.cuda, args.nccl)
+        print(f"cuda_build_env: torch requires CUDA {args.cuda} and NCCL {args.nccl}, as asked")
+        return
     if args.record:
         import torch
 
@@ -133,6 +139,8 @@ def main() -> None:
     if not (cuda / "bin" / "nvcc").exists():
         fail(f"no nvcc in {cuda}/bin: install cuda-toolkit[nvcc,cccl]=={args.cuda} first")
     link_unversioned(cuda / "lib", "cudart")
+    if not (cuda / "lib64").exists():  # where nvcc's own profile looks for its libraries
+        (cuda / "lib64").symlink_to("lib")
     link_unversioned(nccl / "lib", "nccl")
     settings = {
         "HOROVOD_CUDA_HOME": str(cuda),

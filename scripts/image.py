@@ -26,13 +26,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.yaml")
     parser.add_argument("--quiet", action="store_true", help="print the result only")
+    parser.add_argument(
+        "--variant",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="gpu builds the image Azure runs (PyPI's CUDA torch, Horovod with NCCL and MPI) on "
+        "the local base, to run its build-time checks here; it is kept in buildah's storage, "
+        "not pushed",
+    )
     args = parser.parse_args()
     config = load_config(args.config)
     started = time.monotonic()
     with local_registry(config.image.registry) as registry:
-        builder = LocalImageBuilder(registry)
+        builder = LocalImageBuilder(registry, variant=args.variant)
         result = builder.build(
-            ROOT, config.image.repository, (lambda _: None) if args.quiet else print
+            ROOT,
+            config.image.repository,
+            (lambda _: None) if args.quiet else print,
+            push=args.variant == "cpu",
         )
     took = time.monotonic() - started
     print(f"image {result.reference}: {result.reason} ({took:.0f} s)")

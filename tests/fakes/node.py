@@ -165,6 +165,11 @@ class PoolNodes:
     ) -> None:
         self.root, self.nfs_dir, self.scripts = root, nfs_dir, scripts
         self.images, self.aliases = images, aliases or {}
+        # Batch does not say whether a node's coordination command and the task's application
+        # command share one container. The pipeline assumes they do (its sshd outlives the
+        # coordination command); True runs the other reading: each coordination command in a
+        # container of its own, gone with everything in it once the command exits.
+        self.coordination_in_own_container = False
         self.batch_root = root / "batch"  # the same path on every node
         self.hosts_file, self.read_only_hosts, self.cpus = hosts_file, read_only_hosts, cpus
         self.hosts: Hosts | None = None
@@ -326,6 +331,8 @@ class PoolNodes:
                 for sub in run.subtasks:
                     sub.set("running")
                 code = self._coordinate(run, envs, deadline) if run.coordination else 0
+                if code == 0 and self.coordination_in_own_container:
+                    self._new_containers(run)
                 if code == 0:
                     run.application_started = time.time()
                     primary = self._popen(run.primary, envs[0], run.command)
@@ -343,6 +350,17 @@ class PoolNodes:
                         sub.set("completed")
                 run.exit_code = code
                 run.done.set()
+
+    def _new_containers(self, run: TaskRun) -> None:
+        """The coordination commands' containers end (their processes with them); the
+        application command gets a container of its own on the primary."""
+        for sub in run.subtasks:
+            if sub.container is not None:
+                sub.node.kill_processes()
+                sub.container.stop(sub.node.run_in_mounts)
+        primary = run.primary
+        if primary.container is not None:
+            primary.container = self._container(primary, primary.container.image, Path(run.task_id))
 
     def _coordinate(self, run: TaskRun, envs: list[dict[str, str]], deadline: float) -> int:
         """Every node's coordination command; the first to fail stops the others."""

@@ -185,3 +185,23 @@ def test_ddp_task_fails_when_a_node_fails(pool: PoolNodes, training_image: str) 
     assert "launch: node 10.211.0.4 exited " in out and "launch: node 10.211.0.5 exited " in out
     assert "launch: node 10.211.0.4 exited 0" not in out
     assert "test accuracy" not in out
+
+
+def test_a_coordination_sshd_that_did_not_outlive_its_container_fails_the_launch(
+    pool: PoolNodes, training_image: str
+) -> None:
+    """The pipeline assumes a node's coordination command and the application command share
+    the task's container, so the sshd prepare_node.sh leaves running serves the primary's
+    ranks. Were each coordination command's container gone when it exits (Batch does not say),
+    the launch fails at once, naming the node and the assumption, instead of hanging."""
+    pool.coordination_in_own_container = True
+    try:
+        run = run_task(pool, training_spec(2, 1), image=training_image)
+    finally:
+        pool.coordination_in_own_container = False
+    assert run.exit_code == 1
+    assert all(s.exit_code == 0 for s in run.subtasks)  # every node prepared itself
+    stderr = run.primary.stderr()
+    assert "launch: node 10.211.0.5: no sshd answers on port 2222" in stderr, stderr
+    assert "sshd outlives the coordination command" in stderr
+    assert "launch: 2 processes" not in run.primary.stdout()  # no rank was started
