@@ -361,6 +361,11 @@ class PipelineConfig(_Section):
                     "builds with buildah (or none)"
                 )
             return self
+        if self.image.builder == "buildah":
+            raise ValueError(
+                "image.builder buildah builds the local target's cpu image; on Azure use acr "
+                "(or docker)"
+            )
         needed = {
             "azure.batch_account_url": self.azure.batch_account_url,
             "share.account_url": self.share.account_url,
@@ -378,11 +383,6 @@ class PipelineConfig(_Section):
             raise ValueError(f"target azure needs {', '.join(missing)}")
         if self.image.registry_username and not self.image.registry_password_secret:
             raise ValueError("image.registry_username needs image.registry_password_secret")
-        if self.image.builder == "buildah":
-            raise ValueError(
-                "image.builder buildah builds the local target's cpu image; on Azure use acr "
-                "(or docker)"
-            )
         return self
 
 
