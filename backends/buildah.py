@@ -128,6 +128,20 @@ class Buildah:
         if proc.wait() != 0:
             raise BuildError(f"buildah {args[0]} failed ({proc.returncode}):\n" + "\n".join(tail))
 
+    def image_size(self, name: str) -> str:
+        """As buildah reports it (e.g. '1.69 GB': its layers, unpacked)."""
+        return self.output("images", "--format", "{{.Size}}", name).strip()
+
+    def remove_all(self) -> None:
+        """Every container and image of this storage, and the mount the overlay driver keeps
+        on its own folder, so that the folder can be deleted."""
+        for args in (("rm", "--all"), ("rmi", "--all", "--force")):
+            subprocess.run(self.command(*args), capture_output=True, check=False)
+        home = self.root / "storage" / self.driver
+        mounted = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+        if str(home) in mounted:
+            subprocess.run(["umount", str(home)], capture_output=True, check=False)
+
     def has_image(self, name: str) -> bool:
         done = subprocess.run(
             self.command("images", "--quiet", name), capture_output=True, text=True, check=False
@@ -281,7 +295,7 @@ class LocalImageBuilder:
         with _locked(self.cache / "locks" / f"{tag}.lock"):
             if there():  # built meanwhile by another process
                 return ImageResult(reference, False, "tag already in the registry")
-            self._ensure_base(root, on_line)
+            self.ensure_base(root, on_line)
             self._build(root, reference, on_line)
             self._forget_mount_points(reference)
             if not push:
@@ -302,7 +316,8 @@ class LocalImageBuilder:
             reference, True, f"built with buildah ({self.buildah.driver} storage) and pushed"
         )
 
-    def _ensure_base(self, root: Path, on_line: OnLine) -> None:
+    def ensure_base(self, root: Path, on_line: OnLine) -> None:
+        """The local base image in buildah's storage (made once: docker/base.sh)."""
         name = base_image(root)
         if self.buildah.has_image(name):
             return

@@ -39,6 +39,8 @@ class Share(Protocol):
 class Target(Protocol):
     # Staging runs on the pool's nodes (it then waits for the pool and the uploaded scripts).
     stages_on_pool: bool
+    # The training task runs in the built image (it then waits for the build).
+    trains_in_image: bool
 
     def share(self) -> Share: ...
 
@@ -64,6 +66,7 @@ class LocalTarget:
     ACR Tasks does on Azure (image.builder buildah), local processes for the pool."""
 
     stages_on_pool = False
+    trains_in_image = False  # the local cluster runs the trainer on this machine's files
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
@@ -121,6 +124,7 @@ class AzureTarget:
     """Azure Files, ACR Tasks (or docker, or a tag used as is), a Batch pool."""
 
     stages_on_pool = True  # the data must not stream through the orchestrator
+    trains_in_image = True
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
