@@ -55,7 +55,12 @@ def measure(variant: str, cache: Path) -> dict[str, Any]:
         report["build_seconds"] = time.perf_counter() - started
         report["cold_seconds"] = report["base_seconds"] + report["build_seconds"]
         report["size"] = builder.buildah.image_size(first.reference)
-        report["checks"] = [line for line in lines if line.startswith("check_image:")]
+        report["checks"] = [
+            line
+            for line in lines
+            if line.startswith(("check_image: cpu image ok", "check_image: gpu image ok"))
+            or line.startswith("cuda_build_env: built with")
+        ]
         report["storage_driver"] = builder.buildah.driver
         if variant == "cpu":
             edited = cache / "checkout"
