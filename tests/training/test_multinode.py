@@ -205,3 +205,32 @@ def test_a_coordination_sshd_that_did_not_outlive_its_container_fails_the_launch
     assert "launch: node 10.211.0.5: no sshd answers on port 2222" in stderr, stderr
     assert "sshd outlives the coordination command" in stderr
     assert "launch: 2 processes" not in run.primary.stdout()  # no rank was started
+
+
+def test_an_image_without_sshd_fails_on_the_node_naming_what_it_lacks(
+    pool: PoolNodes, training_image: str
+) -> None:
+    """What the image lacks fails here, as it would on Batch, and says what: an image whose
+    openssh-server is gone (the same image, one layer more, pushed beside it)."""
+    from backends.buildah import Buildah
+    from backends.image_registry import cache_dir
+
+    buildah = Buildah(cache_dir() / "build")
+    lacking = f"{training_image}-no-sshd"
+    container = buildah.output(
+        "from", "--tls-verify=false", "--quiet", f"docker://{training_image}"
+    ).strip()
+    try:
+        buildah.output("run", "--isolation", "chroot", container, "--", "rm", "/usr/sbin/sshd")
+        buildah.output("commit", "--quiet", container, lacking)
+    finally:
+        buildah.output("rm", container)
+    buildah.output("push", "--tls-verify=false", "--quiet", lacking, f"docker://{lacking}")
+    run = run_task(pool, training_spec(2, 1), image=lacking)
+    assert run.exit_code == 1
+    failed = next(s for s in run.subtasks if s.node_id == run.failed_node)
+    assert (
+        f"prepare_node: node {failed.node_id}" in failed.stderr()
+        and "no sshd in the image (/usr/sbin/sshd: openssh-server)" in failed.stderr()
+    ), failed.stderr()
+    assert "launch:" not in run.primary.stdout()  # the application command never ran
