@@ -17,12 +17,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.buildah import LocalImageBuilder  # noqa: E402
-from backends.image_registry import local_registry  # noqa: E402
+from backends.buildah import BuildError, LocalImageBuilder  # noqa: E402
+from backends.image_registry import RegistryError, local_registry  # noqa: E402
 from core.config import load_config  # noqa: E402
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "local.yaml")
     parser.add_argument("--quiet", action="store_true", help="print the result only")
@@ -37,17 +37,22 @@ def main() -> None:
     args = parser.parse_args()
     config = load_config(args.config)
     started = time.monotonic()
-    with local_registry(config.image.registry) as registry:
-        builder = LocalImageBuilder(registry, variant=args.variant)
-        result = builder.build(
-            ROOT,
-            config.image.repository,
-            (lambda _: None) if args.quiet else print,
-            push=args.variant == "cpu",
-        )
+    try:
+        with local_registry(config.image.registry) as registry:
+            builder = LocalImageBuilder(registry, variant=args.variant)
+            result = builder.build(
+                ROOT,
+                config.image.repository,
+                (lambda _: None) if args.quiet else print,
+                push=args.variant == "cpu",
+            )
+    except (BuildError, RegistryError) as exc:  # what failed and what to do, without a trace
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     took = time.monotonic() - started
     print(f"image {result.reference}: {result.reason} ({took:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
