@@ -8,13 +8,15 @@ the image is built from plus the variant's build arguments, so an image already 
 registry is never built again, and a change to the training code rebuilds its layer only
 (buildah's layer cache keeps the others).
 
-What the build reads from this machine, mounted read-only into its RUN steps under
-/run/retrain-host (never into the image): pip's own configuration (index, extra indexes, CA
-bundle: a TLS-intercepting proxy needs it, and binding it over the image's own bundle would
-break dpkg), the folder holding the CPU torch wheel, and the Horovod wheel cache that
-`make setup` filled (scripts/install_horovod.sh keys it by torch and Python version, which the
-image shares with this machine's venv: Debian 12's Python 3.11 and the same torch wheel), so
-the image reuses the wheel instead of compiling Horovod a second time.
+What the build reads from this machine is mounted into its RUN steps under /run/retrain-host,
+and a last layer removes the empty mount points, so nothing of it is in the image: pip's own
+configuration (index, extra indexes, CA bundle: a TLS-intercepting proxy needs it, and binding
+it over the image's own bundle would break dpkg) and the folder holding the CPU torch wheel,
+read-only; pip's download cache, and the Horovod wheel cache that `make setup` filled
+(scripts/install_horovod.sh keys it by torch and Python version, which the image shares with
+this machine's venv: Debian 12's Python 3.11 and the same torch wheel), so the image reuses the
+wheel instead of compiling Horovod a second time, and a wheel the image compiles (the gpu
+variant's) is kept for the next build.
 """
 
 from __future__ import annotations
