@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,9 @@ def test_a_code_change_rebuilds_only_the_code_layer(
         (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source, checkout / rel)
     with open(checkout / "training" / "__init__.py", "a") as handle:
-        handle.write("# an edit of the code, nothing else\n")
+        # An edit no earlier session made (its tag must be new: a tag in the registry is
+        # never built again).
+        handle.write(f"# an edit of the code, nothing else: {uuid.uuid4().hex}\n")
     lines: list[str] = []
     changed = LocalImageBuilder(image_registry).build(checkout, "retrain/horovod", lines.append)
     assert changed.built is True and changed.reference != training_image

@@ -217,15 +217,20 @@ def test_an_image_without_sshd_fails_on_the_node_naming_what_it_lacks(
 
     buildah = Buildah(cache_dir() / "build")
     lacking = f"{training_image}-no-sshd"
-    container = buildah.output(
-        "from", "--tls-verify=false", "--quiet", f"docker://{training_image}"
-    ).strip()
+    # The build left the image in buildah's storage, named for the registry it pushed to then.
+    named = f"/{training_image.split('/', 1)[1]}"
+    stored = [n for n in buildah.output("images", "--format", "{{.Name}}:{{.Tag}}").split()]
+    source = next((n for n in stored if n.endswith(named)), f"docker://{training_image}")
+    container = buildah.output("from", "--tls-verify=false", "--quiet", source).strip()
     try:
         buildah.output("run", "--isolation", "chroot", container, "--", "rm", "/usr/sbin/sshd")
         buildah.output("commit", "--quiet", container, lacking)
     finally:
         buildah.output("rm", container)
-    buildah.output("push", "--tls-verify=false", "--quiet", lacking, f"docker://{lacking}")
+    try:
+        buildah.output("push", "--tls-verify=false", "--quiet", lacking, f"docker://{lacking}")
+    finally:
+        buildah.output("rmi", lacking)  # the registry keeps it; the build storage need not
     run = run_task(pool, training_spec(2, 1), image=lacking)
     assert run.exit_code == 1
     failed = next(s for s in run.subtasks if s.node_id == run.failed_node)
