@@ -5,9 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
-	scripts/install_service_packages.sh package.json package-lock.json
+	scripts/install_service_packages.sh scripts/install_image_tools.sh package.json \
+	package-lock.json
 
-.PHONY: setup demo azurite service azure-config test test-quick reliability lint bench clean
+.PHONY: setup demo image azurite service azure-config test test-quick reliability lint bench clean
 
 setup: $(STAMP)
 
@@ -24,11 +25,18 @@ $(STAMP): $(SETUP_INPUTS)
 	bash scripts/install_sshd.sh
 	@# PostgreSQL for `make service` and Chromium for its UI tests (root only; see the script).
 	bash scripts/install_service_packages.sh
+	@# buildah, debootstrap and docker-registry for the training image (root only; see the script).
+	bash scripts/install_image_tools.sh
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py
+
+# The training image's cpu variant (docker/Dockerfile), built with buildah and pushed to the local
+# registry; nothing is built when the registry has its tag already (README, "The training image").
+image: setup
+	$(PY) scripts/image.py
 
 # The local target's Blob storage for the deployments (README, "Running it as a service"):
 # Azurite on its default port 127.0.0.1:10000 with the demo's dataset uploaded, in the

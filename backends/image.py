@@ -1,4 +1,4 @@
-"""The training image: a content-addressed tag, and builders (none on the local target).
+"""The training image: a content-addressed tag, and what every builder shares.
 
 The tag is a hash of everything that goes into the image (docker/, training/ and the pinned
 dependencies), so an unchanged image is never rebuilt and a changed one never reuses a tag.
@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +28,15 @@ def image_inputs(root: Path) -> dict[str, Path]:
     return files
 
 
-def content_tag(root: Path) -> str:
+def content_tag(root: Path, build_args: Mapping[str, str] | None = None) -> str:
+    """The files the image is built from, and the build arguments that choose its variant
+    (none for the image Azure runs: the Dockerfile's defaults are in the Dockerfile)."""
     files = image_inputs(root)
     digest = hashlib.sha256()
     for rel in sorted(files):
         digest.update(f"{rel}\0{file_sha256(files[rel])}\n".encode())
+    for name, value in sorted((build_args or {}).items()):
+        digest.update(f"--build-arg\0{name}={value}\n".encode())
     return digest.hexdigest()[:16]
 
 
@@ -43,11 +48,12 @@ class ImageResult:
 
 
 def build_local(root: Path, repository: str) -> ImageResult:
-    """The local target runs the trainer as processes: nothing to build, the tag is recorded."""
+    """image.builder none on the local target: nothing built, the tag is recorded (its cluster
+    runs the trainer as local processes either way)."""
     return ImageResult(
         f"{repository}:{content_tag(root)}",
         False,
-        "not needed: the local target runs the trainer as local processes",
+        "not built (image.builder none): the local target runs the trainer as local processes",
     )
 
 

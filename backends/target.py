@@ -1,7 +1,8 @@
 """Which backends a config's target uses: the one place that reads ``config.target``.
 
-``target_for(config)`` is this machine's stand-ins (a directory for the share, no image, local
-processes for the pool, staging in this process) or Azure through the SDKs (Azure Files, ACR
+``target_for(config)`` is this machine's stand-ins (a directory for the share, the training
+image built with buildah and pushed to a registry here, local processes for the pool, staging in
+this process) or Azure through the SDKs (Azure Files, ACR
 Tasks or docker, a Batch pool, staging as a task on the pool). The flow and its tasks call the
 target's methods and the cluster's; none of them asks which target it is.
 """
@@ -38,6 +39,8 @@ class Share(Protocol):
 class Target(Protocol):
     # Staging runs on the pool's nodes (it then waits for the pool and the uploaded scripts).
     stages_on_pool: bool
+    # The training task runs in the built image (it then waits for the build).
+    trains_in_image: bool
 
     def share(self) -> Share: ...
 
@@ -59,9 +62,11 @@ def image_reference(config: PipelineConfig) -> str:
 
 
 class LocalTarget:
-    """This machine: a directory for the share, no image, local processes for the pool."""
+    """This machine: a directory for the share, the image's cpu variant built and pushed as
+    ACR Tasks does on Azure (image.builder buildah), local processes for the pool."""
 
     stages_on_pool = False
+    trains_in_image = False  # the local cluster runs the trainer on this machine's files
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
@@ -70,7 +75,16 @@ class LocalTarget:
         return LocalShare(self.config.share.local_dir)
 
     def build_image(self, on_line: OnLine) -> ImageResult:
-        return build_local(PROJECT_ROOT, self.config.image.repository)
+        """Built and pushed unless the registry has its tag (image.builder buildah), or only
+        named (none)."""
+        image = self.config.image
+        if image.builder != "buildah":
+            return build_local(PROJECT_ROOT, image.repository)
+        from backends.buildah import LocalImageBuilder
+        from backends.image_registry import local_registry
+
+        with local_registry(image.registry) as registry:
+            return LocalImageBuilder(registry).build(PROJECT_ROOT, image.repository, on_line)
 
     def cluster(self) -> Cluster:
         from backends.local_cluster import LocalCluster
@@ -111,6 +125,7 @@ class AzureTarget:
     """Azure Files, ACR Tasks (or docker, or a tag used as is), a Batch pool."""
 
     stages_on_pool = True  # the data must not stream through the orchestrator
+    trains_in_image = True
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config

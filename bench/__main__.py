@@ -27,6 +27,7 @@ FULL: dict[str, list[str]] = {
     "train_throughput": [],
     "nodes": [],
     "gate_scale": [],
+    "image": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": ["--small", "300", "--large", "2", "--large-mb", "4", "--delays-ms", "0", "2"],
@@ -39,6 +40,7 @@ QUICK: dict[str, list[str]] = {
         *("--train", "20000", "--test", "1000", "--classes", "100"),
         *("--expect-rows", "5000", "--sample", "100"),
     ],
+    "image": [],  # one build from nothing, then one after a code change: no smaller size
 }
 
 

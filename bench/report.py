@@ -557,6 +557,30 @@ def gpu_speed(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def image(r: dict[str, Any], heading: str) -> list[str]:
+    """The training image's build times and size (``bench/image.py``)."""
+    lines = [heading, ""]
+    if "skipped" in r:
+        return [*lines, f"Not measured on this machine: {r['skipped']}.", ""]
+    lines += [
+        f"Method: {r['method']}; {r['storage_driver']} storage. Load average at the end:",
+        f"{r['load_average']:.1f}.",
+        "",
+        "| | seconds |",
+        "|---|---:|",
+        f"| base image (debootstrap Debian 12) | {r['base_seconds']:.0f} |",
+        f"| the image on that base | {r['build_seconds']:.0f} |",
+        f"| from nothing, in all | {r['cold_seconds']:.0f} |",
+    ]
+    if "code_change_seconds" in r:
+        changed = r["code_change_seconds"]
+        lines.append(f"| again after a change to the training code | {changed:.0f} |")
+    lines += ["", f"Image size ({r['variant']} variant, layers unpacked): {r['size']}.", ""]
+    if r.get("checks"):
+        lines += ["What its build-time checks saw:", "", *(f"    {c}" for c in r["checks"]), ""]
+    return lines
+
+
 def render(results: Path) -> str:
     def load(name: str) -> dict[str, Any] | None:
         path = results / f"{name}.json"
@@ -593,6 +617,8 @@ def render(results: Path) -> str:
         lines += ["## Training throughput (`bench/train_throughput.py`)", "", *train_throughput(r)]
     if (r := load("nodes")) is not None:
         lines += nodes(r)
+    if (r := load("image")) is not None:
+        lines += image(r, "## The training image, cpu variant (`bench/image.py`)")
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [
@@ -611,6 +637,8 @@ def render(results: Path) -> str:
                 lines += [f"### What each speed switch buys ({stamp})", "", *gpu_speed(r)]
             elif r["benchmark"] == "trainer":
                 lines += trainer(r, f"### The trainer on loose files and on shards ({stamp})")
+            elif r["benchmark"] == "image":
+                lines += image(r, f"### The training image, {r['variant']} variant ({stamp})")
             else:
                 lines += [f"### {r['benchmark']} ({stamp})", "", *train_throughput(r)]
     return "\n".join(lines).rstrip() + "\n"

@@ -184,8 +184,17 @@ class NfsConfig(_Section):
 
 
 class ImageConfig(_Section):
-    builder: Literal["none", "acr", "docker"] = "none"
-    registry: str | None = Field(None, description="<registry>.azurecr.io")
+    builder: Literal["none", "buildah", "acr", "docker"] = Field(
+        "none",
+        description="who builds and pushes the training image: acr (ACR Tasks) or docker on "
+        "Azure; buildah on the local target (the cpu variant, pushed to a registry on this "
+        "machine); none uses the tag as it is",
+    )
+    registry: str | None = Field(
+        None,
+        description="<registry>.azurecr.io; on the local target a loopback host:port, where a "
+        "registry is started when none listens",
+    )
     repository: str = "retrain/horovod"
     registry_username: str | None = Field(
         None, description="a pull-only ACR token name; omit to pull with the pool's identity"
@@ -419,7 +428,17 @@ class PipelineConfig(_Section):
     def _azure_complete(self) -> PipelineConfig:
         """A run on Azure that lacks a resource fails at load, before anything is created."""
         if self.target != "azure":
+            if self.image.builder in ("acr", "docker"):
+                raise ValueError(
+                    f"image.builder {self.image.builder} is for target azure; the local target "
+                    "builds with buildah (or none)"
+                )
             return self
+        if self.image.builder == "buildah":
+            raise ValueError(
+                "image.builder buildah builds the local target's cpu image; on Azure use acr "
+                "(or docker)"
+            )
         needed = {
             "azure.batch_account_url": self.azure.batch_account_url,
             "share.account_url": self.share.account_url,

@@ -243,13 +243,13 @@ def _retrain(
                 wait_for=[pool_f, scripts_f] if target.stages_on_pool else [],
                 return_state=False,
             )
-            scripts, staged, image, pool = (
-                scripts_f.result(),
-                staged_f.result(),
-                image_f.result(),
-                pool_f.result(),
-            )
-            steps += [scripts.record, staged.record, image.record, pool.record]
+            scripts, staged, pool = scripts_f.result(), staged_f.result(), pool_f.result()
+            # Batch runs the training task in the image; the local cluster runs the trainer on
+            # this machine's files, so there training does not wait for the image's build.
+            image = image_f.result() if target.trains_in_image else None
+            steps += [scripts.record, staged.record]
+            image_at = len(steps)  # its record goes here, in the steps' order, when it ends
+            steps.append(pool.record)
             key = training_key(run_config, staged.value.version, scripts.value)
             if force:  # a checkpoint of the same settings would resume: start afresh
                 key = f"{key}-{run.id}"
@@ -261,6 +261,7 @@ def _retrain(
                 retry_delay_seconds=run_config.retries.backoff_seconds,
             )
             steps.append(trainer(run_config, cluster, run, key).record)
+            steps.insert(image_at, (image or image_f.result()).record)
             scored = collect_and_score(cluster, run)
             steps.append(scored.record)
             promotion = promote(

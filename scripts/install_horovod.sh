@@ -18,7 +18,10 @@
 # The version becomes 0.28.1+retrain.<patch level>, so an installed build says which patches
 # it has (`horovodrun --version`).
 # The built wheel is kept in a cache keyed by the torch and Python versions, so a second setup
-# on the same machine takes seconds.
+# on the same machine takes seconds (and the training image's build reuses it: docker/).
+# HOROVOD_WHEEL_OUT, when set, gets a copy of the wheel installed (the image's builder stage
+# hands it to the final stage that way); with HOROVOD_CACHED_ONLY set, a wheel missing from the
+# cache exits 3 instead of being built (the image then installs its compilers first).
 set -euo pipefail
 
 PY=${1:-.venv/bin/python}
@@ -27,6 +30,8 @@ PY=${1:-.venv/bin/python}
 FLAVOR=${HOROVOD_FLAVOR:-cpu}
 case "$FLAVOR" in
   cpu) build_env=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1) ;;
+  # The CUDA and NCCL are whatever HOROVOD_CUDA_HOME and HOROVOD_NCCL_HOME name: in the image,
+  # torch's own (docker/cuda_build_env.py).
   gpu) build_env=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
                   HOROVOD_GPU_OPERATIONS=NCCL) ;;
   *) echo "HOROVOD_FLAVOR must be cpu or gpu, not '$FLAVOR'" >&2; exit 2 ;;
@@ -35,7 +40,7 @@ HVD_VERSION=0.28.1
 PATCH_LEVEL=p3  # bump when the patches below change, so cached wheels are rebuilt
 CACHE_DIR=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/retrain-horovod-wheels}
 
-if FLAVOR=$FLAVOR PATCH_LEVEL=$PATCH_LEVEL "$PY" - <<'PYEOF' 2>/dev/null; then
+if [ -z "${HOROVOD_WHEEL_OUT:-}" ] && FLAVOR=$FLAVOR PATCH_LEVEL=$PATCH_LEVEL "$PY" - <<'PYEOF' 2>/dev/null; then
 import os
 import horovod
 import horovod.torch as hvd
@@ -51,6 +56,10 @@ fi
 key=$("$PY" -c 'import sys, torch; v = torch.__version__.split("+")[0]; print("torch%s-py%d%d" % (v, *sys.version_info[:2]))')
 wheel_dir="$CACHE_DIR/$HVD_VERSION-$PATCH_LEVEL-$FLAVOR-$key"
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+  if [ -n "${HOROVOD_CACHED_ONLY:-}" ]; then
+    echo "horovod: no cached $FLAVOR wheel for $key in $CACHE_DIR"
+    exit 3
+  fi
   echo "horovod: building $HVD_VERSION ($FLAVOR) for $key (a few minutes, once per machine)"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
@@ -67,6 +76,12 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   grep -q "gloo_iface_ = global_context.gloo_iface_;" "$src/horovod/common/gloo/gloo_context.cc"
   sed -i "s/^__version__ = '$HVD_VERSION'$/__version__ = '$HVD_VERSION+retrain.$PATCH_LEVEL'/" "$src/horovod/__init__.py"
   grep -q "+retrain.$PATCH_LEVEL'" "$src/horovod/__init__.py"
+  if [ "$FLAVOR" = gpu ]; then
+    # The CUDA runtime linked shared, as NCCL is: the process then holds torch's libcudart
+    # only, not a static copy of its own beside it.
+    sed -i 's/set(CMAKE_CUDA_RUNTIME_LIBRARY "Static")/set(CMAKE_CUDA_RUNTIME_LIBRARY "Shared")/' "$src/CMakeLists.txt"
+    grep -q 'set(CMAKE_CUDA_RUNTIME_LIBRARY "Shared")' "$src/CMakeLists.txt"
+  fi
   "$PY" -m pip install --quiet cloudpickle psutil pyyaml packaging setuptools wheel cmake
   mkdir -p "$work/out"
   # Newer toolchains: GCC 13 no longer pulls <string>, <stdexcept> and <cstdint> in through
@@ -83,5 +98,9 @@ if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   mv "$wheel_dir/.partial" "$wheel_dir/$(basename "$whl")"
 fi
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+if [ -n "${HOROVOD_WHEEL_OUT:-}" ]; then
+  mkdir -p "$HOROVOD_WHEEL_OUT"
+  cp "$wheel_dir"/horovod-*.whl "$HOROVOD_WHEEL_OUT"/
+fi
 "$PY" -m pip install --quiet cloudpickle psutil pyyaml packaging
 "$PY" -c 'import horovod, horovod.torch; from horovod.common.util import gloo_built; assert gloo_built(); print("horovod:", horovod.__version__, "with Gloo")'

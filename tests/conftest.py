@@ -155,6 +155,40 @@ def prefect_api() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def image_registry() -> Iterator[Any]:
+    """The local registry (docker-registry) on a free port for the session, over the storage
+    every build on this machine shares: an image pushed by an earlier session, or by a flow's
+    build step, is found by its tag."""
+    from backends.image_registry import local_registry
+    from tests.nodes_helpers import require_image_tools
+
+    require_image_tools()
+    with local_registry(None) as registry:
+        yield registry
+
+
+@pytest.fixture(scope="session")
+def training_image(image_registry: Any) -> str:
+    """The training image's cpu variant (docker/Dockerfile), built once per content (the tag)
+    and pushed, as the local target's build step does; its reference."""
+    from backends.buildah import LocalImageBuilder
+
+    lines: list[str] = []
+    result = LocalImageBuilder(image_registry).build(ROOT, "retrain/horovod", lines.append)
+    print(f"training image {result.reference}: {result.reason}")
+    return result.reference
+
+
+@pytest.fixture(scope="session")
+def image_puller() -> Any:
+    """What the emulated nodes pull images with (their layer cache is this machine's)."""
+    from backends.image_registry import cache_dir
+    from tests.fakes.container import ImagePuller
+
+    return ImagePuller(cache_dir() / "node-images")
+
+
 @pytest.fixture
 def fake_azure_account(azurite: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Fake Batch, Files and ACR behind the real SDK clients; Blob is Azurite."""

@@ -39,6 +39,21 @@ def require_emulated_nodes() -> None:
     pytest.skip(reason)
 
 
+def require_image_tools() -> None:
+    """Skip (or, under CI, fail) with the reason when the training image cannot be built and
+    run here (the emulated nodes run their tasks in it)."""
+    from backends.buildah import unavailable_reason as build_reason
+
+    require_emulated_nodes()
+    reason = build_reason()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRED):
+        pytest.fail(f"{REQUIRED} is set but {reason}")
+    print(f"\nskipping test on the training image: {reason}")
+    pytest.skip(reason)
+
+
 def copy_scripts(target: Path) -> None:
     """The scripts share as upload-scripts fills it (the node-side package)."""
     for rel, source in collect_files(ROOT, ["training"]).items():
@@ -47,8 +62,9 @@ def copy_scripts(target: Path) -> None:
         shutil.copyfile(source, dest)
 
 
-def task_body(spec: TaskSpec, **environment: str) -> dict[str, Any]:
-    """The parts of a Batch task body a node uses, from the project's own task spec."""
+def task_body(spec: TaskSpec, image: str | None = None, **environment: str) -> dict[str, Any]:
+    """The parts of a Batch task body a node uses, from the project's own task spec; with
+    ``image``, the container settings the pipeline sends (backends/azure/batch_requests.py)."""
     env = {**spec.environment, "RETRAIN_PYTHON": "python", **environment}
     body: dict[str, Any] = {
         "id": spec.id,
@@ -56,6 +72,12 @@ def task_body(spec: TaskSpec, **environment: str) -> dict[str, Any]:
         "environmentSettings": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "constraints": {"maxWallClockTime": f"PT{spec.max_wall_clock_seconds}S"},
     }
+    if image is not None:
+        body["containerSettings"] = {
+            "imageName": image,
+            "containerRunOptions": "--network=host",
+            "workingDirectory": "taskWorkingDirectory",
+        }
     if spec.coordination_command:
         body["multiInstanceSettings"] = {
             "numberOfInstances": spec.instances,
@@ -94,8 +116,10 @@ def training_key(nodes: int, ppn: int, *overrides: str) -> str:
     return hashlib.sha256(repr((nodes, ppn, overrides)).encode()).hexdigest()[:12]
 
 
-def run_task(pool: PoolNodes, spec: TaskSpec, job: str = JOB, **env: str) -> TaskRun:
-    run = pool.start(task_body(spec, **env), job)
+def run_task(
+    pool: PoolNodes, spec: TaskSpec, job: str = JOB, image: str | None = None, **env: str
+) -> TaskRun:
+    run = pool.start(task_body(spec, image, **env), job)
     run.wait(timeout=600)
     return run
 

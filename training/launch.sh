@@ -23,6 +23,18 @@ if [ "${#nodes[@]}" -gt 1 ]; then
     exit 1
   fi
   export PATH="$state/bin:$PATH"
+  # The sshd each node's coordination command started must still be serving: Batch does not
+  # document whether a coordination command's background service outlives the container it
+  # ran in, and the pipeline assumes it does (docs/azure.md, "Training across nodes"). Check
+  # every other node first, so a wrong assumption fails here, naming the node, not as a hang.
+  for node in "${nodes[@]}"; do
+    master=${AZ_BATCH_MASTER_NODE:-}
+    [ "$node" != "${master%:*}" ] || continue
+    if ! out=$(ssh "$node" true 2>&1 < /dev/null); then
+      echo "launch: node $node: no sshd answers on port ${RETRAIN_SSH_PORT:-2222} ($out); the one its coordination command started is gone (docs/azure.md, \"sshd outlives the coordination command\")" >&2
+      exit 1
+    fi
+  done
   # Every rank, the rendezvous, Gloo and NCCL use this interface, not whatever a host name
   # resolves to; with MPI, OpenMPI's own channels too (a container also sees docker0, the same
   # address on every node).

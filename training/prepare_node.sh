@@ -26,8 +26,20 @@ case ${RETRAIN_ENGINE:-horovod} in
   ddp) modules="torch.distributed" ;;
   *) modules="horovod.torch" ;;
 esac
-"$py" -c "import torch, $modules; print('prepare_node: torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+"$py" -c "import sys, torch, $modules; print('prepare_node: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'python', sys.executable)" \
   || fail "cannot import $modules and torch with $py"
+# A GPU node whose GPUs torch cannot use (a lost or mismatched driver, a container started
+# without them) would train on the CPU, slowly and without a word: fail here instead.
+if command -v nvidia-smi > /dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
+  if [ "${gpus:-0}" -gt 0 ]; then
+    seen=$("$py" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2> /dev/null) || seen=0
+    if [ "$seen" != "$gpus" ]; then
+      fail "nvidia-smi lists $gpus GPU(s) but torch sees $seen ($("$py" -c "import torch; print('torch', torch.__version__, 'built for CUDA', torch.version.cuda)" 2>&1 | tail -1)); check the driver and the container's GPU access"
+    fi
+    echo "prepare_node: node $node: $gpus GPU(s), all visible to torch"
+  fi
+fi
 
 IFS=',' read -ra hosts <<< "${AZ_BATCH_HOST_LIST:-localhost}"
 [ "${#hosts[@]}" -gt 1 ] || exit 0
@@ -66,6 +78,7 @@ StrictModes no
 PrintMotd no
 EOF
 ssh_bin=$(command -v ssh) || fail "no ssh client in the image (openssh-client)"
+[ -x /usr/sbin/sshd ] || fail "no sshd in the image (/usr/sbin/sshd: openssh-server)"
 cat > "$state/ssh_config" <<EOF
 Host *
   Port $port

@@ -154,6 +154,8 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
                 "infiniband": has_infiniband(config),
                 "container_run_options": container_run_options(config),
                 "nccl_topo_file": nccl_topology(config),
+                # Docker keeps the pulled image there (None: the VM image's own size).
+                "os_disk_gb": config.pool.os_disk_gb,
                 "action": "create if missing, resize if smaller, then "
                 f"{config.pool.release} at the end",
             },

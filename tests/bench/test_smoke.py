@@ -59,12 +59,12 @@ def test_gpu_mode_runs_under_either_launcher(engine: str, tmp_path: Path, horovo
 
 def test_critical_path_takes_the_longest_branch() -> None:
     durations = dict.fromkeys(DAG, 1.0)
-    durations["build-image"] = 5.0
+    durations["stage-data"] = 5.0
     seconds, path = critical_path(durations)
     assert path == [
         "validate-data",
         "check-up-to-date",
-        "build-image",
+        "stage-data",
         "run-training",
         "collect-and-score",
         "promote",
@@ -72,6 +72,12 @@ def test_critical_path_takes_the_longest_branch() -> None:
         "report",
     ]
     assert seconds == 12.0  # seven steps of 1 s and the 5 s branch; the other branches overlap
+    # The local cluster trains without the image: a long build runs beside training and only
+    # the report waits for it.
+    durations["build-image"] = 20.0
+    seconds, path = critical_path(durations)
+    assert path == ["validate-data", "check-up-to-date", "build-image", "report"]
+    assert seconds == 23.0
 
 
 @pytest.mark.processes
@@ -170,3 +176,27 @@ def test_throughput_section_renders_both_engines() -> None:
     text = "\n".join(train_throughput(report))
     assert "| trainer, `--engine ddp`, `torchrun --nproc-per-node 2` | 160 | 1.684 of np 1" in text
     assert "1.067 of Horovod np 2" in text
+
+
+def test_image_section_renders_what_was_measured() -> None:
+    from bench.report import image
+
+    report = {
+        "variant": "cpu",
+        "method": "m",
+        "storage_driver": "overlay",
+        "load_average": 2.5,
+        "base_seconds": 61.2,
+        "build_seconds": 300.4,
+        "cold_seconds": 361.6,
+        "code_change_seconds": 3.2,
+        "size": "1.69 GB",
+        "checks": ["check_image: cpu image ok: torch 2.13.0+cpu"],
+    }
+    text = "\n".join(image(report, "## The training image"))
+    assert "| from nothing, in all | 362 |" in text
+    assert "| again after a change to the training code | 3 |" in text
+    assert "Image size (cpu variant, layers unpacked): 1.69 GB." in text
+    assert "    check_image: cpu image ok" in text
+    skipped = "\n".join(image({"skipped": "needs root"}, "## The training image"))
+    assert "Not measured on this machine: needs root." in skipped

@@ -134,16 +134,23 @@ class Node:
     forwarded: set[int] = field(default_factory=set)
     _relays: list[socket.socket] = field(default_factory=list)
 
-    def command(self, argv: Sequence[str], cwd: str | Path | None = None) -> list[str]:
-        """argv run inside the node (its network, host name, mounts and process tree)."""
+    def command(
+        self, argv: Sequence[str], cwd: str | Path | None = None, root: Path | None = None
+    ) -> list[str]:
+        """argv run inside the node (its network, host name, mounts and process tree), and
+        inside the container whose root file system is ``root`` (a path in the node's mounts)
+        when given."""
         enter = ["nsenter", f"--target={self.pid}", "--net", "--uts", "--mount", "--pid", "--"]
         # nsenter's --wd resolves the path before entering the node's mounts: change directory
-        # inside instead.
-        chdir = ["env", f"--chdir={cwd}"] if cwd is not None else []
+        # inside instead (inside the container's root, when there is one).
+        chdir = [f"--chdir={cwd}"] if cwd is not None else []
+        inside = ["chroot", str(root), "/usr/bin/env"] if root is not None else ["env"]
         # CPU affinity is no namespace: every process entering the node takes the node's cores
         # (and passes them on to what it starts, sshd's sessions included).
         pin = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
-        return [*enter, *pin, *chdir, *argv]
+        if root is None and not chdir:
+            inside = []
+        return [*enter, *pin, *inside, *chdir, *argv]
 
     def popen(
         self,
@@ -152,9 +159,20 @@ class Node:
         cwd: str | Path | None = None,
         stdout: int | IO[Any] | None = None,
         stderr: int | IO[Any] | None = None,
+        root: Path | None = None,
     ) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            self.command(argv, cwd), env=env, stdout=stdout, stderr=stderr, text=True
+            self.command(argv, cwd, root), env=env, stdout=stdout, stderr=stderr, text=True
+        )
+
+    def run_in_mounts(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        """argv in the node's mount and PID namespaces only (setting up a container's mounts:
+        they exist in the node alone, and its /proc shows the node's processes)."""
+        return subprocess.run(
+            ["nsenter", f"--target={self.pid}", "--mount", "--pid", "--", *argv],
+            capture_output=True,
+            text=True,
+            check=False,
         )
 
     def run(

@@ -3,8 +3,11 @@
 For a task a node gets: its mounts under ``$AZ_BATCH_NODE_MOUNTS_DIR`` (the scripts share as the
 Files mount presents it, and the NFS folder), resource files fetched through their URLs into the
 working directory, the task's environment settings plus the variables Batch sets, and the
-command lines run without a shell. The container image is not run (no engine here): commands run
-with this checkout's virtualenv, which has what the image has.
+command lines run without a shell. A task with container settings runs in its image when the
+nodes are given an image puller (:mod:`tests.fakes.container`), as Batch runs a container task:
+pulled from the registry, the node's Batch root mapped in at the same path, the task's
+environment on top of the image's, host networking, the task working directory as the
+container's. Without one, commands run with this checkout's virtualenv.
 
 Every node of the pool is an emulated host (:mod:`tests.fakes.hosts`), and a multi-instance task
 runs as Batch runs it: the coordination command on every node, all of which must exit 0 before
@@ -34,6 +37,7 @@ from urllib.parse import urlsplit
 import requests
 
 from tests.fakes.batch import Attempt, FakeBatch
+from tests.fakes.container import Bind, Container, ImagePuller, PulledImage
 from tests.fakes.hosts import Hosts, HostsFile, Node
 
 BIN = str(Path(sys.executable).parent)
@@ -82,6 +86,7 @@ class Subtask:
     exit_code: int | None = None
     times: dict[str, str] = field(default_factory=dict)
     previous: tuple[str, str] | None = None
+    container: Container | None = None  # the task's container on this node, if it has one
 
     def set(self, state: str) -> None:
         now = _now()
@@ -141,6 +146,9 @@ class PoolNodes:
     without them, the nodes are those of the attached fake service's pool when its first task
     starts. ``scripts`` fills a node's scripts mount (the Files share as it is when the task
     starts). ``root`` holds each node's Batch root; every node sees its own at ``root/batch``.
+    ``images`` pulls a container task's image (its ``containerSettings.imageName``, or what
+    ``aliases`` maps that name to) and the task then runs in it; without it every task runs
+    on the nodes' own files.
     """
 
     def __init__(
@@ -152,8 +160,16 @@ class PoolNodes:
         hosts_file: HostsFile = "loopback",
         read_only_hosts: bool = False,
         cpus: list[list[int]] | None = None,
+        images: ImagePuller | None = None,
+        aliases: dict[str, str] | None = None,
     ) -> None:
         self.root, self.nfs_dir, self.scripts = root, nfs_dir, scripts
+        self.images, self.aliases = images, aliases or {}
+        # Batch does not say whether a node's coordination command and the task's application
+        # command share one container. The pipeline assumes they do (its sshd outlives the
+        # coordination command); True runs the other reading: each coordination command in a
+        # container of its own, gone with everything in it once the command exits.
+        self.coordination_in_own_container = False
         self.batch_root = root / "batch"  # the same path on every node
         self.hosts_file, self.read_only_hosts, self.cpus = hosts_file, read_only_hosts, cpus
         self.hosts: Hosts | None = None
@@ -221,6 +237,10 @@ class PoolNodes:
             self._mounts(node)
             subtasks.append(Subtask(i, node, node_id, task_dir))
         fetch_resources(task, subtasks[0].task_dir / "wd")  # task resource files: primary only
+        image = self._image(task)
+        if image is not None:
+            for sub in subtasks:
+                sub.container = self._container(sub, image, rel)
         run = TaskRun(
             job_id,
             task["id"],
@@ -233,6 +253,28 @@ class PoolNodes:
         self.runs.append(run)
         threading.Thread(target=self._run, args=(run, envs, timeout), daemon=True).start()
         return run
+
+    def _image(self, task: dict[str, Any]) -> PulledImage | None:
+        """The task's image, pulled (once per node set: the nodes share one image cache)."""
+        settings = task.get("containerSettings")
+        if self.images is None or not settings:
+            return None
+        name = settings["imageName"]
+        return self.images.pull(self.aliases.get(name, name))
+
+    def _container(self, sub: Subtask, image: PulledImage, rel: Path) -> Container:
+        """What Batch maps into a Linux container task: the node's Batch root at the same path
+        (the task folders and file mounts with it), and the host's network and names."""
+        container = Container(image, sub.node.root.parent / "containers" / rel.name)
+        binds = [
+            Bind(self.batch_root, str(self.batch_root)),
+            # The NFS mount is a link to this folder (as the node sees it): the same in here.
+            Bind(self.nfs_dir.resolve(), str(self.nfs_dir.resolve())),
+            Bind(sub.node.hosts_file, "/etc/hosts", self.read_only_hosts),
+            Bind(Path("/etc/resolv.conf"), "/etc/resolv.conf", True),
+        ]
+        container.start(sub.node.run_in_mounts, binds)
+        return container
 
     def _mounts(self, node: Node) -> None:
         mounts = node.root / "fsmounts"
@@ -249,11 +291,15 @@ class PoolNodes:
     ) -> dict[str, str]:
         addresses = [s.node.address for s in run.subtasks]
         inside = self.batch_root / sub.task_dir.relative_to(sub.node.root)
-        env = {"LANG": "C.UTF-8", **extra}
+        # A container task: the image's environment, the task's settings over it (Batch maps
+        # every task variable in); the image decides PATH.
+        base = (
+            sub.container.image.environment() if sub.container else {"PATH": f"{BIN}:{SYSTEM_PATH}"}
+        )
+        env = {"LANG": "C.UTF-8", **base, **extra}
         env.update({e["name"]: e["value"] for e in task.get("environmentSettings", [])})
         env.update(
             {
-                "PATH": f"{BIN}:{SYSTEM_PATH}",
                 # A task's $HOME need not be the passwd home of the user it runs as.
                 "HOME": str(inside),
                 "AZ_BATCH_NODE_ID": sub.node_id,
@@ -285,6 +331,8 @@ class PoolNodes:
                 for sub in run.subtasks:
                     sub.set("running")
                 code = self._coordinate(run, envs, deadline) if run.coordination else 0
+                if code == 0 and self.coordination_in_own_container:
+                    self._new_containers(run)
                 if code == 0:
                     run.application_started = time.time()
                     primary = self._popen(run.primary, envs[0], run.command)
@@ -296,10 +344,23 @@ class PoolNodes:
             finally:
                 for sub in run.subtasks:  # the task's container ends on every node
                     sub.node.kill_processes()
+                    if sub.container is not None:
+                        sub.container.stop(sub.node.run_in_mounts)
                     if sub.state != "completed":
                         sub.set("completed")
                 run.exit_code = code
                 run.done.set()
+
+    def _new_containers(self, run: TaskRun) -> None:
+        """The coordination commands' containers end (their processes with them); the
+        application command gets a container of its own on the primary."""
+        for sub in run.subtasks:
+            if sub.container is not None:
+                sub.node.kill_processes()
+                sub.container.stop(sub.node.run_in_mounts)
+        primary = run.primary
+        if primary.container is not None:
+            primary.container = self._container(primary, primary.container.image, Path(run.task_id))
 
     def _coordinate(self, run: TaskRun, envs: list[dict[str, str]], deadline: float) -> int:
         """Every node's coordination command; the first to fail stops the others."""
@@ -326,7 +387,8 @@ class PoolNodes:
             open(sub.task_dir / "stdout.txt", "a") as out,
             open(sub.task_dir / "stderr.txt", "a") as err,
         ):
-            return sub.node.popen(shlex.split(command), env, inside / "wd", out, err)
+            root = sub.container.root if sub.container else None
+            return sub.node.popen(shlex.split(command), env, inside / "wd", out, err, root)
 
     def _wait(
         self,

@@ -1,8 +1,10 @@
 """The whole retrain flow on the Azure target: the real Batch, Files, ACR and Blob SDK clients,
 against the fake Batch/Files/ACR services and Azurite, with the pool's two nodes emulated as
 separate hosts that run the task command lines for real (staging through the SAS the pool gets,
-horovodrun training across both nodes over SSH, the scorer). Prefect is the real test server;
-credentials come from Prefect Secret blocks."""
+horovodrun training across both nodes over SSH, the scorer), each task in the training image
+as Batch runs a container task: the tag the pool names in the fake ACR is the cpu variant the
+local build pushed to the local registry. Prefect is the real test server; credentials come
+from Prefect Secret blocks."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ from typing import Any
 
 import pytest
 
+from backends.image import content_tag
 from flows.retrain import retrain
-from tests.azure_helpers import azure_config
+from tests.azure_helpers import ROOT, azure_config
+from tests.fakes.acr import FakeAcr
+from tests.fakes.container import ImagePuller
 from tests.fakes.node import PoolNodes
 from tests.nodes_helpers import require_emulated_nodes
 from tests.pipeline_helpers import flow_run_logs, seed, task_runs_and_artifacts
@@ -59,10 +64,21 @@ def _config(tmp_path: Path, *overrides: str) -> Any:
 
 
 @pytest.fixture
-def nodes(fake_azure_account: Any, tmp_path: Path) -> Iterator[PoolNodes]:
-    """The pool's nodes as emulated hosts (made when the first task starts)."""
+def nodes(
+    fake_azure_account: Any, tmp_path: Path, training_image: str, image_puller: ImagePuller
+) -> Iterator[PoolNodes]:
+    """The pool's nodes as emulated hosts (made when the first task starts); the image the
+    pool's tasks name (ACR's, built by the fake ACR Tasks) is pulled as the local cpu one."""
     require_emulated_nodes()
-    with PoolNodes(tmp_path / "pool", None, tmp_path / "nfs", lambda _: None) as pool:
+    acr = f"{FakeAcr.registry_host}/retrain/horovod:{content_tag(ROOT)}"
+    with PoolNodes(
+        tmp_path / "pool",
+        None,
+        tmp_path / "nfs",
+        lambda _: None,
+        images=image_puller,
+        aliases={acr: training_image},
+    ) as pool:
         pool.attach(fake_azure_account.batch)
         fake_azure_account.batch.allocation_ticks = 1
         yield pool
@@ -116,6 +132,12 @@ def test_azure_flow_end_to_end(
     prepared = [n for n, c in nodes.commands if "prepare_node.sh" in c]
     assert prepared == ["tvmps_0000d", "tvmps_0001d"]
     assert [n for n, c in nodes.commands if "launch.sh" in c] == ["tvmps_0000d"]
+    # Every task ran in the image: staging, training on both nodes and scoring all had its
+    # Python (this machine has none at that path).
+    assert all(sub.container is not None for run in nodes.runs for sub in run.subtasks)
+    training = next(run for run in nodes.runs if run.task_id.startswith("train"))
+    for sub in training.subtasks:
+        assert "python /opt/venv/bin/python" in sub.stdout()
 
     outputs = batch.tasks[(jobs[1], jobs[1].split(f"{config.pool.id}-")[1])].uploaded
     assert {f"runs/{result['run_id']}/{n}" for n in ("model.pt", "metrics.json")} <= set(outputs)

@@ -2,10 +2,14 @@
 
 Each node is a host of its own (network, host name, hosts file, processes; tests/fakes/hosts.py)
 with an eth0 on a shared bridge, the NFS folder shared and the scripts share mounted, and the
-variables Batch sets for a multi-instance task. The nodes have Ubuntu's default hosts file (the
-node's own name on 127.0.1.1), read-only, so prepare_node.sh cannot change it: the setting under
-which Horovod's ranks told their peers to connect to loopback (rank 1 died with
-``connect [127.0.1.1]:<port>``) until its Gloo process-set context got the pinned interface.
+variables Batch sets for a multi-instance task. Every task runs in the training image, as on
+Batch: the cpu variant of docker/Dockerfile, built and pushed to the local registry once per
+content, pulled by the nodes, one container per node and task (tests/fakes/container.py), so
+the sshd, horovodrun, torchrun and every rank are the image's, and what it lacks fails here.
+The nodes have Ubuntu's default hosts file (the node's own name on 127.0.1.1), read-only, so
+prepare_node.sh cannot change it: the setting under which Horovod's ranks told their peers to
+connect to loopback (rank 1 died with ``connect [127.0.1.1]:<port>``) until its Gloo
+process-set context got the pinned interface.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import LOSS_LOG_ARGS, first_step_losses
+from tests.fakes.container import ImagePuller
 from tests.fakes.node import PoolNodes, TaskRun
 from tests.nodes_helpers import (
     JOB,
@@ -41,23 +47,27 @@ def output(run: TaskRun) -> str:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolNodes]:
+def pool(
+    tmp_path_factory: pytest.TempPathFactory, training_image: str, image_puller: ImagePuller
+) -> Iterator[PoolNodes]:
     require_emulated_nodes()
     root = tmp_path_factory.mktemp("pool")
     write_digits(root / "nfs" / "data", test_fraction=0.25, seed=0, per_class=None)
-    with PoolNodes(root, NODES, root / "nfs", copy_scripts, read_only_hosts=True) as nodes:
+    with PoolNodes(
+        root, NODES, root / "nfs", copy_scripts, read_only_hosts=True, images=image_puller
+    ) as nodes:
         yield nodes
 
 
 @pytest.fixture(scope="module")
-def two_nodes(pool: PoolNodes) -> TaskRun:
+def two_nodes(pool: PoolNodes, training_image: str) -> TaskRun:
     """2 nodes x 2 processes, with what a dead node of an earlier run left on NFS."""
     nfs = pool.nfs_dir
     (nfs / ".retrain-ssh.lock").mkdir(exist_ok=True)  # the lock older scripts took, never freed
     stale = nfs / ".retrain-ssh" / JOB / "train-2x2"
     stale.mkdir(parents=True, exist_ok=True)
     (stale / "authorized_keys").write_text("ssh-ed25519 AAAA-an-earlier-attempts-key\n")
-    run = run_task(pool, training_spec(2, 2, LOSS_LOG))
+    run = run_task(pool, training_spec(2, 2, LOSS_LOG), image=training_image)
     assert run.exit_code == 0, run.primary.stdout()[-3000:] + run.primary.stderr()[-3000:]
     return run
 
@@ -72,6 +82,11 @@ def test_two_nodes_train_as_one_job(two_nodes: TaskRun, pool: PoolNodes) -> None
         "launch: 4 processes on 2 node(s): 10.211.0.4:2,10.211.0.5:2 (horovodrun)"
         in two_nodes.primary.stdout()
     )
+    # Every node prepared itself with the image's Python (this machine has none there), and
+    # the ranks horovodrun started over SSH on the other node found it too.
+    assert not Path("/opt/venv").exists()
+    for sub in two_nodes.subtasks:
+        assert "python /opt/venv/bin/python" in sub.stdout(), sub.stdout()
     # The second node's ranks came in over its own sshd, with the key the primary made.
     secondary = two_nodes.subtasks[1]
     log = (secondary.task_dir / "shared" / ".retrain-ssh" / "sshd.log").read_text()
@@ -79,8 +94,10 @@ def test_two_nodes_train_as_one_job(two_nodes: TaskRun, pool: PoolNodes) -> None
     assert secondary.exit_code == 0 and secondary.state == "completed"
 
 
-def test_the_result_matches_a_single_node_run(two_nodes: TaskRun, pool: PoolNodes) -> None:
-    single = run_task(pool, training_spec(1, 4, LOSS_LOG))
+def test_the_result_matches_a_single_node_run(
+    two_nodes: TaskRun, pool: PoolNodes, training_image: str
+) -> None:
+    single = run_task(pool, training_spec(1, 4, LOSS_LOG), image=training_image)
     assert single.exit_code == 0, single.primary.stderr()[-3000:]
     one, two = metrics(single), metrics(two_nodes)
     assert one["world_size"] == two["world_size"] == 4
@@ -111,9 +128,11 @@ def test_keys_stay_out_of_home_and_nfs_holds_only_a_public_key(two_nodes: TaskRu
     assert private.is_file()
 
 
-def test_a_node_without_the_interface_fails_preparation_naming_itself(pool: PoolNodes) -> None:
+def test_a_node_without_the_interface_fails_preparation_naming_itself(
+    pool: PoolNodes, training_image: str
+) -> None:
     spec = training_spec(2, 1)
-    run = run_task(pool, spec, RETRAIN_NETWORK_INTERFACE="ib0")
+    run = run_task(pool, spec, image=training_image, RETRAIN_NETWORK_INTERFACE="ib0")
     assert run.exit_code == 1
     failed = next(s for s in run.subtasks if s.node_id == run.failed_node)
     message = f"prepare_node: node {failed.node_id}: no interface ib0 (this node has: eth0, lo)"
@@ -136,11 +155,11 @@ def test_sockets_reach_across_nodes_only_through_eth0(pool: PoolNodes) -> None:
 
 
 def test_ddp_trains_across_nodes_with_one_torchrun_per_node(
-    two_nodes: TaskRun, pool: PoolNodes
+    two_nodes: TaskRun, pool: PoolNodes, training_image: str
 ) -> None:
     """The same task with training.engine=ddp: one torchrun per node meets at the rendezvous
     the primary hosts, and takes the steps Horovod took on the same nodes and data."""
-    run = run_task(pool, training_spec(2, 2, "training.engine=ddp", LOSS_LOG))
+    run = run_task(pool, training_spec(2, 2, "training.engine=ddp", LOSS_LOG), image=training_image)
     out = run.primary.stdout()
     assert run.exit_code == 0, out[-3000:] + run.primary.stderr()[-3000:]
     m = metrics(run)
@@ -156,14 +175,20 @@ def test_ddp_trains_across_nodes_with_one_torchrun_per_node(
     assert "Accepted publickey for root from 10.211.0.4" in log
 
 
-def test_ddp_task_fails_when_a_node_fails(pool: PoolNodes) -> None:
+def test_ddp_task_fails_when_a_node_fails(pool: PoolNodes, training_image: str) -> None:
     """The primary's torchrun cannot host the rendezvous (its port is taken): the task fails
     with that node's status, and the other node's torchrun is stopped, not left waiting."""
     first, _second = pool
     holder = listen_on(first, 29411)
     try:
         spec = training_spec(2, 1, "training.engine=ddp")
-        run = run_task(pool, spec, RETRAIN_MAX_RESTARTS="0", RETRAIN_RENDEZVOUS_PORT="29411")
+        run = run_task(
+            pool,
+            spec,
+            image=training_image,
+            RETRAIN_MAX_RESTARTS="0",
+            RETRAIN_RENDEZVOUS_PORT="29411",
+        )
     finally:
         holder.kill()
         first.kill_processes("29411")
@@ -172,3 +197,57 @@ def test_ddp_task_fails_when_a_node_fails(pool: PoolNodes) -> None:
     assert "launch: node 10.211.0.4 exited " in out and "launch: node 10.211.0.5 exited " in out
     assert "launch: node 10.211.0.4 exited 0" not in out
     assert "test accuracy" not in out
+
+
+def test_a_coordination_sshd_that_did_not_outlive_its_container_fails_the_launch(
+    pool: PoolNodes, training_image: str
+) -> None:
+    """The pipeline assumes a node's coordination command and the application command share
+    the task's container, so the sshd prepare_node.sh leaves running serves the primary's
+    ranks. Were each coordination command's container gone when it exits (Batch does not say),
+    the launch fails at once, naming the node and the assumption, instead of hanging."""
+    pool.coordination_in_own_container = True
+    try:
+        run = run_task(pool, training_spec(2, 1), image=training_image)
+    finally:
+        pool.coordination_in_own_container = False
+    assert run.exit_code == 1
+    assert all(s.exit_code == 0 for s in run.subtasks)  # every node prepared itself
+    stderr = run.primary.stderr()
+    assert "launch: node 10.211.0.5: no sshd answers on port 2222" in stderr, stderr
+    assert "sshd outlives the coordination command" in stderr
+    assert "launch: 2 processes" not in run.primary.stdout()  # no rank was started
+
+
+def test_an_image_without_sshd_fails_on_the_node_naming_what_it_lacks(
+    pool: PoolNodes, training_image: str
+) -> None:
+    """What the image lacks fails here, as it would on Batch, and says what: an image whose
+    openssh-server is gone (the same image, one layer more, pushed beside it)."""
+    from backends.buildah import Buildah
+    from backends.image_registry import cache_dir
+
+    buildah = Buildah(cache_dir() / "build")
+    lacking = f"{training_image}-no-sshd"
+    # The build left the image in buildah's storage, named for the registry it pushed to then.
+    named = f"/{training_image.split('/', 1)[1]}"
+    stored = [n for n in buildah.output("images", "--format", "{{.Name}}:{{.Tag}}").split()]
+    source = next((n for n in stored if n.endswith(named)), f"docker://{training_image}")
+    container = buildah.output("from", "--tls-verify=false", "--quiet", source).strip()
+    try:
+        buildah.output("run", "--isolation", "chroot", container, "--", "rm", "/usr/sbin/sshd")
+        buildah.output("commit", "--quiet", container, lacking)
+    finally:
+        buildah.output("rm", container)
+    try:
+        buildah.output("push", "--tls-verify=false", "--quiet", lacking, f"docker://{lacking}")
+    finally:
+        buildah.output("rmi", lacking)  # the registry keeps it; the build storage need not
+    run = run_task(pool, training_spec(2, 1), image=lacking)
+    assert run.exit_code == 1
+    failed = next(s for s in run.subtasks if s.node_id == run.failed_node)
+    assert (
+        f"prepare_node: node {failed.node_id}" in failed.stderr()
+        and "no sshd in the image (/usr/sbin/sshd: openssh-server)" in failed.stderr()
+    ), failed.stderr()
+    assert "launch:" not in run.primary.stdout()  # the application command never ran

@@ -184,3 +184,33 @@ def test_a_task_that_could_outlive_the_token_cap_is_refused_before_submission() 
     with pytest.raises(AccessError, match=r"azure\.sas_hours=12"):
         AccessIssuer(config).lifetime(spec)
     assert AccessIssuer(load_config(EXAMPLE)).lifetime(spec).total_seconds() / 3600 > 18.5
+
+
+def test_the_example_sizes_the_os_disk_for_the_image_and_the_plan_sends_it() -> None:
+    """Docker keeps the pulled image on the OS disk: the example asks for a disk sized for it,
+    and the pool body carries it as the spec names it (the fake's validator checks the type)."""
+    from backends.azure.plan import build_plan
+    from tests.fakes.batch import SPEC, body_definition
+
+    plan = build_plan(load_config(EXAMPLE), ROOT)
+    body = plan["requests"][0]["body"]
+    assert body["virtualMachineConfiguration"]["osDisk"] == {"diskSizeGB": 128}
+    assert SPEC.check(body, body_definition("POST", "/pools")) == []
+    assert plan["resources"]["pool"]["os_disk_gb"] == 128
+
+
+def test_the_example_nfs_server_sits_in_the_subnet_the_docs_give_it() -> None:
+    """docs/azure.md creates a batch subnet for the nodes and an nfs subnet for the server;
+    the example's nfs.source must be an address of the latter (the nodes reach it across
+    subnets), and the docs' example address the same one."""
+    import ipaddress
+
+    docs = (ROOT / "docs" / "azure.md").read_text()
+    batch = re.search(r"--subnet-name batch --subnet-prefixes (\S+)", docs)
+    nfs = re.search(r"-n nfs \\\s*--address-prefixes (\S+)", docs)
+    assert batch and nfs, "docs/azure.md no longer creates the batch and nfs subnets"
+    source = str(load_config(EXAMPLE).nfs.source)
+    host = ipaddress.ip_address(source.split(":", 1)[0])
+    assert host in ipaddress.ip_network(nfs.group(1))
+    assert host not in ipaddress.ip_network(batch.group(1))
+    assert f"`{source}`" in docs
