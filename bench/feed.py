@@ -10,8 +10,9 @@ in one run (the page cache warm: a first pass reads the shards once):
   machine);
 * ``batched``: the trainer's loader now (``training.batches.ShardBatches``): each batch gathered
   whole into one (pinned) buffer, one batch ahead in a thread;
-* ``cpu_augment``: the cost one core would add by cropping and flipping each image on the CPU
-  (as a per-sample transform would), against ``training.augment.flip_crop`` on the device.
+* ``cpu_augment``: what one core delivers when it also crops and flips each image on the CPU,
+  as per-sample transforms do (edge padding, a random crop, a mirror half the time), which
+  ``training.augment.flip_crop`` does on the device instead.
 
 The GPU's rate is the trainer's synthetic ResNet-50 rate at 224 px with every speed switch on
 (``docs/bench-gpu/gpu_speed.json``, per engine). With a CUDA device here, ``gpu`` adds the
@@ -31,12 +32,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from bench import dataset
 from bench.output import ROOT, dataset_main
-from training.augment import flip_crop
+from training.augment import SHIFT_FRACTION, flip_crop
 from training.batches import ShardBatches
 from training.data import open_dataset
 from training.shards import ShardSplit, pack_shards
@@ -68,34 +70,47 @@ def _sampler(split: ShardSplit, seed: int) -> RandomSampler:
     return RandomSampler(split, generator=torch.Generator().manual_seed(seed))
 
 
-def _rate(batches: Iterable[Any], limit: int | None, consume: Any = None) -> float:
+def _rate(batches: Iterable[Any], limit: int | None, consume: Any = None) -> dict[str, float]:
+    """Images per second of wall time, and per second of this process's CPU time (all its
+    threads): on a core shared with other work the second is what the core itself delivers."""
     images = 0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for i, (x, _) in enumerate(batches):
         if consume is not None:
             consume(x)
         images += len(x)
         if limit is not None and i + 1 >= limit:
             break
-    return images / (time.perf_counter() - started)
+    return {
+        "wall": round(images / (time.perf_counter() - started), 1),
+        "cpu": round(images / (time.process_time() - cpu), 1),
+    }
 
 
-def per_image(split: ShardSplit, batch_size: int, pin: bool, limit: int | None) -> float:
+def per_image(split: ShardSplit, batch_size: int, pin: bool, limit: int | None) -> dict[str, float]:
     loader = DataLoader(split, batch_size=batch_size, sampler=_sampler(split, 1), pin_memory=pin)
     return _rate(loader, limit)
 
 
-def batched(split: ShardSplit, batch_size: int, pin: bool, limit: int | None) -> float:
+def batched(split: ShardSplit, batch_size: int, pin: bool, limit: int | None) -> dict[str, float]:
     return _rate(ShardBatches(split, _sampler(split, 2), batch_size, pin=pin), limit)
 
 
-def cpu_augment(split: ShardSplit, batch_size: int, limit: int | None) -> float:
+def cpu_augment(split: ShardSplit, batch_size: int, limit: int | None) -> dict[str, float]:
     """Images/s of cropping and flipping each image on the CPU, one at a time (the batches
     themselves gathered as above): the work a per-sample transform puts on the host."""
 
+    rng = np.random.default_rng(0)
+    pad = SIZE // SHIFT_FRACTION
+
     def each(x: torch.Tensor) -> None:
-        for image in x:
-            flip_crop(image[None])
+        # What torchvision's RandomCrop(padding, padding_mode="edge") and RandomHorizontalFlip
+        # do to one image: pad, cut the crop out, mirror it half the time.
+        for image in x.numpy():
+            padded = np.pad(image, ((0, 0), (pad, pad), (pad, pad)), mode="edge")
+            top, left = rng.integers(0, 2 * pad + 1, size=2)
+            crop = padded[:, top : top + SIZE, left : left + SIZE]
+            np.ascontiguousarray(crop[:, :, ::-1] if rng.random() < 0.5 else crop)
 
     return _rate(ShardBatches(split, _sampler(split, 3), batch_size), limit, each)
 
@@ -108,7 +123,7 @@ def gpu_feed(split: ShardSplit, batch_size: int, limit: int | None) -> dict[str,
         flip_crop(x.to(device, non_blocking=True)).float()
 
     batches = ShardBatches(split, _sampler(split, 4), batch_size, pin=True)
-    rate = _rate(batches, limit, to_device)
+    rate = _rate(batches, limit, to_device)["wall"]
     torch.cuda.synchronize()
     images = torch.randint(0, 256, (batch_size, 3, SIZE, SIZE), dtype=torch.uint8, device=device)
     flip_crop(images)
@@ -142,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     gpu = gpu_rates()
     needed = max(gpu["images_per_sec"].values())
+    cpu = {k: v["cpu"] for k, v in rates.items()}
     report: dict[str, Any] = {
         "benchmark": "feed",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -160,12 +176,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "pinned": cuda,
         "pack_seconds": pack.seconds,
-        "images_per_sec": {k: round(v, 1) for k, v in rates.items()},
-        "batched_over_per_image": round(rates["batched"] / rates["per_image"], 2),
+        "images_per_sec": rates,
+        "load_average": round(os.getloadavg()[0], 1),
+        "batched_over_per_image": round(cpu["batched"] / cpu["per_image"], 2),
         "gpu_rate": gpu,
-        "one_core_over_gpu": round(rates["batched"] / needed, 2),
-        "per_image_over_gpu": round(rates["per_image"] / needed, 2),
-        "cpu_augment_cores_per_gpu": round(needed / rates["cpu_augment"], 2),
+        "one_core_over_gpu": round(cpu["batched"] / needed, 2),
+        "per_image_over_gpu": round(cpu["per_image"] / needed, 2),
+        "cpu_augment_cores_per_gpu": round(needed / cpu["cpu_augment"], 2),
     }
     if cuda:
         report["gpu"] = {

@@ -19,6 +19,8 @@ from torch.utils.data import Sampler
 
 from training.shards import ShardSplit
 
+RING = 3  # host buffers in turn when not pinned: the caller's, the one gathered, one spare
+
 
 class ShardBatches:
     """An epoch of ``split`` in the order ``sampler`` gives (re-read each epoch, so a
@@ -35,15 +37,30 @@ class ShardBatches:
     ) -> None:
         self.split, self.sampler, self.batch_size = split, sampler, batch_size
         self.drop_last, self.pin = drop_last, pin
+        self._ring: list[torch.Tensor | None] = [None] * RING
 
     def __len__(self) -> int:
         rows = len(self.sampler)  # type: ignore[arg-type]  # the trainer's samplers are sized
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
-    def _gather(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffer(self, rows: int, turn: int) -> torch.Tensor:
+        """Where batch ``turn`` is gathered. Pinned: a new tensor from the caching host
+        allocator, which reuses a block only once the device's copy out of it is done. Else one
+        of three buffers in turn, each reused two batches later: the batch the caller is using
+        and the one being gathered are the other two (a batch is the caller's until it asks for
+        the next-but-one). Freshly allocated memory would be faulted in page by page at every
+        batch: at 150 KB an image, that cost more than the copy."""
         side = self.split.size
-        out = torch.empty((len(indices), 3, side, side), dtype=torch.uint8, pin_memory=self.pin)
-        return self.split.gather(indices, out)
+        shape = (rows, 3, side, side)
+        if self.pin:
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        ring = turn % RING
+        if self._ring[ring] is None or self._ring[ring].shape[0] < rows:
+            self._ring[ring] = torch.empty(shape, dtype=torch.uint8)
+        return self._ring[ring][:rows]
+
+    def _gather(self, indices: list[int], turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.split.gather(indices, self._buffer(len(indices), turn))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = list(self.sampler)
@@ -53,9 +70,11 @@ class ShardBatches:
         if not chunks:
             return
         with ThreadPoolExecutor(1, thread_name_prefix="gather") as pool:
-            ahead: Future[tuple[torch.Tensor, torch.Tensor]] = pool.submit(self._gather, chunks[0])
-            for following in [*chunks[1:], None]:
+            ahead: Future[tuple[torch.Tensor, torch.Tensor]]
+            ahead = pool.submit(self._gather, chunks[0], 0)
+            for turn in range(1, len(chunks) + 1):
                 batch = ahead.result()
-                if following is not None:
-                    ahead = pool.submit(self._gather, following)
+                if turn < len(chunks):
+                    ahead = pool.submit(self._gather, chunks[turn], turn)
                 yield batch
+                del batch  # the caller's alone: a pinned block goes back to the cache with it
