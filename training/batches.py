@@ -54,10 +54,10 @@ class ShardBatches:
         shape = (rows, 3, side, side)
         if self.pin:
             return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-        ring = turn % RING
-        if self._ring[ring] is None or self._ring[ring].shape[0] < rows:
-            self._ring[ring] = torch.empty(shape, dtype=torch.uint8)
-        return self._ring[ring][:rows]
+        buffer = self._ring[turn % RING]
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = self._ring[turn % RING] = torch.empty(shape, dtype=torch.uint8)
+        return buffer[:rows]
 
     def _gather(self, indices: list[int], turn: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split.gather(indices, self._buffer(len(indices), turn))
