@@ -44,9 +44,12 @@ QUICK: dict[str, list[str]] = {
         *("--expect-rows", "5000", "--sample", "100"),
     ],
     "feed": ["--images", "300", "--batch-size", "32"],
-    "compile_tail": ["--batch-size", "16", "--partial", "8", "--steps", "2"],
-    "checkpoint_stall": ["--model", "resnet18", "--repeats", "1", "--steps", "1"],
-    "sharded_state": ["--variants", "ddp", "ddp_zero1", "--steps", "1", "--warmup", "1"],
+    "compile_tail": ["--batch-size", "16", "--partial", "8", "--steps", "1"],
+    "checkpoint_stall": ["--model", "cnn", "--image-size", "32", "--repeats", "1", "--steps", "1"],
+    "sharded_state": [
+        *("--model", "cnn", "--image-size", "32", "--variants", "ddp", "ddp_zero1"),
+        *("--steps", "1", "--warmup", "1"),
+    ],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.
 GPU_BENCHES = [

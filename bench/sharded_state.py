@@ -1,6 +1,6 @@
 """Optimizer state sharded across ranks: memory per rank and throughput, 2 ranks on CPU (Gloo).
 
-One run trains ResNet-50 (SGD with momentum, fp32) for a few steps under each way, each in 2
+One run trains ResNet-50 by default (SGD with momentum, fp32) for a few steps under each way, each in 2
 processes of its own started by ``torchrun``:
 
 * ``ddp``: the DDP engine as it was, every rank holding the whole optimizer state;
@@ -77,7 +77,7 @@ def _worker(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         dist.init_process_group("gloo")
     before = _rss_mib()
     torch.manual_seed(0)
-    model = build_model("resnet50", 10)
+    model = build_model(args.model, 10)
     sgd = {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
     step, state_mib = _prepare(variant, model, sgd, args.batch_size)
     images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size)).float()
@@ -191,6 +191,7 @@ def _launch(variant: str, args: argparse.Namespace, extra_path: Path | None) -> 
             "-m", "bench.sharded_state", "--worker", variant, "--result", str(result),
             "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
+            "--model", args.model,
         ]  # fmt: skip
         path = [str(ROOT), *([str(extra_path)] if extra_path else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "DS_ACCELERATOR": "cpu"}
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "sharded_state",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "method": f"ResNet-50, SGD with momentum, fp32, {args.ranks} ranks on CPU over Gloo (one "
+        "method": f"{args.model}, SGD with momentum, fp32, {args.ranks} ranks on CPU over Gloo (one "
         f"torch thread each), batch {args.batch_size} per rank at {args.image_size} px; "
         f"{args.warmup} warm-up steps, then {args.steps} timed; memory per rank is the largest "
         "over the ranks, throughput the slowest rank's view of all ranks' images/s",
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
+    p.add_argument("--model", default="resnet50")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
