@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
+	scripts/install_strace.sh \
 	package.json package-lock.json
 
 .PHONY: setup demo azurite azure-config test test-quick reliability lint bench clean
@@ -22,6 +23,8 @@ $(STAMP): $(SETUP_INPUTS)
 	bash scripts/install_horovod.sh $(PY)
 	@# sshd for the emulated Batch nodes of the multi-node tests (root only; see the script).
 	bash scripts/install_sshd.sh
+	@# strace holds a checkpoint write's fsync in the mid-write kill test (root only).
+	bash scripts/install_strace.sh
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 

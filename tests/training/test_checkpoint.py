@@ -121,7 +121,7 @@ def _strace() -> str:
     if found is None:
         if os.environ.get("RETRAIN_REQUIRE_EMULATED_NODES"):
             pytest.fail("strace is missing (make setup installs it as root)")
-        pytest.skip("strace is missing: it holds the checkpoint's fsync to kill mid-write")
+        pytest.skip("strace is missing (make setup installs it as root): it holds the write open")
     return found
 
 
