@@ -171,7 +171,14 @@ class TrainerArgs(TrainingSettings):
             "ZeroRedundancyOptimizer; the ddp engine only)"
         ),
     )
-    workers: int = field(default=-1, metadata=about("data loader processes; -1: auto", ge=-1))
+    workers: int = field(
+        default=-1,
+        metadata=about(
+            "data loader processes for data read image by image (packed shards are gathered a "
+            "batch at a time in the training process); -1: auto",
+            ge=-1,
+        ),
+    )
     no_verify_images: bool = field(
         default=False,
         metadata=about("skip decoding every image at start (when a data gate already did)"),
