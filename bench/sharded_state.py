@@ -1,7 +1,7 @@
 """Optimizer state sharded across ranks: memory per rank and throughput, 2 ranks on CPU (Gloo).
 
-One run trains ResNet-50 by default (SGD with momentum, fp32) for a few steps under each way, each in 2
-processes of its own started by ``torchrun``:
+One run trains ResNet-50 by default (SGD with momentum, fp32) for a few steps under each way,
+each in 2 processes of its own started by ``torchrun``:
 
 * ``ddp``: the DDP engine as it was, every rank holding the whole optimizer state;
 * ``ddp_zero1``: the DDP engine with ``--shard-optimizer-state`` (``training.engine_ddp``'s
@@ -235,8 +235,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "sharded_state",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "method": f"{args.model}, SGD with momentum, fp32, {args.ranks} ranks on CPU over Gloo (one "
-        f"torch thread each), batch {args.batch_size} per rank at {args.image_size} px; "
+        "method": f"{args.model}, SGD with momentum, fp32, {args.ranks} ranks on CPU over Gloo "
+        f"(one torch thread each), batch {args.batch_size} per rank at {args.image_size} px; "
         f"{args.warmup} warm-up steps, then {args.steps} timed; memory per rank is the largest "
         "over the ranks, throughput the slowest rank's view of all ranks' images/s",
         "deepspeed": ds_note,
