@@ -11,17 +11,24 @@ folder, alternating:
   copied; then the next training steps run while the file is written, timed against the same
   steps with no write in flight (what the write costs the steps it overlaps, on shared cores).
 
-Reported: the stall per checkpoint each way (median), their ratio, the background write's own
-duration, and the steps' slowdown during a write. Nothing is asserted about the figures.
+Once to the local disk, then again in a process whose every fsync strace holds for a while: a
+checkpoint folder on a network share (Azure Files over NFS on Batch) acknowledges a flush later
+than a local disk, as ``bench/delay_proxy.py`` makes Azurite answer later. Reported per target:
+the stall per checkpoint each way (median wall seconds, and the CPU seconds of the stalled
+thread), their ratio, the background write's own duration, and the steps' slowdown during a
+write. Nothing is asserted about the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -70,13 +77,16 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def _timed(fn: Any) -> float:
-    started = time.perf_counter()
+def _timed(fn: Any) -> tuple[float, float]:
+    """Wall seconds of ``fn()`` and the CPU seconds this thread spent in it (on a core shared
+    with other work, the second is the work itself)."""
+    started, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.thread_time() - cpu
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Both ways, alternating, in this process: the stalls, the write, the steps beside it."""
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     device = torch.device(args.device)
@@ -87,7 +97,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step()
 
     steps()  # warm: allocations and kernels chosen before anything is timed
-    inline, background, write, clean, during = [], [], [], [], []
+    got: dict[str, list[float]] = {
+        k: [] for k in ("in_line", "in_line_cpu", "background", "background_cpu", "write")
+    }
+    clean, during = [], []
     writer = ckpt.CheckpointWriter(args.work, keep=2)
     epoch = 0
     for _ in range(args.repeats):
@@ -98,40 +111,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ckpt.atomic_save(state, ckpt.checkpoint_path(args.work, epoch))
             ckpt.prune_checkpoints(args.work, 2)
 
-        inline.append(_timed(in_line))
-        clean.append(_timed(steps))
+        wall, cpu = _timed(in_line)
+        got["in_line"].append(wall)
+        got["in_line_cpu"].append(cpu)
+        clean.append(_timed(steps)[0])
         epoch += 1
         started = time.perf_counter()
-        background.append(writer.save(_state(model, optimizer, epoch), epoch))
-        during.append(_timed(steps))
+        state = _state(model, optimizer, epoch)
+        wall, cpu = _timed(lambda state=state, epoch=epoch: writer.save(state, epoch))
+        got["background"].append(wall)
+        got["background_cpu"].append(cpu)
+        during.append(_timed(steps)[0])
         writer.wait()
-        write.append(time.perf_counter() - started)
-    size = ckpt.checkpoint_path(args.work, epoch).stat().st_size
+        got["write"].append(time.perf_counter() - started)
     median = statistics.median
-    report = {
-        "benchmark": "checkpoint_stall",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "method": f"{args.model} (weights and SGD momentum: {size / 1e6:,.0f} MB per checkpoint) "
-        f"on {_device_name(device)}, {torch.get_num_threads()} torch threads, written to a local "
-        "disk with fsync; "
-        f"{args.repeats} repeats of each way, alternating; {args.steps} training steps (batch "
-        f"{args.batch_size} at {args.image_size} px) after each checkpoint",
-        "device": _device_name(device),
-        "checkpoint_mb": round(size / 1e6, 1),
-        "stall_seconds": {
-            "in_line": round(median(inline), 4),
-            "background": round(median(background), 4),
-        },
-        "in_line_over_background": round(median(inline) / median(background), 1),
-        "background_write_seconds": round(median(write), 3),
+    stall = {k: round(median(v), 4) for k, v in got.items() if k != "write"}
+    return {
+        "checkpoint_mb": round(ckpt.checkpoint_path(args.work, epoch).stat().st_size / 1e6, 1),
+        "stall_seconds": stall,
+        "in_line_over_background": round(stall["in_line"] / stall["background"], 1),
+        "background_write_seconds": round(median(got["write"]), 3),
         "steps_seconds": {
             "no_write": round(median(clean), 3),
             "during_write": round(median(during), 3),
         },
         "steps_during_write_over_no_write": round(median(during) / median(clean), 2),
-        "samples": {"in_line": inline, "background": background},
+        "samples": got,
     }
-    return report
+
+
+def _held_fsync(args: argparse.Namespace, delay_ms: int) -> dict[str, Any]:
+    """:func:`measure` in a process whose every fsync strace holds ``delay_ms`` (a share that
+    acknowledges a flush that much later, as ``bench/delay_proxy.py`` delays each request)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        return {"error": "strace is missing (make setup installs it as root)"}
+    result = args.work.with_name(f"{args.work.name}-{delay_ms}ms.json")
+    cmd = [
+        strace, "-f", "-qq", "-o", os.devnull, "-e", "trace=fsync",
+        "-e", f"inject=fsync:delay_enter={delay_ms * 1000}",
+        sys.executable, "-m", "bench.checkpoint_stall", "--measure-only",
+        "--model", args.model, "--repeats", str(args.repeats), "--steps", str(args.steps),
+        "--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
+        "--device", args.device, "--work", str(args.work.with_name(f"{args.work.name}-held")),
+        "--json", str(result),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    return dict(json.loads(result.read_text()))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    targets = {"local disk": measure(args)}
+    for delay in args.fsync_delay_ms:
+        targets[f"a share whose fsync takes {delay:,} ms"] = _held_fsync(args, delay)
+    size = targets["local disk"]["checkpoint_mb"]
+    return {
+        "benchmark": "checkpoint_stall",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "method": f"{args.model} (weights and SGD momentum: {size:,.0f} MB per checkpoint) on "
+        f"{_device_name(device)}, {torch.get_num_threads()} torch threads, written with fsync; "
+        f"{args.repeats} repeats of each way, alternating; {args.steps} training steps (batch "
+        f"{args.batch_size} at {args.image_size} px) after each checkpoint; a slower share is "
+        "the same disk with every fsync held by strace",
+        "device": _device_name(device),
+        "checkpoint_mb": size,
+        "load_average": round(os.getloadavg()[0], 1),
+        "targets": targets,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,14 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default="resnet50")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3, help="training steps after each checkpoint")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=2, help="training steps after each checkpoint")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--work", type=Path, default=ROOT / ".bench" / "checkpoint_stall")
+    p.add_argument(
+        "--fsync-delay-ms",
+        type=int,
+        nargs="*",
+        default=[1000],
+        help="also measure with every fsync held this long (strace)",
+    )
+    p.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
-    return emit(run(args), args.json)
+    return emit(measure(args) if args.measure_only else run(args), args.json)
 
 
 if __name__ == "__main__":

@@ -48,22 +48,26 @@ def test_feed_measures_every_way_against_the_gpus_rate(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_checkpoint_stall_times_both_ways(tmp_path: Path) -> None:
+def test_checkpoint_stall_times_both_ways_on_each_target(tmp_path: Path) -> None:
     r = _bench(
         "checkpoint_stall",
         *("--model", "cnn", "--image-size", "32", "--repeats", "2", "--steps", "1"),
-        *("--work", str(tmp_path / "work")),
+        *("--fsync-delay-ms", "100", "--work", str(tmp_path / "work")),
         tmp_path=tmp_path,
     )
-    samples = r["samples"]
-    assert isinstance(samples, dict)
-    assert len(samples["in_line"]) == len(samples["background"]) == 2
-    assert r["checkpoint_mb"] > 0
+    targets = r["targets"]
+    assert isinstance(targets, dict)
+    assert list(targets) == ["local disk", "a share whose fsync takes 100 ms"]
+    for target in targets.values():
+        samples = target["samples"]
+        assert len(samples["in_line"]) == len(samples["background"]) == 2
+        assert target["checkpoint_mb"] > 0
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == [
         "checkpoint-3.pt",
         "checkpoint-4.pt",
     ]  # both ways wrote into one folder, keeping two
-    assert "training held per checkpoint" in "\n".join(systems.checkpoint_stall(r, "## Stall"))
+    text = "\n".join(systems.checkpoint_stall(r, "## Stall"))
+    assert "| a share whose fsync takes 100 ms |" in text
 
 
 def test_sections_render_what_was_measured() -> None:
