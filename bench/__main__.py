@@ -134,7 +134,12 @@ def _gpu_benches(chosen: list[str], gpus: int, where: dict[str, list[str]], scra
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the code, not speed")
-    p.add_argument("--only", nargs="+", choices=sorted(FULL), help="run just these")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        choices=sorted(FULL),
+        help="run just these (none: only the GPU benchmarks, on a GPU machine)",
+    )
     p.add_argument(
         "--gpu-only",
         nargs="+",
@@ -147,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=ROOT / "docs" / "performance.md")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    chosen = list(plan) if args.only is None else args.only
     args.results.mkdir(parents=True, exist_ok=True)
-    for name in args.only or plan:  # results of benchmarks not run this time are kept
+    for name in chosen:  # results of benchmarks not run this time are kept
         (args.results / f"{name}.json").unlink(missing_ok=True)
     # Where the benchmarks on generated datasets keep them and their scratch folders.
     where = {
@@ -157,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in ("nodes", "gate_scale", "checkpoint_stall", "sharded_state"):
         where[name] = ["--work", str(args.scratch / name)]
-    for name in args.only or plan:
+    for name in chosen:
         _run(name, [*plan[name], *where.get(name, [])], args.results / f"{name}.json")
     gpus = _gpus()
     if gpus and not args.quick:
-        chosen = args.gpu_only or [name for name in GPU_BENCHES if name != "gpu_fed"]
-        _gpu_benches(chosen, gpus, where, args.scratch)
+        on_gpu = args.gpu_only or [name for name in GPU_BENCHES if name != "gpu_fed"]
+        _gpu_benches(on_gpu, gpus, where, args.scratch)
     return render([str(args.results), str(args.output)])
 
 

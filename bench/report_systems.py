@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 GPU_COMMAND = (
-    "`make bench BENCH_ARGS='--only feed checkpoint_stall --gpu-only gpu_fed feed "
-    "checkpoint_stall'` on a machine with a CUDA GPU"
+    "`make bench BENCH_ARGS='--only --gpu-only gpu_fed feed checkpoint_stall'` on a machine "
+    "with a CUDA GPU (it writes docs/bench-gpu/)"
 )
 
 

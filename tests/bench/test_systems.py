@@ -123,3 +123,18 @@ def test_the_page_gives_the_shards_fed_rate_or_says_it_awaits_a_gpu(tmp_path: Pa
         assert "of the synthetic" in text and "awaits a GPU" not in text
     else:
         assert "awaits a GPU" in text and systems.GPU_COMMAND in text
+
+
+def test_an_empty_only_runs_no_benchmark_here(tmp_path: Path) -> None:
+    """``--only`` with no names runs only the GPU benchmarks, so on a machine without a GPU
+    it renders the page from the results already there, running nothing."""
+    import torch
+
+    from bench.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine, --only with no names runs the GPU benchmarks (long)")
+    results, page = tmp_path / "results", tmp_path / "performance.md"
+    assert main(["--only", "--results", str(results), "--output", str(page)]) == 0
+    assert list(results.iterdir()) == []
+    assert page.read_text().startswith("# Performance")
