@@ -5,8 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
-	scripts/install_service_packages.sh scripts/install_image_tools.sh package.json \
-	package-lock.json
+	scripts/install_service_packages.sh scripts/install_image_tools.sh scripts/install_strace.sh \
+	package.json package-lock.json
 
 .PHONY: setup demo image azurite service azure-config test test-quick reliability lint bench clean
 
@@ -27,6 +27,8 @@ $(STAMP): $(SETUP_INPUTS)
 	bash scripts/install_service_packages.sh
 	@# buildah, debootstrap and docker-registry for the training image (root only; see the script).
 	bash scripts/install_image_tools.sh
+	@# strace holds a checkpoint write's fsync in the mid-write kill test (root only).
+	bash scripts/install_strace.sh
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 

@@ -200,6 +200,11 @@ def _in_worker(engine: str, mode: list[str], timeout: float) -> dict[str, Any]:
         return dict(json.loads(result.read_text()))
 
 
+# The shards-fed run augments on the device, as a run on real data would: the feed measured is
+# the whole of it (ShardBatches on the host, crops and flips on the GPU).
+FED_EXTRA = ["--augment"]
+
+
 def fed_from_shards(engine: str, options: list[str], images: int, work: Path) -> dict[str, Any]:
     """The trainer itself on packed image folders: its last epoch's images/s."""
     from bench import dataset
@@ -212,6 +217,7 @@ def fed_from_shards(engine: str, options: list[str], images: int, work: Path) ->
         *launched(engine, "training.train"),
         *engine_options(engine),
         *options,
+        *FED_EXTRA,
         "--data-dir",
         str(folder),
         "--output-dir",
@@ -229,6 +235,7 @@ def fed_from_shards(engine: str, options: list[str], images: int, work: Path) ->
         "epoch_images_per_sec": [e["images_per_sec"] for e in epochs],
         "images_per_sec": epochs[-1]["images_per_sec"],
         "read_from": metrics["dataset"]["kind"],
+        "extra": FED_EXTRA,
     }
 
 
@@ -247,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-steps", action="store_true", help="only the memory and shards runs")
     p.add_argument("--step-indices", type=int, nargs="+", help="run only these steps")
     p.add_argument("--final", help="trainer options of the memory and shards runs")
+    p.add_argument(
+        "--fed-only",
+        action="store_true",
+        help="only the synthetic rate with every switch on and the shards-fed runs, reported "
+        "as the gpu_fed benchmark (minutes, where the whole table takes most of an hour)",
+    )
     # Under the launcher: --result FILE {rate|memory} <trainer options>
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
@@ -273,8 +286,11 @@ def _launch(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_speed needs a CUDA GPU")
+    if args.fed_only:
+        args.step_indices = [[name for name, _ in STEPS].index("torch.compile")]
+        args.skip_memory = True
     report: dict[str, Any] = {
-        "benchmark": "gpu_speed",
+        "benchmark": "gpu_fed" if args.fed_only else "gpu_speed",
         "machine": f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {platform.python_version()}",
         "method": f"ResNet-50 at 224 px, synthetic uint8 batches resident on the GPU, the "

@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench import report_systems as systems
+
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RESULTS = ROOT / "docs" / "bench-gpu"
 
@@ -581,6 +583,15 @@ def image(r: dict[str, Any], heading: str) -> list[str]:
     return lines
 
 
+def _fed_measured(paths: list[Path]) -> bool:
+    """Whether a GPU result holds the trainer's shards-fed rate for some engine."""
+    for path in paths:
+        fed = json.loads(path.read_text()).get("fed") or {}
+        if any(isinstance(f, dict) and "images_per_sec" in f for f in fed.values()):
+            return True
+    return False
+
+
 def render(results: Path) -> str:
     def load(name: str) -> dict[str, Any] | None:
         path = results / f"{name}.json"
@@ -611,6 +622,16 @@ def render(results: Path) -> str:
         )
     if (r := load("trainer")) is not None:
         lines += trainer(r, "## The trainer on loose files and on shards (`bench/trainer.py`)")
+    if (r := load("feed")) is not None:
+        lines += systems.feed(r, "## Feeding a GPU from shards on one core (`bench/feed.py`)")
+    if (r := load("compile_tail")) is not None:
+        lines += systems.compile_tail(r)
+    if (r := load("checkpoint_stall")) is not None:
+        lines += systems.checkpoint_stall(
+            r, "## The checkpoint stall (`bench/checkpoint_stall.py`)"
+        )
+    if (r := load("sharded_state")) is not None:
+        lines += systems.sharded_state(r)
     if (r := load("pipeline")) is not None:
         lines += pipeline(r)
     if (r := load("train_throughput")) is not None:
@@ -628,10 +649,23 @@ def render(results: Path) -> str:
             "them. Each says its own machine and method.",
             "",
         ]
+        if not _fed_measured(gpu):
+            lines += [
+                "The trainer fed from packed shards against its synthetic rate (the goal: 0.9 "
+                f"or more for both engines) awaits a GPU: {systems.GPU_COMMAND} measures it, "
+                "with one core's feed rate and the checkpoint stall there.",
+                "",
+            ]
         for path in gpu:
             r = json.loads(path.read_text())
             stamp = r.get("date", "date not recorded")
-            if r["benchmark"] == "loading":
+            if r["benchmark"] == "feed":
+                lines += systems.feed(r, f"### Feeding the GPU from shards on one core ({stamp})")
+            elif r["benchmark"] == "checkpoint_stall":
+                lines += systems.checkpoint_stall(r, f"### The checkpoint stall ({stamp})")
+            elif r["benchmark"] == "gpu_fed":
+                lines += [f"### Fed from packed shards ({stamp})", "", *systems.gpu_fed(r)]
+            elif r["benchmark"] == "loading":
                 lines += loading(r, f"### Data loading, {r['method'].split(', ')[0]} ({stamp})")
             elif r["benchmark"] == "gpu_speed":
                 lines += [f"### What each speed switch buys ({stamp})", "", *gpu_speed(r)]

@@ -98,6 +98,15 @@ class TrainingSettings:
             "DistributedDataParallel under torchrun; needs no Horovod build)"
         ),
     )
+    profile_steps: int | None = field(
+        default=None,
+        metadata=about(
+            "record this many training steps (after two of warm-up) with the PyTorch profiler "
+            "into the run's TensorBoard logs, for TensorBoard's profiler view; off when unset",
+            ge=1,
+            le=1000,
+        ),
+    )
 
     def input_size(self) -> int:
         """The side in pixels of every image the trainer reads, and so of the packed shards."""
@@ -148,7 +157,28 @@ class TrainerArgs(TrainingSettings):
     optimizer_kernel: OptimizerKernel = field(
         default="auto", metadata=about("SGD's kernels; auto: fused on GPU, foreach on CPU")
     )
-    workers: int = field(default=-1, metadata=about("data loader processes; -1: auto", ge=-1))
+    augment: bool = field(
+        default=False,
+        metadata=about(
+            "random crops (up to 1/8 of the side) and horizontal flips, drawn per image on the "
+            "device for the whole batch"
+        ),
+    )
+    shard_optimizer_state: bool = field(
+        default=False,
+        metadata=about(
+            "partition the optimizer state across ranks (ZeRO stage 1: PyTorch's "
+            "ZeroRedundancyOptimizer; the ddp engine only)"
+        ),
+    )
+    workers: int = field(
+        default=-1,
+        metadata=about(
+            "data loader processes for data read image by image (packed shards are gathered a "
+            "batch at a time in the training process); -1: auto",
+            ge=-1,
+        ),
+    )
     no_verify_images: bool = field(
         default=False,
         metadata=about("skip decoding every image at start (when a data gate already did)"),

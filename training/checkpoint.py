@@ -24,6 +24,12 @@ The policy (:func:`prune_checkpoint_folders`, run by the trainer at start when a
   re-run of a failed or killed run resumes, then removed;
 - a folder holding anything but checkpoints is left alone (with a warning): only what the
   trainer wrote is removed.
+
+Writing does not hold the training step (:class:`CheckpointWriter`): the state is copied to host
+memory, which is all the step waits for, and a background thread serialises it, writes it under
+the temporary name, syncs it to disk and renames it. One write is in flight at a time, and a
+newer checkpoint replaces an older one only by that rename, so a process killed at any moment
+leaves the newest complete checkpoint in place.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -200,3 +207,73 @@ def prune_checkpoint_folders(
         if not folder.exists():
             removed.append((folder, why))
     return removed
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background checkpoint write failed (a full disk, a lost share)."""
+
+
+def host_copy(value: Any) -> Any:
+    """``value`` with every tensor in it copied to host memory, and every container copied: the
+    snapshot a background write serialises while training goes on changing the originals."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(host_copy(v) for v in value)
+    return value
+
+
+class CheckpointWriter:
+    """Writes checkpoints in a background thread, one at a time, each atomically.
+
+    :meth:`save` returns once the state is copied to host memory; the next :meth:`save`, and
+    :meth:`wait` (called before the job's outputs are written), first wait for the write in
+    flight and raise its error, if it failed, naming the file. The thread is not a daemon: a
+    process that stops on an error still finishes the write it started.
+    """
+
+    def __init__(self, directory: Path, keep: int) -> None:
+        self.directory, self.keep = directory, keep
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._path: Path | None = None
+        self.stalls: list[float] = []  # seconds each save held its caller
+
+    def save(self, state: dict[str, Any], epoch: int) -> float:
+        """Snapshot ``state`` and start writing it as ``checkpoint-<epoch>.pt``; returns the
+        seconds the caller was held (the previous write's remainder, if any, and the copy)."""
+        started = time.perf_counter()
+        self.wait()
+        snapshot = host_copy(state)
+        path = checkpoint_path(self.directory, epoch)
+        self._path = path
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, path), name=f"write-{path.name}"
+        )
+        self._thread.start()
+        stall = time.perf_counter() - started
+        self.stalls.append(stall)
+        return stall
+
+    def _write(self, snapshot: dict[str, Any], path: Path) -> None:
+        started = time.perf_counter()
+        try:
+            atomic_save(snapshot, path)
+            prune_checkpoints(self.directory, self.keep)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+            return
+        log.info(
+            "%s written in %.2f s, in the background", path.name, time.perf_counter() - started
+        )
+
+    def wait(self) -> None:
+        """Return once no write is in flight; raise the last one's error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointWriteError(f"{self._path} could not be written: {error}") from error

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -193,6 +194,13 @@ def lr_scale(world: World, options: GradientOptions) -> float:
 def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Make every rank start from rank 0's weights and optimizer state (fresh or resumed)."""
     engine().broadcast_state(model, optimizer)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The whole optimizer state, as a plain optimizer's state dict, on rank 0 (None on the
+    others; every rank calls it): gathered from the ranks when they each hold a shard of it,
+    so a checkpoint is the same whichever engine and options wrote it."""
+    return engine().optimizer_state(optimizer)
 
 
 def start_timeline(path: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ class GradientOptions:
     backward_passes_per_step: int
     adasum: bool
     sync_batchnorm: bool
+    shard_optimizer_state: bool = False
 
 
 class Engine(Protocol):
@@ -67,6 +68,11 @@ class Engine(Protocol):
     ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The whole optimizer state as a plain optimizer's state dict, on rank 0 (None on the
+        others): what a checkpoint holds, whichever engine wrote it. Every rank calls it."""
+        ...
 
     def accumulating(self, net: nn.Module, sync: bool) -> AbstractContextManager[None]: ...
 

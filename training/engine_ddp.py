@@ -8,6 +8,7 @@ in-memory store, as the Horovod engine does without horovodrun.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import inspect
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from training.engine import GradientOptions, UsageError, World
@@ -83,6 +85,37 @@ def _torchrun_store(rank: int, size: int) -> dist.Store:
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"retrain/attempt-{attempt}", store)
+
+
+class ShardedOptimizer(ZeroRedundancyOptimizer):
+    """PyTorch's ZeRO stage 1: each rank keeps the optimizer state (momentum) of its share of
+    the parameters, steps that share, and broadcasts the updated weights to the other ranks.
+
+    Checkpoints stay engine-neutral: :meth:`DdpEngine.optimizer_state` gathers the shards into
+    a plain optimizer's state dict on rank 0. Loading keeps only this rank's shard, so rank 0
+    also remembers the whole state it loaded from a checkpoint, for the other ranks to take
+    theirs from (``DdpEngine.broadcast_state``).
+    """
+
+    loaded: dict[str, Any] | None = None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = copy.deepcopy(state_dict)
+        super().load_state_dict(copy.deepcopy(state_dict))  # it blanks the other ranks' shares
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state, once ``consolidate_state_dict`` gathered it here; the gathered
+        shares are let go after, or rank 0 would keep a whole copy beside its own share."""
+        try:
+            return super().state_dict()
+        finally:
+            self._all_state_dicts: list[dict[str, Any]] = []
+
+
+def _shard(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    """``optimizer``'s parameters and settings, its state partitioned across the ranks."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return ShardedOptimizer(params, optimizer_class=type(optimizer), **optimizer.defaults)
 
 
 class DdpEngine:
@@ -161,15 +194,25 @@ class DdpEngine:
             # The counterpart of Horovod's Compression.fp16: buckets travel as fp16, are
             # averaged, and come back in the parameters' precision.
             net.register_comm_hook(None, cast(Any, default_hooks.fp16_compress_hook))
+        if options.shard_optimizer_state:
+            return net, _shard(optimizer)
         return net, optimizer
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Rank 0's optimizer state (momentum included) and then its weights and buffers."""
-        state = self.broadcast_object(
-            _to_cpu(optimizer.state_dict()) if dist.get_rank() == 0 else None
-        )
-        if dist.get_rank() != 0:
+        """Rank 0's optimizer state (momentum included) and then its weights and buffers.
+
+        Sharded, rank 0 hands on the whole state it loaded from a checkpoint (none on a fresh
+        start), and each other rank keeps its own share of it."""
+        root = dist.get_rank() == 0
+        if isinstance(optimizer, ShardedOptimizer):
+            state = self.broadcast_object(optimizer.loaded if root else None)
+            optimizer.loaded = None
+        else:
+            state = self.broadcast_object(_to_cpu(optimizer.state_dict()) if root else None)
+        if not root and state is not None:
             optimizer.load_state_dict(cast(dict[str, Any], state))
+            if isinstance(optimizer, ShardedOptimizer):
+                optimizer.loaded = None  # its own share is what this rank keeps
         for tensor in model.state_dict().values():
             if tensor.is_contiguous():
                 dist.broadcast(tensor, src=0)
@@ -177,6 +220,12 @@ class DdpEngine:
                 flat = tensor.contiguous()
                 dist.broadcast(flat, src=0)
                 tensor.copy_(flat)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Sharded, every rank sends its share to rank 0 (a collective); else rank 0's own."""
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if dist.get_rank() == 0 else None
 
     def accumulating(self, net: nn.Module, sync: bool) -> AbstractContextManager[None]:
         if sync or not isinstance(net, DistributedDataParallel):

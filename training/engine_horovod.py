@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -51,6 +52,11 @@ class HorovodEngine:
             )
         if options.sync_batchnorm:
             raise UsageError("--sync-batchnorm needs --engine ddp (on GPU)")
+        if options.shard_optimizer_state:
+            raise UsageError(
+                "--shard-optimizer-state needs --engine ddp (Horovod keeps the whole optimizer "
+                "state on every rank)"
+            )
 
     def wrap(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, options: GradientOptions
@@ -76,6 +82,10 @@ class HorovodEngine:
         weights. When resuming only rank 0 has state, so the weights' broadcast comes last."""
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Every rank holds the whole state (DistributedOptimizer's is an SGD state dict)."""
+        return optimizer.state_dict() if hvd.rank() == 0 else None
 
     def accumulating(self, net: nn.Module, sync: bool) -> AbstractContextManager[None]:
         # DistributedOptimizer counts backward passes and allreduces after the k-th itself.

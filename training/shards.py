@@ -29,7 +29,7 @@ import multiprocessing as mp
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -446,6 +446,24 @@ class ShardSplit(Dataset[tuple[torch.Tensor, int]]):
         shard = bisect.bisect_right(self.ends, index)
         row = index - (self.ends[shard - 1] if shard else 0)
         return torch.from_numpy(np.array(self._map(shard)[row])), int(self.labels[index])
+
+    def gather(
+        self, indices: Sequence[int], out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``indices`` as one uint8 (N, 3, S, S) batch, and their labels: each row copied
+        once, from the mapped file straight into ``out`` (a pinned buffer, on a GPU machine),
+        where the per-image path copies it again to collate the batch and once more to pin it.
+        """
+        index = np.asarray(indices, dtype=np.int64)
+        if out is None:
+            out = torch.empty((len(index), 3, self.size, self.size), dtype=torch.uint8)
+        rows = out.numpy()
+        shards = np.searchsorted(self.ends, index, side="right")
+        starts = np.concatenate([[0], self.ends])[shards]
+        pairs = zip(shards.tolist(), (index - starts).tolist(), strict=True)
+        for i, (shard, row) in enumerate(pairs):
+            rows[i] = self._map(shard)[row]
+        return out, torch.from_numpy(self.labels[index])
 
 
 def open_shards(root: Path, image_size: int) -> DatasetInfo | str:

@@ -131,7 +131,7 @@ def match_state_layout(optimizer: torch.optim.Optimizer) -> None:
     weight and momentum as flat memory, would pair the wrong elements."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = optimizer.state.get(p, {})
+            state = optimizer.state.get(p) or {}  # a sharded optimizer's other shares: None
             for key, value in state.items():
                 tensor = isinstance(value, torch.Tensor) and value.shape == p.shape
                 if tensor and value.stride() != p.stride():

@@ -26,11 +26,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from training import augment, profiling
 from training import checkpoint as ckpt
 from training import distributed as dist
 from training import speed as fast
 from training.args import TrainerArgs, parse_trainer_args
 from training.atomic import atomic_write_json
+from training.batches import ShardBatches
 from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo, SplitData
 from training.distributed import GradientOptions, UsageError, World
@@ -61,33 +63,39 @@ class EvalSampler(Sampler[int]):
         return len(self.indices)
 
 
-# Measured (bench/loading.py on a 16-core H100 machine): 3 KB rows (32 px) load 2x faster in
-# the training process than through 8 worker processes; 150 KB rows (224 px) 1.8x slower.
-IN_PROCESS_ROW_BYTES = 32 * 1024
-
-
 def _loader_workers(requested: int, world: World, split: SplitData) -> int:
     if requested >= 0:
         return requested
-    if isinstance(split.dataset, ShardSplit) and split.dataset.row_bytes <= IN_PROCESS_ROW_BYTES:
-        return 0  # small decoded rows: a copy is cheaper than passing it between processes
     if len(split) < 2048:
         return 0  # starting worker processes costs more than decoding a few images
     per_rank = dist.usable_cpus() // world.local_size
     return max(0, min(8, per_rank - 1))
 
 
+Batches = DataLoader[Any] | ShardBatches
+
+
 def _loader(
-    split: SplitData, sampler: Sampler[int], args: TrainerArgs, world: World
-) -> DataLoader[Any]:
+    split: SplitData,
+    sampler: Sampler[int],
+    args: TrainerArgs,
+    world: World,
+    drop_last: bool = False,
+) -> Batches:
+    """Packed shards a batch at a time, gathered in this process (training.batches); any other
+    dataset image by image through a DataLoader, with worker processes when it is large."""
+    pin = world.device.type == "cuda"
+    if isinstance(split.dataset, ShardSplit):
+        return ShardBatches(split.dataset, sampler, args.batch_size, drop_last=drop_last, pin=pin)
     workers = _loader_workers(args.workers, world, split)
     return DataLoader(
         split.dataset,
         batch_size=args.batch_size,
         sampler=sampler,
         num_workers=workers,
-        pin_memory=world.device.type == "cuda",
+        pin_memory=pin,
         persistent_workers=workers > 0,
+        drop_last=drop_last,
     )
 
 
@@ -161,8 +169,12 @@ class Trainer:
     net: nn.Module | None = None
 
     def _prepare(
-        self, images: torch.Tensor, labels: torch.Tensor
+        self, images: torch.Tensor, labels: torch.Tensor, train: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on the device, as the model reads it; training batches augmented there."""
+        images = images.to(self.world.device, non_blocking=True)
+        if train and self.args.augment:
+            images = augment.flip_crop(images)
         return fast.to_input(images, self.speed), labels.to(self.world.device, non_blocking=True)
 
     def _forward(self, images: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
@@ -190,9 +202,10 @@ class Trainer:
         return loss.detach(), logits.detach()
 
     def train_epoch(
-        self, epoch: int, loader: DataLoader[Any], step: int
+        self, epoch: int, loader: Batches, step: int, profiler: Any = None
     ) -> tuple[dict[str, float], int]:
-        """One pass over this rank's shard; returns the epoch's summed stats and the next step."""
+        """One pass over this rank's shard; returns the epoch's summed stats and the next step.
+        ``profiler`` (training.profiling), when given, is told of every batch's end."""
         self.model.train()
         k = self.args.backward_passes_per_step
         # With gradient accumulation, a trailing group of fewer than k batches would leave
@@ -209,7 +222,7 @@ class Trainer:
             if i % k == 0:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.schedule.lr(step)
-            images, labels = self._prepare(images, labels)
+            images, labels = self._prepare(images, labels, train=True)
             apply = (i + 1) % k == 0
             loss, logits = self.train_step(images, labels, accumulate=k, apply=apply)
             step += apply
@@ -218,6 +231,10 @@ class Trainer:
             seen += len(labels)
             if (i + 1) % self.args.log_every == 0:
                 self._check_finite(epoch, i + 1, loss_sum, seen)
+            if profiler is not None:
+                profiler.step()
+        if profiler is not None:
+            profiler.stop()  # writes the trace, also when the epoch ended before its last step
         if self.world.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
@@ -314,20 +331,22 @@ def _save_checkpoint(job: Job, epoch: int) -> None:
     streams, the arguments and the history so far."""
     args, trainer = job.args, job.trainer
     rngs = dist.gather_objects(_rng_state())  # every rank's, so each resumes its own stream
+    optimizer = dist.optimizer_state(trainer.optimizer)  # whole, even when ranks shard it
     if not job.world.is_root:
         return
     state = {
         "format_version": ckpt.FORMAT_VERSION,
         "epoch": epoch,
         "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
+        "optimizer": optimizer,
         "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
         "rng": rngs,
         "args": args.as_record(),
         "history": job.history,
     }
-    ckpt.atomic_save(state, ckpt.checkpoint_path(args.checkpoints, epoch))
-    ckpt.prune_checkpoints(args.checkpoints, args.keep_checkpoints)
+    # The step waits for the copy to host memory only; the file is written in the background.
+    stall = job.checkpoints.save(state, epoch)
+    log.info("checkpoint-%d.pt: training held %.3f s to copy its state", epoch, stall)
 
 
 # ---------------------------------------------------------------------------- main
@@ -343,11 +362,12 @@ class Job:
     skipped: list[str]
     trainer: Trainer
     sampler: DistributedSampler[Any]
-    loader: DataLoader[Any]
+    loader: Batches
     steps_per_epoch: int
     start_epoch: int
     history: list[dict[str, Any]]
     resumed_from: int | None  # the checkpoint's epoch this run resumed from
+    checkpoints: ckpt.CheckpointWriter  # written by rank 0 only
 
 
 def run(args: TrainerArgs, world: World) -> dict[str, Any]:
@@ -372,6 +392,7 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         backward_passes_per_step=args.backward_passes_per_step,
         adasum=args.adasum,
         sync_batchnorm=args.sync_batchnorm,
+        shard_optimizer_state=args.shard_optimizer_state,
     )
     dist.check_options(world, options)
     _seed_everything(args.seed + world.rank)
@@ -429,6 +450,7 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         start_epoch=start_epoch,
         history=history,
         resumed_from=resumed_from,
+        checkpoints=ckpt.CheckpointWriter(args.checkpoints, args.keep_checkpoints),
     )
 
 
@@ -453,12 +475,16 @@ def _speed(args: TrainerArgs, world: World) -> fast.Speed:
 
 def _train_loader(
     args: TrainerArgs, world: World, split: SplitData
-) -> tuple[DistributedSampler[Any], DataLoader[Any], int]:
+) -> tuple[DistributedSampler[Any], Batches, int]:
     """This rank's shuffled share of the train split, and the optimizer steps in an epoch."""
     sampler: DistributedSampler[Any] = DistributedSampler(
         split.dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=args.seed
     )
-    loader = _loader(split, sampler, args, world)
+    # A compiled step is specialised to the batch's shape: a last, smaller batch would compile
+    # it again (tens of seconds on a GPU, each epoch's end) for a few images. Dropping it costs
+    # nothing and loses no image for good, as the sampler reshuffles every epoch; padding it
+    # would cost a full step's compute (bench/compile_tail.py measures the three).
+    loader = _loader(split, sampler, args, world, drop_last=args.compile)
     steps_per_epoch = len(loader) // args.backward_passes_per_step
     if steps_per_epoch == 0:
         raise DatasetError(
@@ -504,7 +530,17 @@ def _train(job: Job, writer: Any) -> None:
     step = (job.start_epoch - 1) * job.steps_per_epoch
     for epoch in range(job.start_epoch, args.epochs + 1):
         job.sampler.set_epoch(epoch)
-        stats, step = trainer.train_epoch(epoch, job.loader, step)
+        # The first epoch this attempt trains is profiled when asked (rank 0).
+        profiler = (
+            profiling.step_profiler(args.profile_steps, args.output_dir, world.rank, world.device)
+            if epoch == job.start_epoch
+            else None
+        )
+        stats, step = trainer.train_epoch(epoch, job.loader, step, profiler)
+        if profiler is not None:
+            log.info(
+                "profiler trace of epoch %d in %s", epoch, profiling.trace_dir(args.output_dir)
+            )
         dist.sync_buffers(trainer.model)
         record: dict[str, Any] = {
             "epoch": epoch,
@@ -532,6 +568,7 @@ def _train(job: Job, writer: Any) -> None:
 def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
     """Test accuracy, a check that every rank holds the same weights, and the outputs."""
     test = job.trainer.evaluate(job.data.splits["test"], "test")
+    job.checkpoints.wait()  # the last checkpoint is on disk before the outputs say "done"
     digests = dist.gather_objects(dist.state_digest(job.trainer.model.state_dict()))
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks ended with different weights: {digests}")

@@ -1,19 +1,25 @@
-"""Checkpoints are atomic, a damaged newest one falls back to the previous epoch, and the
-folders no run will resume are removed."""
+"""Checkpoints are atomic, written without holding the step, a damaged newest one falls back to
+the previous epoch, and the folders no run will resume are removed."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_trainer
+from tests.conftest import ROOT, child_env, run_trainer, trainer_command
 from training.checkpoint import (
     DAY_SECONDS,
     FINISHED,
+    CheckpointWriteError,
+    CheckpointWriter,
     atomic_save,
     list_checkpoints,
     newest_valid_checkpoint,
@@ -133,3 +139,95 @@ def test_the_trainer_marks_its_folder_finished_and_prunes_when_asked(tmp_path: P
     assert done.returncode == 0, done.output
     assert f"removed checkpoint folder {stale}: unfinished, last written 2.0 days" in done.output
     assert not stale.exists() and (root / "0000000000000010" / FINISHED).is_file()
+
+
+def test_the_writer_snapshots_the_state_it_was_given(tmp_path: Path) -> None:
+    """The step goes on changing the weights while the file is written: the file holds them as
+    they were when save returned."""
+    weights = torch.zeros(1000)
+    writer = CheckpointWriter(tmp_path, keep=2)
+    for epoch in (1, 2, 3):
+        writer.save({"epoch": epoch, "model": {"w": weights}, "history": [epoch]}, epoch)
+        weights += 1  # the next steps, in place, as an optimizer does
+    writer.wait()
+    assert [e for e, _ in list_checkpoints(tmp_path)] == [3, 2]
+    for epoch in (3, 2):
+        saved = torch.load(tmp_path / f"checkpoint-{epoch}.pt", weights_only=True)
+        assert saved["history"] == [epoch]
+        assert torch.equal(saved["model"]["w"], torch.full((1000,), float(epoch - 1)))
+    assert len(writer.stalls) == 3
+
+
+def test_a_failed_background_write_is_raised_and_leaves_the_old_file(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path, keep=3)
+    writer.save({"epoch": 1}, 1)
+
+    class Unpicklable:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("disk full")
+
+    writer.save({"epoch": 2, "bad": Unpicklable()}, 2)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint-2\.pt could not be written"):
+        writer.wait()
+    assert [e for e, _ in list_checkpoints(tmp_path)] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.pt"]
+
+
+FSYNC_DELAY_S = 10  # each fsync held this long: a write is still in flight while epochs run
+
+
+def _strace() -> str:
+    found = shutil.which("strace")
+    if found is None:
+        if os.environ.get("RETRAIN_REQUIRE_EMULATED_NODES"):
+            pytest.fail("strace is missing (make setup installs it as root)")
+        pytest.skip("strace is missing (make setup installs it as root): it holds the write open")
+    return found
+
+
+@pytest.mark.processes
+def test_killed_during_a_background_write_resumes_from_the_newest_intact(tmp_path: Path) -> None:
+    """strace holds every fsync of the trainer for 10 s, so checkpoint 2 is still being written
+    (its temp file there, not yet renamed) while epoch 3 trains: the step was not held. The
+    trainer is killed right then; run again, it resumes from checkpoint 1, the newest intact."""
+    out = tmp_path / "out"
+    args = ("--epochs", "4", "--batch-size", "16", "--log-every", "1", "--seed", "4")
+    cmd = [
+        _strace(),
+        *("-f", "-qq", "-o", os.devnull, "-e", "trace=fsync"),
+        *("-e", f"inject=fsync:delay_enter={FSYNC_DELAY_S * 1_000_000}"),
+        *trainer_command(1, "synthetic:300", out, *args),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))  # type: ignore[union-attr]
+    reader.start()
+    ckpts = out / "checkpoints"
+    try:
+        deadline = time.monotonic() + 180
+        while not any("epoch 3 batch 1:" in line for line in list(lines)):
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.01)
+        in_flight = sorted(p.name for p in ckpts.glob(".checkpoint-2.pt.*.tmp"))
+        written = [e for e, _ in list_checkpoints(ckpts)]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # strace and the trainer
+        proc.wait()
+        reader.join()
+    assert len(in_flight) == 1 and written == [1], (in_flight, written)
+    assert (ckpts / in_flight[0]).exists()  # killed mid-write: the temp file is left
+
+    again = run_trainer(1, "synthetic:300", out, *args)
+    assert again.returncode == 0, again.output
+    assert "resuming from checkpoint-1.pt: starting at epoch 2" in again.output
+    assert [e["epoch"] for e in again.metrics["epochs"]] == [1, 2, 3, 4]
+    assert [e for e, _ in list_checkpoints(ckpts)] == [4, 3, 2]

@@ -4,7 +4,6 @@ fallback to the loose files whenever the shards do not match the folder."""
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from backends.blob import API_VERSION, upload_directory
 from staging.sync import safe_relative_path, stage
 from training.data import open_dataset
 from training.dataset import DatasetError
-from training.make_images import write_synthetic
 from training.shards import (
     INDEX,
     LOCK,
@@ -172,28 +170,3 @@ def test_staging_packs_by_manifest_md5_and_unpacks_when_off(
     off = stage(container, "ds", dest, 0, workers=4)
     assert off["shards"]["action"] == "not packed" and not (dest / SHARD_DIR).exists()
     assert open_dataset(str(dest), SIZE).kind == "image-folders"
-
-
-@pytest.mark.processes
-@pytest.mark.parametrize("limit", [None, 512])
-def test_loader_reads_small_rows_in_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int | None
-) -> None:
-    """Measured on a 16-core machine: 3 KB rows load faster without worker processes, 150 KB
-    rows faster with them; rows over the limit get the loose-file policy."""
-    from training.distributed import World
-    from training.train import _loader_workers
-
-    if limit is not None:
-        monkeypatch.setattr("training.train.IN_PROCESS_ROW_BYTES", limit)
-    root = tmp_path / "data"
-    write_synthetic(root, classes=2, per_class=1100, size=8, test_fraction=0.05, seed=0)
-    pack_shards(root, 16)  # 768-byte rows
-    split = open_dataset(str(root), 16).splits["train"]
-    assert len(split) >= 2048  # large enough that loose files get worker processes
-    world = World(0, 1, 0, 1, torch.device("cpu"))
-    loose = open_dataset(str(root), 16, use_shards=False).splits["train"]
-    expected = 0 if limit is None else _loader_workers(-1, world, loose)
-    assert _loader_workers(-1, world, split) == expected
-    assert _loader_workers(-1, world, loose) > 0 or (os.cpu_count() or 1) < 2
-    assert _loader_workers(3, world, split) == 3  # an explicit --workers always wins
