@@ -68,13 +68,13 @@ azure-config:
 # on servers, launchers and nodes more than they compute.
 TEST_WORKERS ?= 2
 test: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow" \
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow and not gpu" \
 		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The unit tests of every package (no server, emulator, launcher or process of their own):
 # the edit-test loop's command.
 test-quick: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "quick and not slow" $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "quick and not slow and not gpu" $(PYTEST_ARGS)
 
 # The reliability suite with more trials; it writes docs/reliability.md.
 RELIABILITY_TRIALS ?= 5

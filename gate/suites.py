@@ -86,7 +86,9 @@ def _context(docs_dir: Path) -> Any:
         "class_name": "SiteBuilder",
         "store_backend": {
             "class_name": "TupleFilesystemStoreBackend",
-            "base_directory": str(docs_dir.resolve()),
+            # Great Expectations substitutes $NAME and ${NAME} in its config: a literal $ in
+            # the path (a work_dir of that name) is escaped as its docs say.
+            "base_directory": str(docs_dir.resolve()).replace("$", r"\$"),
         },
         "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
     }

@@ -109,5 +109,9 @@ def where(location: BlobLocation) -> str:
 def images_location(config: PipelineConfig, container: str, prefix: str) -> BlobLocation:
     """The new images' place, read with the data location's credentials (validated: a bad
     container name is named)."""
-    fields: dict[str, Any] = {**config.data.model_dump(), "container": container, "prefix": prefix}
+    fields: dict[str, Any] = {
+        **config.data.model_dump(exclude={"version"}),
+        "container": container,
+        "prefix": prefix,
+    }
     return BlobLocation.model_validate(fields)

@@ -89,3 +89,15 @@ def test_a_missing_package_is_named(built: Path, tmp_path: Path) -> None:
     shutil.copytree(built, docs)
     with pytest.raises(DocsAssetError, match=r"is missing: `make setup` \(npm ci\)"):
         localize(docs, tmp_path / "empty")
+
+
+def test_a_dollar_in_the_site_folder_is_a_folder_name(tmp_path: Path) -> None:
+    """Great Expectations expands $NAME in its config; a work_dir named with a $ failed the gate
+    with MissingConfigVariableError, or would have put the site at the variable's value."""
+    from gate.suites import run_expectations
+
+    docs = tmp_path / "$HOME ${PATH} $(id)" / "data_docs"
+    rules = ValidationConfig(min_images_per_class=2, min_side=8, max_side=64)
+    passed, _ = run_expectations(_rows(), rules, docs)
+    assert passed
+    assert (docs / "index.html").is_file()

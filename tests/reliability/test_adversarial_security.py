@@ -152,29 +152,29 @@ def test_hostile_extra_args_run_nothing_on_a_batch_node(
 def test_flow_with_spaces_in_every_path_and_a_value_that_looks_like_a_command(
     tmp_path: Path,
 ) -> None:
-    """The whole local flow with work_dir, the NFS and the share folders under a path with a
-    space; the trainer gets a checkpoint folder named like a Batch variable and a command
-    substitution, which must become a folder of that literal name, not a variable or a command.
+    """The whole local flow with work_dir, the NFS and the share folders under a folder named
+    with a space, a Batch variable and a command substitution: every path the pipeline hands
+    the trainer (data, outputs, checkpoints) must stay that literal folder, not a variable or a
+    command. (training.extra_args cannot carry a path: the pipeline owns them all.)
     """
     from flows.retrain import retrain
 
     source = tmp_path / "digits"
     write_digits(source, test_fraction=0.25, seed=0, per_class=20)
     marker = tmp_path / "injected"
-    hostile = f"$AZ_BATCH_TASK_WORKING_DIR/ckpt $(touch {marker})"
-    config = make_config(tmp_path / "my runs", "training.epochs=1")
-    config = _with_extra_args(config, ["--checkpoint-dir", hostile])
+    hostile = f"$AZ_BATCH_TASK_WORKING_DIR $(touch {marker})"
+    config = make_config(tmp_path / "my runs" / hostile, "training.epochs=1")
     seed(config, source)
 
     state = retrain(config=config, return_state=True)
 
     assert state.is_completed(), state.message
     assert not marker.exists()
-    tasks = config.work_dir / "pools" / config.pool.id / "tasks"
-    (wd,) = [d / "wd" for d in tasks.iterdir() if d.name.startswith("train-")]
-    checkpoints = sorted(wd.rglob("checkpoint-*.pt"))
-    assert checkpoints, "the trainer wrote no checkpoint where it was told to"
-    assert str(checkpoints[0].parent.relative_to(wd)) == hostile
+    checkpoints = sorted(config.nfs.local_dir.rglob("checkpoint-*.pt"))
+    assert checkpoints, "the trainer wrote no checkpoint below the NFS folder it was given"
+    assert f"/my runs/{hostile}/nfs/" in str(checkpoints[0])
+    outputs = config.work_dir / "pools" / config.pool.id / "tasks"
+    assert any(outputs.rglob("metrics.json")), "the trainer wrote no metrics below work_dir"
     report.record(
         "adversarial",
         "local flow: work_dir, NFS and share paths with a space; '$VAR $(cmd)' as a value",

@@ -150,10 +150,11 @@ def test_nothing_readable_and_a_bad_model_are_errors(
     assert not out.exists()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.gpu
 def test_the_gpu_gives_the_cpus_labels(trained: tuple[Path, Path]) -> None:
     from training.predict import predict
 
+    assert torch.cuda.is_available(), "selected with -m gpu, which needs a CUDA device"
     model_path, data = trained
     images = sorted((data / "test").rglob("*.png"))
     on_cpu, _ = predict(model_path, images, top_k=3, device="cpu")
