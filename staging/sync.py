@@ -22,8 +22,6 @@ Properties a training run relies on:
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import stat
 from dataclasses import asdict, dataclass, field
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from staging.blob import Retry, list_pinned, object_store
 from staging.listing import PinnedBlob
 from staging.transfer import Download, download_all
+from training.atomic import file_md5
 from training.staged_folder import MANIFEST, SHARD_DIR, TEMP_PREFIX, load_entries, write_manifest
 
 if TYPE_CHECKING:
@@ -83,14 +82,6 @@ def safe_relative_path(name: str, prefix: str) -> PurePosixPath:
     if problem:
         raise UnsafeBlobNameError(f"blob {name!r} rejected: {problem}")
     return PurePosixPath(rel)
-
-
-def _md5_b64(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return base64.b64encode(digest.digest()).decode()
 
 
 def _plan(blobs: list[PinnedBlob], prefix: str) -> dict[str, tuple[PinnedBlob, PurePosixPath]]:
@@ -239,7 +230,7 @@ def sync_to_directory(
         if same_size and old is not None and unchanged:
             report.skipped += 1
             files[name] = {**entry, "md5": old.get("md5") or blob.md5}
-        elif same_size and blob.md5 and _md5_b64(target) == blob.md5:  # manifest lost, intact
+        elif same_size and blob.md5 and file_md5(target) == blob.md5:  # manifest lost, intact
             report.skipped += 1
             files[name] = entry
         else:
