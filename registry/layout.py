@@ -33,6 +33,20 @@ def records_blob(base: str, name: str) -> str:
     return f"{base.strip('/')}/{name}" if base.strip("/") else name
 
 
+def is_model_blob(name: object) -> bool:
+    """Whether a record's ``model`` can name a model blob: a relative ``.pt`` name without
+    ``..``, query, fragment, backslash or NUL (a record is stored text anyone with write access
+    to the container may have edited)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 1024
+        and name.endswith(".pt")
+        and not name.startswith("/")
+        and ".." not in name.split("/")
+        and not any(c in name for c in "?#\\\x00")
+    )
+
+
 def champion_blob(base: str) -> str:
     return records_blob(base, CHAMPION)
 
@@ -71,17 +85,3 @@ def decision_blob(run_prefix: str) -> str:
 def run_record_blob(run_prefix: str) -> str:
     """The record of the run whose outputs are at ``run_prefix``."""
     return f"{run_prefix}/{RUN_RECORD}"
-
-
-def is_model_blob(name: object) -> bool:
-    """Whether a record's ``model`` can name a model blob: a relative ``.pt`` name without
-    ``..``, query, fragment, backslash or NUL (a record is stored text anyone with write access
-    to the container may have edited)."""
-    return (
-        isinstance(name, str)
-        and 0 < len(name) <= 1024
-        and name.endswith(".pt")
-        and not name.startswith("/")
-        and ".." not in name.split("/")
-        and not any(c in name for c in "?#\\\x00")
-    )
