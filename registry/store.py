@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.text import printable
 from registry.champion import read_champion
-from registry.gateway import printable
 from registry.layout import RUN_RECORD, decision_blob, run_folder, runs_root
 from registry.record_blob import fraction, read_record
 from registry.run_record import RunRecord, read_run_record

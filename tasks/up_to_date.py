@@ -30,6 +30,7 @@ from backends.taskspec import NOT_SHAPING_THE_MODEL, training_task_digest
 from core.config import PipelineConfig
 from core.data_versions import DataVersion
 from core.run import Run
+from core.text import markdown_text
 from registry.gateway import output_link
 from registry.last_run import LastRun, blob_exists, read_last_run, read_trained, write_last_run
 from registry.layout import LAST_RUN
@@ -226,13 +227,14 @@ def report_up_to_date(
     lines = [
         f"# Retrain {run_id}: up to date",
         "",
-        f"**Nothing to train.** {check.why}.",
+        f"**Nothing to train.** {markdown_text(check.why)}.",
         "",
-        f"The model in use is [{last.model}]({output_link(config.output, outputs, last.model)}) "
-        f"from run {last.run_id}.",
+        f"The model in use is [{markdown_text(last.model)}]"
+        f"({output_link(config.output, outputs, last.model)}) from run "
+        f"{markdown_text(last.run_id)}.",
         "",
-        f"**Data:** {check.data.describe()} ({check.data.chosen}); the gate's listing "
-        f"`{check.fingerprint['data_version']}`.",
+        f"**Data:** {markdown_text(check.data.describe())} ({markdown_text(check.data.chosen)}); "
+        f"the gate's listing `{check.fingerprint['data_version']}`.",
         "",
         "| step | status | seconds |",
         "|---|---|---|",
