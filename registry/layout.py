@@ -35,15 +35,16 @@ def records_blob(base: str, name: str) -> str:
 
 def is_model_blob(name: object) -> bool:
     """Whether a record's ``model`` can name a model blob: a relative ``.pt`` name without
-    ``..``, query, fragment, backslash or NUL (a record is stored text anyone with write access
-    to the container may have edited)."""
+    ``..``, query, fragment, backslash or control character (a record is stored text anyone
+    with write access to the container may have edited)."""
     return (
         isinstance(name, str)
         and 0 < len(name) <= 1024
         and name.endswith(".pt")
         and not name.startswith("/")
         and ".." not in name.split("/")
-        and not any(c in name for c in "?#\\\x00")
+        and name.isprintable()  # no NUL, no escape sequence for a terminal that prints it
+        and not any(c in name for c in "?#\\")
     )
 
 

@@ -54,6 +54,10 @@ CHAMPIONS = {
         f'{{"run_id": "r", "accuracy": {HUGE}, "model": "runs/r/model.pt"}}'.encode(),
         "accuracy is an integer of about 401 digits, not a finite number in [0, 1]",
     ),
+    "a model name with a terminal escape": (
+        b'{"run_id": "r", "accuracy": 0.5, "model": "runs/r/\\u001b[2Jmodel.pt"}',
+        "model is 'runs/r/\\x1b[2Jmodel.pt', not a model blob name",
+    ),
 }
 
 

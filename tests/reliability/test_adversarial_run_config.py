@@ -371,3 +371,37 @@ def test_the_workers_token_goes_to_no_host_a_run_names(
         "run fails before any request, naming both fields; the host and the identity endpoint "
         "received nothing",
     )
+
+
+def test_the_sensor_polls_only_the_projects_config_files(
+    deployed: dict[str, Any], azurite: str, tmp_path: Path
+) -> None:
+    """The watch-new-data/poll deployment lists a data root with the worker's credentials: a
+    run of it naming a config file of its own (another account, another root) is refused."""
+    from prefect.deployments import run_deployment
+
+    from tests.conftest import child_env, prefect_api_env
+    from tests.pipeline_helpers import execute_as_worker
+
+    elsewhere = tmp_path / "poll.yaml"
+    elsewhere.write_text(
+        (ROOT / LOCAL)
+        .read_text()
+        .replace(
+            "connection_string_env: AZURE_STORAGE_CONNECTION_STRING",
+            f"connection_string_env: null\n  account_url: {ATTACKER}",
+            1,
+        )
+    )
+    run = run_deployment(
+        "watch-new-data/poll", parameters={"config_path": str(elsewhere)}, timeout=0
+    )
+    env = {**child_env(), **prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
+    state, output = execute_as_worker(run, env)
+    assert state.is_failed(), (state.message, output)
+    assert "configs/ folder on the worker" in str(state.message)
+    report.record(
+        "secrets",
+        "watch-new-data/poll run with a config_path of its own (another account URL)",
+        "refused before listing anything",
+    )
