@@ -11,10 +11,12 @@ ever placed in a command line or in the plain environment.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from core.config import PipelineConfig
 from staging.listing import listing_blob
@@ -156,6 +158,29 @@ def training_task(
         ],
         max_retries=config.retries.training_attempts - 1,
     )
+
+
+# Settings that change no weight of the trained model: a Horovod timeline records the run.
+NOT_SHAPING_THE_MODEL = ("timeline",)
+
+
+def training_task_digest(config: PipelineConfig) -> str:
+    """The training task as this code would submit it for ``config``, as a digest: its command
+    line, coordination command, environment and instances, with fixed names for what is each
+    run's own (the task id, the checkpoint key, the output prefix) and the settings of
+    :data:`NOT_SHAPING_THE_MODEL` left out. A change here that changes what the nodes run (an
+    argument given to the trainer, an environment setting) changes it, as a change of the
+    trainer's own code changes the scripts' digest."""
+    settings: dict[str, Any] = {name: False for name in NOT_SHAPING_THE_MODEL}
+    shaped = config.model_copy(update={"training": replace(config.training, **settings)})
+    spec = training_task(shaped, "task", "key", "outputs")
+    shape = {
+        "command_line": spec.command_line,
+        "coordination_command": spec.coordination_command,
+        "environment": spec.environment,
+        "instances": spec.instances,
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def pack_image_size(config: PipelineConfig) -> int:

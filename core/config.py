@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from urllib.parse import SplitResult, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,6 +37,89 @@ def _container_name(value: str) -> str:
         raise ValueError(
             f"{value!r} is not a valid container name (3-63 lowercase letters, digits, hyphens)"
         )
+    return value
+
+
+# A query (``?`` then anything with a ``=``), with or without a URL before it, and the secret
+# fields of a connection string.
+_QUERY = re.compile(r"\?(?=[^\s'\"]*=)[^\s'\"]*")
+_CONNECTION_SECRET = re.compile(r"((?:AccountKey|SharedAccessSignature)=)[^;\s'\"]+", re.I)
+_USER_INFO = re.compile(r"(://)[^/\s@]*@")
+
+
+def hide_credentials(text: str) -> str:
+    """``text`` with every query, a URL's user and password, and a connection string's key
+    replaced: a SAS token pasted with a URL, or a connection string pasted for the name of its
+    variable, travels there, and the text (an override, a run's source line, an error) is
+    shown in logs and artifacts."""
+    text = _USER_INFO.sub(r"\1REDACTED@", _QUERY.sub("?REDACTED", text))
+    return _CONNECTION_SECRET.sub(r"\1REDACTED", text)
+
+
+def _url_parts(value: str, what: str) -> SplitResult:
+    """``value`` parsed as an http(s) URL with a host and nothing that could be a credential
+    (user, password, query, fragment). The errors never repeat the query or the user part."""
+    if any(c.isspace() or not c.isprintable() for c in value):
+        # urlsplit drops tabs and newlines before it parses: what it checked would not be
+        # what is used.
+        raise ValueError(f"{what} must have no spaces or control characters")
+    parts = urlsplit(value)
+    shown = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+    if parts.query or parts.fragment or "?" in value or "#" in value:
+        raise ValueError(
+            f"{shown}?...: {what} must have no query or fragment (a SAS token or key there "
+            "would be stored with every run; credentials are named, never given)"
+        )
+    if parts.username or parts.password or "@" in parts.netloc:
+        raise ValueError(f"{shown}: {what} must have no user or password")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{shown!r}: {what} must be an http(s) URL with a host name")
+    try:
+        parts.port  # noqa: B018 - raises on a port out of range
+    except ValueError as exc:
+        raise ValueError(f"{shown}: {exc}") from None
+    return parts
+
+
+def _account_url(value: str | None) -> str | None:
+    """A service endpoint (a storage or Batch account): the URL alone."""
+    if value is not None:
+        _url_parts(value, "an account URL")
+    return value
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}\Z")
+
+
+def _env_name(value: str | None) -> str | None:
+    """The name of an environment variable. A connection string pasted here would be stored
+    with every run, so the error does not repeat the value."""
+    if value is not None and not _ENV_NAME.match(value):
+        raise ValueError(
+            "must be the name of an environment variable (letters, digits and _, not starting "
+            "with a digit), never the connection string itself"
+        )
+    return value
+
+
+def check_prefix(value: str) -> str:
+    """A prefix in a container, the leading and trailing ``/`` dropped: segments that are real
+    folder names, no empty segment (``images//v1``: Blob storage keeps it, and staging refuses
+    every blob under it after the pool is up), no ``.``/``..``, backslash or control character
+    (a NUL or a newline reaches paths, logs and artifacts), at most 1024 characters (Azure's
+    longest blob name)."""
+    value = value.strip("/")
+    if len(value) > 1024:
+        raise ValueError("must be at most 1024 characters (Azure's longest blob name)")
+    if any(not c.isprintable() for c in value):
+        raise ValueError(f"{value!r} must have no control characters (NUL, newline, tab)")
+    if "\\" in value:
+        raise ValueError(f"{value!r} must not contain '..' segments or backslashes")
+    segments = value.split("/") if value else []
+    if ".." in segments:
+        raise ValueError(f"{value!r} must not contain '..' segments or backslashes")
+    if any(s in ("", ".") for s in segments):
+        raise ValueError(f"{value!r} must have no empty or '.' segment (one '/' between folders)")
     return value
 
 
@@ -66,10 +150,17 @@ class BlobLocation(_Section):
     @field_validator("prefix")
     @classmethod
     def _prefix(cls, value: str) -> str:
-        value = value.strip("/")
-        if ".." in value.split("/") or "\\" in value:
-            raise ValueError(f"{value!r} must not contain '..' segments or backslashes")
-        return value
+        return check_prefix(value)
+
+    @field_validator("account_url")
+    @classmethod
+    def _account(cls, value: str | None) -> str | None:
+        return _account_url(value)
+
+    @field_validator("connection_string_env")
+    @classmethod
+    def _connection_env(cls, value: str | None) -> str | None:
+        return _env_name(value)
 
 
 class DataLocation(BlobLocation):
@@ -123,24 +214,17 @@ class OutputLocation(BlobLocation):
     @field_validator("links_url")
     @classmethod
     def _links_url(cls, value: str | None) -> str | None:
+        """Links are stored in artifacts: nothing that could be a credential goes in them. The
+        gateway serves the outputs at its root, so a path would make every link a 404."""
         if value is None:
             return None
-        from urllib.parse import urlsplit
-
-        if any(c.isspace() or not c.isprintable() for c in value.strip()):
-            # urlsplit drops tabs and newlines before it parses: what it checked would not be
-            # what the links carry.
-            raise ValueError(f"{value!r} must have no spaces or control characters")
-        parts = urlsplit(value.strip())
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL, e.g. http://127.0.0.1:4280")
-        if parts.username or parts.password or parts.query or parts.fragment:
-            # Links are stored in artifacts: nothing that could be a credential goes in them.
-            raise ValueError(f"{value!r} must have no user, password, query or fragment")
-        try:
-            parts.port  # noqa: B018 - raises on a port out of range
-        except ValueError as exc:
-            raise ValueError(f"{value!r}: {exc}") from None
+        parts = _url_parts(value.strip(), "links_url (e.g. http://127.0.0.1:4280)")
+        if parts.path.strip("/"):
+            raise ValueError(
+                f"{parts.scheme}://{parts.netloc}{parts.path}: links_url must have no path "
+                "(the gateway serves a run's outputs at its root; a reverse proxy in front of "
+                "it needs a host name of its own)"
+            )
         return value.strip().rstrip("/")
 
 
@@ -157,6 +241,11 @@ class ShareConfig(_Section):
         "it to mount the share on the nodes (an SMB mount cannot use an identity)",
     )
     local_dir: Path = Path(".work/share")
+
+    @field_validator("account_url")
+    @classmethod
+    def _account(cls, value: str | None) -> str | None:
+        return _account_url(value)
 
 
 class NfsConfig(_Section):
@@ -202,6 +291,20 @@ class ImageConfig(_Section):
     registry_password_secret: str | None = Field(
         None, description="name of a Prefect Secret block with that token's password"
     )
+
+    @field_validator("registry")
+    @classmethod
+    def _registry(cls, value: str | None) -> str | None:
+        """A login server, ``host`` or ``host:port``: nodes pull the image from it, so anything
+        else (a scheme, a path, a user, a query with a token) is refused."""
+        if value is not None and (
+            not value or any(c.isspace() or not c.isprintable() or c in "/?#@\\" for c in value)
+        ):
+            raise ValueError(
+                "must be a registry's host name, with a port if it needs one (e.g. "
+                "myregistry.azurecr.io): no scheme, path, user or query"
+            )
+        return value
 
 
 class PoolConfig(_Section):
@@ -333,7 +436,13 @@ class TrainingConfig(TrainingSettings):
 class RetryConfig(_Section):
     training_attempts: int = Field(3, ge=1, description="attempts of the training job")
     storage_retries: int = Field(3, ge=0)
-    backoff_seconds: float = Field(2.0, ge=0)
+    backoff_seconds: float = Field(
+        2.0,
+        ge=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="the wait before a failed step's next attempt, at most an hour",
+    )
 
 
 class PromotionConfig(_Section):
@@ -405,6 +514,11 @@ class AzureConfig(_Section):
         "maximum run time + pool.start_timeout_minutes), and a task that could outlive this "
         "bound is refused before it is submitted",
     )
+
+    @field_validator("batch_account_url")
+    @classmethod
+    def _account(cls, value: str | None) -> str | None:
+        return _account_url(value)
 
 
 class PipelineConfig(_Section):
@@ -558,6 +672,7 @@ def _assign(tree: dict[str, Any], parts: list[str], value: Any, origin: str) -> 
 
 
 def _shown(text: str) -> str:
+    text = hide_credentials(text)
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 

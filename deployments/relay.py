@@ -379,7 +379,7 @@ def create_app(
 
     async def options(request: Request) -> Response:
         # CloudEvents webhook validation: echo the origin to allow its deliveries.
-        if not allowed(request):
+        if not await asyncio.to_thread(allowed, request):
             return Response(status_code=401)
         origin = request.headers.get("webhook-request-origin", "")
         return Response(
@@ -387,7 +387,9 @@ def create_app(
         )
 
     async def post(request: Request) -> Response:
-        if not allowed(request):
+        # In a thread: checking a token may fetch the tenant's signing keys (and import the
+        # JWT and crypto libraries) the first time, which held every other request up.
+        if not await asyncio.to_thread(allowed, request):
             return JSONResponse({"error": "unauthenticated"}, status_code=401)
         try:
             schema, items = _events(await request.json(), request.headers.get("content-type", ""))

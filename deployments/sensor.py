@@ -23,11 +23,13 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
+from prefect.runtime import deployment
 
 from backends.blob import container_client
 from backends.data_root import survey
 from core.config import load_config
 from core.data_versions import MARKER, DataRoot, refuse_mixed
+from core.deployment_runs import check_config_path, deployment_config_path
 from deployments.events import (
     BUSY,
     STARTED,
@@ -76,6 +78,8 @@ def watch_new_data(
 ) -> list[str]:
     """Report each new data version once; returns the keys reported by this poll."""
     logger = get_run_logger()
+    if deployment.id:  # the worker's credentials list only the deployment's roots
+        check_config_path(config_path, deployment_config_path(deployment.id))
     config = load_config(config_path)
     container = container_client(config.data, config.retries.storage_retries)
     reported: list[str] = []

@@ -33,6 +33,7 @@ from registry.store import (
     download,
     list_runs,
     model_blob,
+    recorded_model_md5,
     run_file,
 )
 
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     get = sub.add_parser("download", help="the champion's model (or --run's) to a file")
     get.add_argument("--run", help="a run id from `list` (default: the champion)")
     get.add_argument("--file", help="another file of the run's outputs, e.g. score.json")
-    get.add_argument("--to", type=Path, default=Path("."), help="a file, or a folder")
+    get.add_argument(
+        "--to", default=".", help="a file, or a folder (an existing one, or one ending with /)"
+    )
     gateway = sub.add_parser("serve", help="open the run links: a read-only outputs gateway")
     gateway.add_argument(
         "--host",
@@ -114,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.file
             else model_blob(outputs, base, metric, args.run)
         )
-        path = download(outputs, blob, args.to)
+        got = download(outputs, blob, args.to, recorded_model_md5(outputs, blob))
     except (ConfigError, StorageConfigError, ModelStoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{blob} -> {path}")
+    print(f"{blob} -> {got.path} (checked against {got.checked})")
     return 0
 
 

@@ -19,8 +19,9 @@ from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
 
-from core.config import ConfigError, PipelineConfig, load_config
+from core.config import ConfigError, PipelineConfig, hide_credentials, load_config
 from core.data_versions import DataVersion
+from core.deployment_runs import check_config_path, check_run_config, deployment_config_path
 from core.run import Run
 from flows.form import FormConfig, run_form_signature
 from flows.pool_lock import hold_pool, local_pool_lock
@@ -46,6 +47,7 @@ def effective_config(
     data_prefix: str | None = None,
     default_path: str | None = None,
     settings: dict[str, Any] | None = None,
+    deployed: bool = False,
 ) -> EffectiveConfig:
     """The flow's parameters to one validated config, with one precedence:
 
@@ -59,6 +61,11 @@ def effective_config(
     such as ``training.epochs`` and ``data.version``) and ``data_container``/``data_prefix``
     (what a new-data trigger fills in from its event, with the version), set on their fields
     as given.
+
+    ``deployed``: the run was started through a deployment (the form, a schedule, a trigger):
+    it may change only the training settings and which data it trains
+    (``core.deployment_runs``), whether by ``overrides``, the form's fields or ``config``, and
+    reads its deployment's config file or one in ``configs/``.
     """
     if config is not None and config_path is not None and config_path != default_path:
         raise ConfigError(
@@ -70,20 +77,35 @@ def effective_config(
         fields["data.container"] = data_container
     if data_prefix is not None:
         fields["data.prefix"] = data_prefix
-    notes = [f"--set {o}" for o in overrides or []] + [f"{k}={v}" for k, v in fields.items()]
+    # As shown in the run's log and summary: a token pasted into a value is not repeated.
+    notes = [hide_credentials(f"--set {o}") for o in overrides or []] + [
+        hide_credentials(f"{k}={v}") for k, v in fields.items()
+    ]
     if config is not None:
         source = "the run's config parameter (the form)"
         if config_path is not None:
             source += f"; the deployment's default config_path {config_path} is not used"
         if isinstance(config, PipelineConfig) and not notes:
-            return EffectiveConfig(config, source)
-        base = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
-        cfg = load_config(None, overrides, base=base, fields=fields)
+            cfg = config
+        else:
+            base = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
+            cfg = load_config(None, overrides, base=base, fields=fields)
+        compared = default_path
     elif config_path is not None:
+        if deployed:
+            check_config_path(config_path, default_path)
         source = f"the config file {config_path}"
         cfg = load_config(config_path, overrides, fields=fields)
+        compared = config_path
     else:
         raise ConfigError("retrain needs a config or a config_path")
+    if deployed:
+        if compared is None:
+            raise ConfigError(
+                "this deployment names no config_path: a run's config parameter can only be "
+                "checked against the deployment's config file"
+            )
+        check_run_config(cfg, compared)
     return EffectiveConfig(cfg, "; ".join([source, *notes]))
 
 
@@ -94,18 +116,6 @@ def form_settings(
     empty data version is what a trigger's template gives for a root without versions)."""
     chosen = {"training.epochs": epochs, "training.model": model, "data.version": data_version}
     return {name: value for name, value in chosen.items() if value not in (None, "")}
-
-
-def deployment_config_path(deployment_id: Any) -> str | None:
-    """The ``config_path`` a deployment gives every run it starts (None outside deployments).
-    Prefect merges it into each run's parameters, so only this tells it from a chosen one."""
-    if not deployment_id:
-        return None
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        value = client.read_deployment(deployment_id).parameters.get("config_path")
-    return str(value) if value is not None else None
 
 
 def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
@@ -122,6 +132,7 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
         params.get("data_prefix"),
         deployment_config_path(flow_run.deployment_id),
         form_settings(params.get("epochs"), params.get("model"), params.get("data_version")),
+        deployed=bool(flow_run.deployment_id),
     ).config
     with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
         if free:
@@ -159,14 +170,18 @@ def retrain(
             versions). The new-data trigger fills in the version its event reports.
         force: Train even when data, code and settings equal those of a run that trained
             (which otherwise ends the run as up to date, before any node is rented).
-        overrides: Any other config field, one per line as section.field=value, e.g.
-            training.lr=0.1 or pool.dedicated_nodes=2 (numbers, booleans and lists are read as
+        overrides: Other training settings, one per line as section.field=value, e.g.
+            training.lr=0.1 or training.batch_size=32 (numbers, booleans and lists are read as
             YAML; null clears an optional field). Applied after the config, before the fields
-            above.
+            above. A run may change the training section and data.container, data.prefix and
+            data.version; endpoints, credentials, the image and the pool are the config file's.
         config_path: The config file the run starts from (the deployment sets
-            configs/local.yaml). Ignored when the advanced config below is filled in.
+            configs/local.yaml; another must be in the project's configs/ folder). Ignored
+            when the advanced config below is filled in.
         config: Advanced: the whole config, every field, starting from the shipped config's
-            values. Filled in, it replaces the file at config_path.
+            values. Filled in, it replaces the file at config_path; only its training section
+            and data.container, data.prefix and data.version may differ from the deployment's
+            config file.
     """
     from tasks.outcome import RunLog
 
@@ -179,6 +194,7 @@ def retrain(
         data_prefix,
         deployment_config_path(deployment.id),
         form_settings(epochs, model, data_version),
+        deployed=bool(deployment.id),
     )
     run_config = effective.config
     logger.info("config: %s", effective.source)

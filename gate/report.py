@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.text import markdown_text
+
 
 class DataValidationError(RuntimeError):
     """The data gate failed; the message lists each failed expectation with its counts."""
@@ -31,7 +33,7 @@ def gate_markdown(
     lines = [
         f"# Data gate: {'passed' if success else 'FAILED'}",
         "",
-        f"{len(rows)} images under `{where}`; "
+        f"{len(rows)} images under {markdown_text(where)}; "
         f"{len(records) - len(failed)} of {len(records)} expectations met. "
         f"[Open the Data Docs]({docs_url}): every expectation and its result.",
         "",
@@ -43,10 +45,11 @@ def gate_markdown(
         "|---|---|---|---|---|",
     ]
     for r in failed:
-        lines.append(
-            f"| {r['table']} | {r['expectation']} | {r['column']} | {r['unexpected']} "
-            f"| {', '.join(examples(rows, r))} |"
-        )
+        # File names are the storage's, written by anyone who can upload: shown as written,
+        # never as links, images or table cells of their own.
+        cells = [r["table"], r["expectation"], r["column"], r["unexpected"]]
+        named = ", ".join(markdown_text(e) for e in examples(rows, r))
+        lines.append(f"| {' | '.join(markdown_text(c) for c in cells)} | {named} |")
     return "\n".join(lines)
 
 

@@ -6,8 +6,8 @@ cannot both win. It never embeds earlier records: each promotion also writes its
 under ``models/history/``, so the champion stays a few hundred bytes after any number of
 promotions and the history is one listing away.
 
-A stored record that cannot be used (not JSON, not an object, ``{}``, wrong types, a metric
-that is not a finite number in [0, 1], nested too deep to read) is reported as damaged with
+A stored record that cannot be used (empty, not JSON, not an object, ``{}``, wrong types, a
+metric that is not a finite number in [0, 1], nested too deep to read) is reported as damaged with
 the reason, never taken for "no champion" and never a crash; when a promotion replaces it, its
 bytes are first kept under ``models/history/`` so nothing stored is lost.
 """
@@ -15,13 +15,13 @@ bytes are first kept under ``models/history/`` so nothing stored is lost.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from registry.layout import champion_blob, damaged_blob
+from registry.layout import champion_blob, damaged_blob, is_model_blob
 from registry.layout import history_blob as _history_blob
+from registry.record_blob import fraction, read_record, shown
 
 # A flat record is well under 1 KB. A record from before the history folder nested every
 # earlier champion (about 5 KB per promotion): up to this size it is still read.
@@ -78,21 +78,22 @@ def parse_record(data: bytes, metric: str) -> Champion | str:
         return f"lacks {', '.join(missing)}"
     value = record[metric]
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return f"{metric} is {value!r}, not a number"
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        return f"{metric} is {value!r}, not a finite number in [0, 1]"
+        return f"{metric} is {shown(value)}, not a number"
+    number = fraction(value)
+    if number is None:
+        return f"{metric} is {shown(value)}, not a finite number in [0, 1]"
     run_id, model, version = record["run_id"], record["model"], record.get("data_version")
     if not isinstance(run_id, str) or not run_id:
-        return f"run_id is {run_id!r}, not a run id"
-    if not _model_blob_ok(model):
-        return f"model is {model!r}, not a model blob name"
+        return f"run_id is {shown(run_id)}, not a run id"
+    if not is_model_blob(model):
+        return f"model is {shown(model)}, not a model blob name"
     if version is not None and not isinstance(version, str):
-        return f"data_version is {version!r}, not a version"
+        return f"data_version is {shown(version)}, not a version"
     promoted_at, trained_on = record.get("promoted_at"), record.get("data")
     return Champion(
         run_id,
         metric,
-        float(value),
+        number,
         model,
         version,
         promoted_at if isinstance(promoted_at, str) else "",
@@ -100,38 +101,18 @@ def parse_record(data: bytes, metric: str) -> Champion | str:
     )
 
 
-def _model_blob_ok(model: object) -> bool:
-    return (
-        isinstance(model, str)
-        and 0 < len(model) <= 1024
-        and model.endswith(".pt")
-        and not model.startswith("/")
-        and ".." not in model.split("/")
-        and not any(c in model for c in "?#\\\x00")
-    )
-
-
 def read_champion(container: Any, base: str, metric: str) -> ChampionRead:
-    from azure.core.exceptions import ResourceNotFoundError
-
-    try:
-        download = container.download_blob(
-            champion_blob(base), offset=0, length=MAX_RECORD_BYTES + 1
-        )
-    except ResourceNotFoundError:
+    stored = read_record(container, champion_blob(base), MAX_RECORD_BYTES)
+    if stored is None:
         return ChampionRead(None, None)
-    etag = download.properties.etag
-    if download.properties.size > MAX_RECORD_BYTES:
+    if stored.too_large:
         return ChampionRead(
-            None,
-            etag,
-            f"{download.properties.size} bytes, more than a record holds ({MAX_RECORD_BYTES})",
+            None, stored.etag, f"more than a record holds ({MAX_RECORD_BYTES} bytes)"
         )
-    raw = download.readall()
-    parsed = parse_record(raw, metric)
+    parsed = parse_record(stored.data, metric) if stored.data else "empty (0 bytes)"
     if isinstance(parsed, str):
-        return ChampionRead(None, etag, parsed, raw)
-    return ChampionRead(parsed, etag)
+        return ChampionRead(None, stored.etag, parsed, stored.data)
+    return ChampionRead(parsed, stored.etag)
 
 
 def _stamp(moment: datetime) -> str:

@@ -36,6 +36,14 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 4280
 LOG = logging.getLogger(__name__)
 _HTML = "text/html; charset=utf-8"
+# On every answer. Whatever a stored file is (a page, an SVG, a type set by whoever wrote the
+# blob), it runs in an origin of its own: it cannot read other outputs through the gateway.
+SAFETY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "Content-Security-Policy": "sandbox allow-scripts allow-popups",
+}
 
 
 def output_link(location: OutputLocation, container: ContainerClient, name: str) -> str:
@@ -192,6 +200,16 @@ def make_handler(
                     self._text(502, f"Blob storage failed ({kind})\n", body)
 
         def _folder(self, name: str, body: bool) -> None:
+            if not body:  # whether it exists: one entry of its listing, not all of them
+                entries = container.walk_blobs(
+                    name_starts_with=name, delimiter="/", results_per_page=1
+                )
+                found = next(iter(entries), None)
+                if found is None and name:
+                    self._text(404, "no such output\n", body)
+                else:  # the page's length is not known without the page: none is sent
+                    self._head(200, _HTML, None)
+                return
             page = listing_html(container, name)
             if page is None:
                 self._text(404, "no such output\n", body)
@@ -234,22 +252,28 @@ def make_handler(
                 self.wfile.write(data)
 
         def _head(
-            self, status: int, kind: str, length: int, extra: dict[str, str | None] | None = None
+            self,
+            status: int,
+            kind: str,
+            length: int | None,
+            extra: dict[str, str | None] | None = None,
         ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(length))
+            if length is not None:
+                self.send_header("Content-Length", str(length))
             for header, value in (extra or {}).items():
                 if value:
                     self.send_header(header, value)
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("Referrer-Policy", "no-referrer")
-            # Whatever a stored file is (a page, an SVG, a type set by whoever wrote the blob),
-            # it runs in an origin of its own: it cannot read other outputs through us.
-            self.send_header("Content-Security-Policy", "sandbox allow-scripts allow-popups")
             self.end_headers()
             self.head_sent = True
+
+        def end_headers(self) -> None:
+            """Every answer's headers end here, http.server's own included (its error pages for
+            a malformed request line, an unsupported method, a URI too long, and redirects)."""
+            for header, value in SAFETY_HEADERS.items():
+                self.send_header(header, value)
+            super().end_headers()
 
         def log_message(self, format: str, *args: Any) -> None:
             LOG.info("%s %s", self.address_string(), printable(format % args))

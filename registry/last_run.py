@@ -12,8 +12,9 @@ data version trained once is not trained again when a run for it comes later, af
 version was trained (the sensor reporting a version a manual run already trained, a run named
 for an older version).
 
-A stored record that cannot be used (not JSON, another shape) is reported with the reason and
-counts as no record: the next run trains, and says why, instead of crashing or skipping.
+A stored record that cannot be used (empty, not JSON, another shape, an accuracy that is not a
+number in [0, 1], a model that names no model blob) is reported with the reason and counts as
+no record: the next run trains, and says why, instead of crashing or skipping.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from registry.layout import last_run_blob, trained_blob
+from registry.layout import is_model_blob, last_run_blob, trained_blob
+from registry.record_blob import fraction, read_record, shown
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -48,6 +50,8 @@ def _parse(data: bytes) -> LastRun | str:
     """The record in ``data``, or why it is unusable."""
     if len(data) > MAX_RECORD_BYTES:
         return f"larger than {MAX_RECORD_BYTES} bytes"
+    if not data.strip():
+        return "empty"
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError):
@@ -65,9 +69,15 @@ def _parse(data: bytes) -> LastRun | str:
     for name, kind in wanted.items():
         if not isinstance(doc.get(name), kind) or isinstance(doc.get(name), bool):
             return f"field {name} is missing or not a {getattr(kind, '__name__', 'number')}"
+    accuracy = fraction(doc["accuracy"])
+    if accuracy is None:
+        return f"accuracy is {shown(doc['accuracy'])}, not a finite number in [0, 1]"
+    if not is_model_blob(doc["model"]):
+        return f"model is {shown(doc['model'])}, not a model blob name"
     version = doc.get("data")
     return LastRun(
-        **{name: doc[name] for name in wanted},
+        **{name: doc[name] for name in wanted if name != "accuracy"},
+        accuracy=accuracy,
         data=version if isinstance(version, dict) else None,
     )
 
@@ -82,13 +92,10 @@ def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
 
 
 def _read(outputs: ContainerClient, name: str) -> tuple[LastRun | None, str | None]:
-    from azure.core.exceptions import ResourceNotFoundError
-
-    try:
-        data = outputs.download_blob(name).readall()
-    except ResourceNotFoundError:
+    stored = read_record(outputs, name, MAX_RECORD_BYTES)
+    if stored is None:
         return None, None
-    parsed = _parse(data)
+    parsed = _parse(stored.data)
     if isinstance(parsed, str):
         return None, f"{name} is unusable ({parsed})"
     return parsed, None

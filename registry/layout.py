@@ -35,6 +35,21 @@ def records_blob(base: str, name: str) -> str:
     return f"{base.strip('/')}/{name}" if base.strip("/") else name
 
 
+def is_model_blob(name: object) -> bool:
+    """Whether a record's ``model`` can name a model blob: a relative ``.pt`` name without
+    ``..``, query, fragment, backslash or control character (a record is stored text anyone
+    with write access to the container may have edited)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 1024
+        and name.endswith(".pt")
+        and not name.startswith("/")
+        and ".." not in name.split("/")
+        and name.isprintable()  # no NUL, no escape sequence for a terminal that prints it
+        and not any(c in name for c in "?#\\")
+    )
+
+
 def champion_blob(base: str) -> str:
     return records_blob(base, CHAMPION)
 

@@ -14,13 +14,13 @@ signature or account key taken out.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from backends.azure.access import redact
 from registry.layout import run_record_blob
+from registry.record_blob import fraction, read_record, shown
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -67,6 +67,8 @@ def parse_run_record(data: bytes) -> RunRecord | str:
     """The record in ``data``, or why it is unusable (a damaged record is named, not a crash)."""
     if len(data) > MAX_RECORD_BYTES:
         return f"larger than {MAX_RECORD_BYTES} bytes"
+    if not data.strip():
+        return "empty"
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError):
@@ -76,12 +78,8 @@ def parse_run_record(data: bytes) -> RunRecord | str:
     if not isinstance(doc.get("run_id"), str) or doc.get("outcome") not in OUTCOMES:
         return "no run_id, or an outcome that is none of " + ", ".join(OUTCOMES)
     accuracy = doc.get("accuracy")
-    if accuracy is not None and (
-        isinstance(accuracy, bool)
-        or not isinstance(accuracy, int | float)
-        or not math.isfinite(accuracy)
-    ):
-        return f"accuracy is {accuracy!r}, not a number"
+    if accuracy is not None and fraction(accuracy) is None:
+        return f"accuracy is {shown(accuracy)}, not a number in [0, 1]"
     version = doc.get("data")
 
     def text(name: str) -> str | None:
@@ -93,7 +91,7 @@ def parse_run_record(data: bytes) -> RunRecord | str:
         outcome=doc["outcome"],
         started_at=text("started_at") or "",
         data=version if isinstance(version, dict) else {},
-        accuracy=float(accuracy) if accuracy is not None else None,
+        accuracy=fraction(accuracy),
         reason=text("reason") or "",
         failed_step=text("failed_step"),
         matched_run=text("matched_run"),
@@ -103,12 +101,5 @@ def parse_run_record(data: bytes) -> RunRecord | str:
 
 def read_run_record(outputs: ContainerClient, run_prefix: str) -> RunRecord | str | None:
     """The record, why it is unusable, or None for a run from before records were kept."""
-    from azure.core.exceptions import ResourceNotFoundError
-
-    try:
-        data = outputs.download_blob(
-            run_record_blob(run_prefix), offset=0, length=MAX_RECORD_BYTES + 1
-        ).readall()
-    except ResourceNotFoundError:
-        return None
-    return parse_run_record(data)
+    stored = read_record(outputs, run_record_blob(run_prefix), MAX_RECORD_BYTES)
+    return None if stored is None else parse_run_record(stored.data)

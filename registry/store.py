@@ -15,12 +15,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.text import printable
 from registry.champion import read_champion
 from registry.layout import RUN_RECORD, decision_blob, run_folder, runs_root
+from registry.record_blob import fraction, read_record
 from registry.run_record import RunRecord, read_run_record
 from training.atomic import atomic_write
 
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
 MAX_DECISION_BYTES = 1 << 20  # a promotion record is a few KB
+MAX_METRICS_BYTES = 64 << 20  # metrics.json lists the skipped images, at most a few MB
+MAX_TEXT = 300  # characters of stored text a listing shows
 
 
 class ModelStoreError(RuntimeError):
@@ -55,19 +60,23 @@ class RunEntry:
 
 
 def _decision(container: ContainerClient, blob: str) -> dict[str, Any] | None:
-    from azure.core.exceptions import ResourceNotFoundError
-
-    try:
-        data = container.download_blob(blob).readall()
-    except ResourceNotFoundError:
+    stored = read_record(container, blob, MAX_DECISION_BYTES)
+    if stored is None:
         return None
-    if len(data) > MAX_DECISION_BYTES:
-        return {"reason": f"{blob} is unusable (larger than {MAX_DECISION_BYTES} bytes)"}
+    if stored.problem:
+        return {"reason": f"{blob} is unusable ({stored.problem})"}
     try:
-        doc = json.loads(data)
-    except ValueError:
+        doc = json.loads(stored.data)
+    except (ValueError, RecursionError):
         return {"reason": f"{blob} is unusable (not JSON)"}
     return doc if isinstance(doc, dict) else {"reason": f"{blob} is unusable (not an object)"}
+
+
+def _text(value: Any) -> str:
+    """Stored text as a terminal line shows it: control characters escaped (an escape sequence
+    in a record would move the cursor and forge other lines), at most 300 characters."""
+    line = printable(str(value))
+    return line if len(line) <= MAX_TEXT else f"{line[: MAX_TEXT - 3]}..."
 
 
 def data_label(data: dict[str, Any]) -> str:
@@ -89,29 +98,28 @@ def _entry(run_id: str, record: RunRecord, champion: bool) -> RunEntry:
         reason = "no outcome recorded (still running, or stopped by a crash or a cancellation)"
     promoted = {"promoted": True, "not promoted": False}.get(record.outcome)
     return RunEntry(
-        run_id,
+        _text(run_id),
         record.accuracy,
         promoted,
-        reason,
+        _text(reason),
         champion,
         outcome,
-        data_label(record.data),
-        record.failed_step,
+        _text(data_label(record.data)),
+        _text(record.failed_step) if record.failed_step else None,
     )
 
 
 def _from_decision(container: ContainerClient, run_id: str, base: str, champion: bool) -> RunEntry:
     """A run from before run records: what its promotion decision says, if it has one."""
     doc = _decision(container, decision_blob(run_folder(base, run_id)))
-    value = doc.get("accuracy") if doc else None
-    accuracy = float(value) if isinstance(value, int | float) else None
+    accuracy = fraction(doc.get("accuracy")) if doc else None
     promoted = doc.get("promoted") if doc else None
     decided = promoted if isinstance(promoted, bool) else None
     return RunEntry(
-        run_id,
+        _text(run_id),
         accuracy,
         decided,
-        str(doc.get("reason", "")) if doc else "did not reach its promotion decision",
+        _text(doc.get("reason", "")) if doc else "did not reach its promotion decision",
         champion,
         "unfinished" if decided is None else "promoted" if decided else "not promoted",
     )
@@ -132,7 +140,8 @@ def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEnt
             entries.append(_entry(run_id, record, serving))
         elif isinstance(record, str):
             blob = f"{run_folder(base, run_id)}/{RUN_RECORD}"
-            entries.append(RunEntry(run_id, None, None, f"{blob} is unusable ({record})", serving))
+            reason = _text(f"{blob} is unusable ({record})")
+            entries.append(RunEntry(_text(run_id), None, None, reason, serving))
         else:
             entries.append(_from_decision(container, run_id, base, serving))
     return sorted(entries, key=lambda e: e.run_id)
@@ -140,6 +149,16 @@ def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEnt
 
 def run_file(base: str, run_id: str, name: str) -> str:
     """A file of a run's outputs (``model.pt``, ``metrics.json``, ``logs/stdout.txt``, ...)."""
+    if (
+        not run_id
+        or run_id in (".", "..")
+        or any(c in run_id for c in "/\\")
+        or not (run_id.isprintable())
+    ):
+        raise ModelStoreError(
+            f"{printable(run_id)!r} is not a run id (one folder name under runs/, as `list` "
+            "shows them)"
+        )
     parts = name.strip("/").split("/")
     if not name.strip("/") or any(p in ("", ".", "..") for p in parts):
         raise ModelStoreError(f"{name!r} is not a file name inside a run's outputs")
@@ -158,29 +177,65 @@ def model_blob(container: ContainerClient, base: str, metric: str, run_id: str |
     return read.champion.model
 
 
-def download(container: ContainerClient, blob: str, dest: Path) -> Path:
-    """Copy ``blob`` to ``dest`` (a file, or a folder that gets the blob's name) whole and
-    checked: written under a temporary name and renamed, and compared with the MD5 the service
-    stored when there is one, so a cut download never leaves a file that looks like a model."""
+def recorded_model_md5(container: ContainerClient, blob: str) -> str | None:
+    """The MD5 (base64) the trainer recorded for the model ``blob`` in the ``metrics.json``
+    beside it, or None (not a run's model, or a run from before the trainer recorded it).
+
+    Blob storage stores an MD5 only for a blob uploaded in one request (64 MB and less with the
+    SDK's defaults; Batch's output files never): a ResNet-50 model is uploaded in blocks, so
+    without this nothing would check it. ``metrics.json`` is small enough to carry the
+    service's own MD5, which the download of it checks."""
+    if not blob.endswith("/model.pt"):
+        return None
+    stored = read_record(container, f"{blob.rsplit('/', 1)[0]}/metrics.json", MAX_METRICS_BYTES)
+    if stored is None or stored.problem:
+        return None
+    try:
+        value = json.loads(stored.data).get("model_md5")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    path: Path
+    checked: str  # what the bytes were compared with, in words
+
+
+def download(
+    container: ContainerClient, blob: str, dest: Path | str, expected_md5: str | None = None
+) -> Downloaded:
+    """Copy ``blob`` to ``dest`` whole and checked: written under a temporary name and renamed,
+    and compared with the MD5 the service stored and with ``expected_md5`` (base64; the
+    trainer's, for a model), so a cut or replaced download never leaves a file that looks like
+    a model. ``dest`` is a file, or a folder that gets the blob's name: an existing one, or one
+    written with a trailing ``/`` (created)."""
     from azure.core.exceptions import ResourceNotFoundError
 
-    target = dest / Path(blob).name if dest.is_dir() else dest
+    folder = str(dest).endswith(("/", os.sep)) or Path(dest).is_dir()
+    target = Path(dest) / Path(blob).name if folder else Path(dest)
     try:
         stream = container.download_blob(blob)
     except ResourceNotFoundError:
         raise ModelStoreError(f"{blob} does not exist in {container.container_name}") from None
     stored = stream.properties.content_settings.content_md5
+    wanted = {
+        "the stored MD5": base64.b64encode(bytes(stored)).decode() if stored else None,
+        "the MD5 the trainer recorded": expected_md5,
+    }
+    checks = {what: value for what, value in wanted.items() if value}
     digest = hashlib.md5(usedforsecurity=False)
 
     def write(fh: Any) -> None:
         for chunk in stream.chunks():
             digest.update(chunk)
             fh.write(chunk)
-        if stored and digest.digest() != bytes(stored):
-            raise ModelStoreError(
-                f"{blob}: the downloaded bytes do not match the stored MD5 "
-                f"{base64.b64encode(bytes(stored)).decode()}"
-            )
+        got = base64.b64encode(digest.digest()).decode()
+        for what, value in checks.items():
+            if got != value:
+                raise ModelStoreError(f"{blob}: the downloaded bytes do not match {what} {value}")
 
     atomic_write(target, write)
-    return target
+    checked = " and ".join(checks) or "nothing: no MD5 was stored or recorded for it"
+    return Downloaded(target, checked)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
@@ -37,11 +38,22 @@ SEED_VERSION = "v1"  # the data version the seeded digits are
 
 
 def dataset(demo: Path) -> Path:
-    """The digits as image folders under ``demo``, written once (under a temporary name)."""
+    """The digits as image folders under ``demo``, written once (under a temporary name). A
+    ``digits`` folder without ``train/`` (an older demo's, or one cut short) is the demo's own
+    scratch data, written again; renaming onto it failed with an OSError."""
     source = demo / "digits"
-    if not (source / "train").is_dir():
-        write_digits(demo / "digits.tmp", test_fraction=0.25, seed=0, per_class=None)
-        (demo / "digits.tmp").rename(source)
+    if (source / "train").is_dir():
+        return source
+    partial = demo / "digits.tmp"
+    shutil.rmtree(partial, ignore_errors=True)  # a write that was interrupted
+    write_digits(partial, test_fraction=0.25, seed=0, per_class=None)
+    if source.exists() or source.is_symlink():
+        print(f"{source} holds no train/ folder: written again")
+        if source.is_dir() and not source.is_symlink():
+            shutil.rmtree(source)
+        else:
+            source.unlink()
+    partial.rename(source)
     return source
 
 

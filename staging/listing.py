@@ -92,7 +92,10 @@ def parse_listing(data: bytes, source: str, prefix: str) -> list[PinnedBlob]:
 
 def listing_version(blobs: Iterable[PinnedBlob]) -> str:
     """The data version the gate validated, known before anything is staged: a digest of each
-    blob's name, size and content MD5 (its ETag when the service stored no MD5, so a blob
-    whose content cannot be told changes the version whenever it is written again)."""
-    entries = sorted((b.name, b.size, b.md5 or f"etag:{b.etag}") for b in blobs)
+    blob's name, size, ETag and content MD5. The ETag is in it because the MD5 alone proves
+    nothing: Put Block List stores whatever Content-MD5 the writer sends, unchecked, so a blob
+    rewritten with its old MD5 kept looked unchanged (the run ended up to date on old data).
+    Every write of a blob gives it a new ETag, so a blob written again, even with the same
+    bytes, is a new data version."""
+    entries = sorted((b.name, b.size, b.etag, b.md5) for b in blobs)
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]

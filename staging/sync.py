@@ -2,7 +2,8 @@
 
 Properties a training run relies on:
 
-* incremental: a blob whose etag and size match the last sync is not downloaded again;
+* incremental: a blob whose ETag and size match the last sync is not downloaded again (nor a
+  blob of a new name, a new version's, whose size and Content-MD5 match the file on its path);
 * atomic: each file is written under a temporary name and renamed, so a reader (or a resumed
   sync) never sees a partial file under its final name; the manifest is written only after
   the files are flushed to storage;
@@ -22,8 +23,6 @@ Properties a training run relies on:
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import stat
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from staging.blob import Retry, list_pinned, object_store
 from staging.listing import PinnedBlob
 from staging.transfer import Download, download_all
+from training.atomic import file_md5
 from training.staged_folder import MANIFEST, SHARD_DIR, TEMP_PREFIX, load_entries, write_manifest
 
 if TYPE_CHECKING:
@@ -83,14 +83,6 @@ def safe_relative_path(name: str, prefix: str) -> PurePosixPath:
     if problem:
         raise UnsafeBlobNameError(f"blob {name!r} rejected: {problem}")
     return PurePosixPath(rel)
-
-
-def _md5_b64(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return base64.b64encode(digest.digest()).decode()
 
 
 def _plan(blobs: list[PinnedBlob], prefix: str) -> dict[str, tuple[PinnedBlob, PurePosixPath]]:
@@ -225,21 +217,26 @@ def sync_to_directory(
             "md5": blob.md5,
         }
         # What the last sync wrote on this path: this blob, or an earlier version's blob of
-        # another name whose content may well be the same.
+        # another name whose content may well be the same. The same blob is unchanged only at
+        # the same ETag: its Content-MD5 is whatever its writer sent with Put Block List, and a
+        # blob rewritten with its old MD5 kept was skipped (even a forced run trained the old
+        # bytes). Across names the MD5 is the only content identity there is.
         old_name, old = by_path.get(str(rel), (None, None))
         same_size = st is not None and stat.S_ISREG(st.st_mode) and st.st_size == blob.size
         unchanged = (
             old is not None
             and old.get("size") == blob.size
             and (
-                (old_name == name and old.get("etag") == blob.etag)
-                or (blob.md5 is not None and old.get("md5") == blob.md5)
+                old.get("etag") == blob.etag
+                if old_name == name
+                else blob.md5 is not None and old.get("md5") == blob.md5
             )
         )
         if same_size and old is not None and unchanged:
             report.skipped += 1
             files[name] = {**entry, "md5": old.get("md5") or blob.md5}
-        elif same_size and blob.md5 and _md5_b64(target) == blob.md5:  # manifest lost, intact
+        elif old is None and same_size and blob.md5 and file_md5(target) == blob.md5:
+            # Written by a sync cut short before its manifest (or the manifest lost): intact.
             report.skipped += 1
             files[name] = entry
         else:

@@ -23,7 +23,7 @@ from backends.blob import container_client
 from core.config import BlobLocation, PipelineConfig
 from registry.gateway import output_link
 from registry.layout import labels_blob
-from registry.store import download, model_blob
+from registry.store import download, model_blob, recorded_model_md5
 
 TABLE_ROWS = 200  # what the run's table shows; the CSV holds every image
 
@@ -57,8 +57,11 @@ def label_images(
         folder = Path(work) / "images"
         report = sync_to_directory(container_client(images, retries), images.prefix, folder)
         logger.info("downloaded %d files from %s", report.total_files, where(images))
-        model_file = download(outputs, model, Path(work) / "model.pt")
-        predictions, skipped = predict(model_file, images_in(folder), top_k)
+        model_file = download(
+            outputs, model, Path(work) / "model.pt", recorded_model_md5(outputs, model)
+        )
+        logger.info("model %s, checked against %s", model, model_file.checked)
+        predictions, skipped = predict(model_file.path, images_in(folder), top_k)
         prefix = images.prefix.strip("/")
 
         def blob_name(path: str) -> str:

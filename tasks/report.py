@@ -19,9 +19,10 @@ from prefect.artifacts import (
 from prefect.cache_policies import NONE
 
 from backends.blob import container_client
-from core.config import PipelineConfig
+from core.config import PipelineConfig, hide_credentials
 from core.data_versions import DataVersion
 from core.run import output_prefix
+from core.text import code_fence, markdown_text
 from registry.gateway import output_link
 from registry.promotion import Decision
 from tasks.charts import confusion_png, curves_png
@@ -40,7 +41,8 @@ def config_markdown(config: PipelineConfig, source: str) -> list[str]:
     from backends.azure.access import redact
 
     text = redact(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, width=100))
-    return ["## Config", "", f"From {source}.", "", "```yaml", text.rstrip(), "```"]
+    shown = markdown_text(hide_credentials(source))
+    return ["## Config", "", f"From {shown}.", "", *code_fence(text.rstrip(), "yaml")]
 
 
 def summary_markdown(
@@ -60,7 +62,8 @@ def summary_markdown(
         f"# Retrain {run_id}",
         "",
         f"**Test accuracy {score['accuracy']:.4f}** on {score['num_images']} images; "
-        f"{'**promoted**' if decision.promoted else 'not promoted'}: {decision.reason}.",
+        f"{'**promoted**' if decision.promoted else 'not promoted'}: "
+        f"{markdown_text(decision.reason)}.",
         "",
         *charts_markdown(charts or Charts()),
         "",
@@ -79,7 +82,7 @@ def summary_markdown(
         details = ", ".join(
             f"{k}={v}" for k, v in s.details.items() if not isinstance(v, (dict, list))
         )
-        lines.append(f"| {s.step} | {s.status} | {s.seconds:.2f} | {details} |")
+        lines.append(f"| {s.step} | {s.status} | {s.seconds:.2f} | {markdown_text(details)} |")
     lines += ["", *epochs_markdown(steps, metrics)]
     lines += ["", *cost_markdown(cost)]
     if config is not None:
@@ -91,7 +94,10 @@ def data_lines(version: DataVersion | None) -> list[str]:
     """Which data version the run trained, and why that one."""
     if version is None:
         return []
-    return [f"Trained on {version.describe()} ({version.chosen}).", ""]
+    return [
+        f"Trained on {markdown_text(version.describe())} ({markdown_text(version.chosen)}).",
+        "",
+    ]
 
 
 def epochs_run(steps: list[StepRecord]) -> set[int]:
@@ -185,7 +191,8 @@ def charts_markdown(charts: Charts) -> list[str]:
         saved = " and ".join(f"`charts/{name}`" for name in charts.drawn)
         lines.append(f"The pictures are saved with the run's outputs as {saved}.")
     for name, why in charts.left_out.items():
-        lines += ["", f"The {CHART_TITLES.get(name, name)} could not be drawn ({why}): left out."]
+        title = CHART_TITLES.get(name, name)
+        lines += ["", f"The {title} could not be drawn ({markdown_text(why)}): left out."]
     return lines
 
 

@@ -19,7 +19,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from backends.cluster import Cluster
-from backends.taskspec import training_task
+from backends.taskspec import training_task, training_task_digest
 from core.config import PipelineConfig
 from core.run import Run
 from registry.scoring import run_scorer
@@ -42,6 +42,7 @@ def training_key(config: PipelineConfig, staged_version: str, code_version: str)
         "processes": config.pool.nodes * config.pool.processes_per_node,
         "data": staged_version,
         "code": code_version,
+        "task": training_task_digest(config),  # the trainer's arguments come from it too
     }
     if config.data.version:
         inputs["data_version"] = config.data.dataset.prefix

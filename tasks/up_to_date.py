@@ -26,9 +26,11 @@ from backends.blob import container_client
 from backends.image import content_tag
 from backends.share import collect_files, file_sha256, tree_digest
 from backends.target import PROJECT_ROOT
+from backends.taskspec import NOT_SHAPING_THE_MODEL, training_task_digest
 from core.config import PipelineConfig
 from core.data_versions import DataVersion
 from core.run import Run
+from core.text import markdown_text
 from registry.gateway import output_link
 from registry.last_run import LastRun, blob_exists, read_last_run, read_trained, write_last_run
 from registry.layout import LAST_RUN
@@ -40,22 +42,29 @@ from tasks.validate import Validated
 FIELD_NAMES = {
     "data_version": "data version",
     "code_version": "code version",
+    "task": "training task (what the nodes run: backends/taskspec.py)",
     "image": "training image",
     "processes": "number of training processes",
 }
 
 
 def fingerprint(config: PipelineConfig, data_version: str) -> dict[str, Any]:
-    """Everything the trained model depends on: the data, the code the nodes run (the same
-    digest upload-scripts reports), the training image, the settings and the world size (the
-    learning rate scales with it)."""
+    """Everything the trained model depends on: the data (the gate's listing: each blob's name,
+    size, ETag and MD5), the code the nodes run (the same digest upload-scripts reports), the
+    training task that code is started with, the training image, the settings (but those that
+    change no weight, such as the timeline) and the world size (the learning rate scales with
+    it)."""
     files = collect_files(PROJECT_ROOT, SCRIPT_PACKAGES)
+    settings = dataclasses.asdict(config.training)
+    for name in NOT_SHAPING_THE_MODEL:
+        settings.pop(name, None)
     return {
         "data_version": data_version,
         "code_version": tree_digest({rel: file_sha256(path) for rel, path in files.items()}),
+        "task": training_task_digest(config),
         "image": content_tag(PROJECT_ROOT),
         # As JSON would store it, so a record read back compares equal.
-        "training": json.loads(json.dumps(dataclasses.asdict(config.training), default=str)),
+        "training": json.loads(json.dumps(settings, default=str)),
         "processes": config.pool.nodes * config.pool.processes_per_node,
     }
 
@@ -76,8 +85,11 @@ def differences(
     """What changed since ``last``, in words (empty when nothing did); ``data``: the data
     version records (before, now), which name the versions."""
     changed = []
+    settings = current.get("training") != last.get("training")
     for name, value in current.items():
         before = last.get(name)
+        if name == "task" and settings:
+            continue  # the settings changed the task's command line: they are named below
         if name == "data_version" and before != value:
             changed.append(
                 f"data version {_data_label(data[0], before)} -> {_data_label(data[1], value)}"
@@ -215,13 +227,14 @@ def report_up_to_date(
     lines = [
         f"# Retrain {run_id}: up to date",
         "",
-        f"**Nothing to train.** {check.why}.",
+        f"**Nothing to train.** {markdown_text(check.why)}.",
         "",
-        f"The model in use is [{last.model}]({output_link(config.output, outputs, last.model)}) "
-        f"from run {last.run_id}.",
+        f"The model in use is [{markdown_text(last.model)}]"
+        f"({output_link(config.output, outputs, last.model)}) from run "
+        f"{markdown_text(last.run_id)}.",
         "",
-        f"**Data:** {check.data.describe()} ({check.data.chosen}); the gate's listing "
-        f"`{check.fingerprint['data_version']}`.",
+        f"**Data:** {markdown_text(check.data.describe())} ({markdown_text(check.data.chosen)}); "
+        f"the gate's listing `{check.fingerprint['data_version']}`.",
         "",
         "| step | status | seconds |",
         "|---|---|---|",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -108,3 +110,49 @@ def new_container(connection_string: str, stem: str) -> Any:
     )
     client.create_container()
     return client
+
+
+@contextlib.contextmanager
+def deployment_defaults(deployed: dict[str, Any], parameters: dict[str, Any]) -> Iterator[None]:
+    """Every deployment's default parameters set to ``parameters`` (what `prefect deploy`
+    gives them from prefect.yaml's `config_path`: the deployment's config file, which its runs
+    may not change but for their training settings and data), and set back afterwards."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    with get_client(sync_client=True) as client:
+        for deployment in deployed.values():
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters=parameters))
+        try:
+            yield
+        finally:
+            for deployment in deployed.values():
+                client.update_deployment(
+                    deployment.id, DeploymentUpdate(parameters=deployment.parameters)
+                )
+
+
+def execute_as_worker(run: Any, env: dict[str, str]) -> tuple[Any, str]:
+    """Run one flow run as the process worker does (its Pending state proposed, which takes the
+    deployment's concurrency slot, then `prefect flow-run execute`, the command the worker
+    starts) in ``env``; its final state and the command's output."""
+    import subprocess
+    import sys
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Pending
+
+    with get_client(sync_client=True) as client:
+        proposed = client.set_flow_run_state(run.id, Pending())
+        assert proposed.status.value == "ACCEPT", proposed.details
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "prefect"), "flow-run", "execute", str(run.id)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run.id).state
+    return state, proc.stdout[-3000:] + proc.stderr[-3000:]

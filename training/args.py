@@ -87,7 +87,15 @@ class TrainingSettings:
             le=1024,
         ),
     )
-    seed: int = field(default=0, metadata=about("seed of every random stream (plus the rank)"))
+    seed: int = field(
+        default=0,
+        metadata=about(
+            "seed of every random stream (plus the rank); 0 to 2**32 - 1, numpy's range (torch "
+            "refuses 2**64 and more only once training starts)",
+            ge=0,
+            le=2**32 - 1,
+        ),
+    )
     timeline: bool = field(
         default=False, metadata=about("write a Horovod timeline (the horovod engine only)")
     )

@@ -6,6 +6,8 @@ Kept free of heavy imports: the orchestrator's steps use it as well as the train
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import tempfile
@@ -27,6 +29,15 @@ def atomic_write(path: Path, write: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def file_md5(path: Path) -> str:
+    """The MD5 of a file's bytes, base64-encoded as Blob storage writes its Content-MD5."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode()
 
 
 def atomic_write_json(obj: object, path: Path) -> None:

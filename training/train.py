@@ -31,7 +31,7 @@ from training import checkpoint as ckpt
 from training import distributed as dist
 from training import speed as fast
 from training.args import TrainerArgs, parse_trainer_args
-from training.atomic import atomic_write_json
+from training.atomic import atomic_write_json, file_md5
 from training.batches import ShardBatches
 from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo, SplitData
@@ -622,6 +622,9 @@ def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
         },
         args.output_dir / "model.pt",
     )
+    # Blob storage keeps no MD5 of a model uploaded in blocks (over 64 MB, or by Batch's output
+    # files): the one recorded here is what a download of the model is checked against.
+    metrics["model_md5"] = file_md5(args.output_dir / "model.pt")
     atomic_write_json(metrics, args.output_dir / "metrics.json")
     if writer is not None:
         writer.add_scalar("test/accuracy", metrics["test_accuracy"], args.epochs)

@@ -12,12 +12,8 @@ finds is the scenario's and not a race's.
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +33,10 @@ from tests.deployments.test_deployments import (
     _wait_for_runs,
     serving_relay,
 )
-from tests.pipeline_helpers import task_runs_and_artifacts
+from tests.pipeline_helpers import deployment_defaults, execute_as_worker, task_runs_and_artifacts
 from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
-DEPLOYMENTS = ("retrain/manual", "retrain/nightly", "retrain/on-new-data", "watch-new-data/poll")
 
 
 def _service_config(tmp_path: Path) -> Path:
@@ -69,45 +64,12 @@ def _digits(tmp_path: Path, name: str, seed: int) -> Path:
     return source
 
 
-@contextlib.contextmanager
-def _deployment_defaults(deployed: dict[str, Any], parameters: dict[str, Any]) -> Iterator[None]:
-    """Every deployment's default parameters set to ``parameters`` (what `prefect deploy`
-    gives them from prefect.yaml's `config_path`), and set back afterwards."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import DeploymentUpdate
-
-    with get_client(sync_client=True) as client:
-        for name in DEPLOYMENTS:
-            client.update_deployment(deployed[name].id, DeploymentUpdate(parameters=parameters))
-        try:
-            yield
-        finally:
-            for name in DEPLOYMENTS:
-                client.update_deployment(
-                    deployed[name].id, DeploymentUpdate(parameters=deployed[name].parameters)
-                )
-
-
 def _execute(run: Any, azurite: str) -> Any:
     """Run one flow run as the process worker does; its final state."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Pending
-
-    with get_client(sync_client=True) as client:
-        proposed = client.set_flow_run_state(run.id, Pending())
-        assert proposed.status.value == "ACCEPT", proposed.details
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "prefect"), "flow-run", "execute", str(run.id)],
-        cwd=ROOT,
-        env={**child_env(), **prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    with get_client(sync_client=True) as client:
-        state = client.read_flow_run(run.id).state
+    env = {**child_env(), **prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
+    state, output = execute_as_worker(run, env)
     assert state is not None and state.is_completed(), (
-        f"{run.name}: {state and state.message}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        f"{run.name}: {state and state.message}\n{output}"
     )
     return state
 
@@ -146,7 +108,7 @@ def test_each_version_is_trained_once_whichever_way_it_arrives(
     on_new_data = deployed["retrain/on-new-data"].id
     seed(config, _digits(tmp_path, "v1", 0), azurite)  # `make azurite`: the seeded data is v1
 
-    with _deployment_defaults(deployed, {"config_path": str(config_file)}):
+    with deployment_defaults(deployed, {"config_path": str(config_file)}):
         # v2 through Event Grid: every blob reported, the marker last; one run, for v2.
         relay = RelaySettings.from_env(
             {"RETRAIN_RELAY_CONFIG": str(config_file), "RETRAIN_RELAY_SECRET": SECRET}

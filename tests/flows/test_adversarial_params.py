@@ -241,20 +241,29 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
     deployed: dict[str, Any], azurite: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A UI run of retrain/manual: the form's config (1 epoch) and the deployment's default
-    config_path (configs/local.yaml: 4 epochs). The form wins, the summary says so; a path
-    chosen for the run together with a form fails at once, naming both."""
+    config_path (its config file: 4 epochs). The form wins, the summary says so; a path
+    chosen for the run together with a form fails at once, naming both; a form that changes
+    more than training and data (here the output container) fails at once, naming it."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
+    from tests.pipeline_helpers import (
+        deployment_defaults,
+        make_config,
+        seed,
+        task_runs_and_artifacts,
+    )
     from training.make_images import write_digits
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)  # the worker has it too
-    config = make_config(tmp_path, "training.epochs=1")
+    config = make_config(tmp_path, "training.epochs=4")
+    config_file = tmp_path / "deployment.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     source = tmp_path / "digits"
     write_digits(source, test_fraction=0.25, seed=0, per_class=20)
     seed(config, source)
-    form = config.model_dump(mode="json")
+    form = load_config(config_file, ["training.epochs=1"]).model_dump(mode="json")
+    elsewhere = {**form, "output": {**form["output"], "container": "another-pipelines"}}
 
     env = {**child_env(), **prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
     worker = subprocess.Popen(
@@ -280,30 +289,36 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
         return state if state and state.is_final() else None
 
     try:
-        run = run_deployment("retrain/manual", parameters={"config": form}, timeout=0)
-        conflict = run_deployment(
-            "retrain/manual",
-            parameters={"config": form, "config_path": "configs/azure.example.yaml"},
-            timeout=0,
-        )
-        state = _wait("the form run", lambda: asyncio.run(final_state(run.id)), 600)
-        refused = _wait("the conflicting run", lambda: asyncio.run(final_state(conflict.id)), 300)
+        with deployment_defaults(deployed, {"config_path": str(config_file)}):
+            run = run_deployment("retrain/manual", parameters={"config": form}, timeout=0)
+            conflict = run_deployment(
+                "retrain/manual",
+                parameters={"config": form, "config_path": "configs/azure.example.yaml"},
+                timeout=0,
+            )
+            moved = run_deployment("retrain/manual", parameters={"config": elsewhere}, timeout=0)
+            state = _wait("the form run", lambda: asyncio.run(final_state(run.id)), 600)
+            refused = _wait(
+                "the conflicting run", lambda: asyncio.run(final_state(conflict.id)), 300
+            )
+            outside = _wait("the moving run", lambda: asyncio.run(final_state(moved.id)), 300)
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=60)
 
-    assert run.parameters["config_path"] == "configs/local.yaml"  # the default, merged in
+    assert run.parameters["config_path"] == str(config_file)  # the default, merged in
     assert state.is_completed(), state.message
     _, artifacts = task_runs_and_artifacts(run.id)
     summary = next(a for a in artifacts if a.key == "retrain-summary").data
     shown = yaml.safe_load(summary.split("```yaml\n", 1)[1].split("```", 1)[0])
     assert shown["training"]["epochs"] == 1 and shown["data"] == form["data"]
-    assert "the deployment's default config_path configs/local.yaml is not used" in summary
+    assert f"the deployment's default config_path {config_file} is not used" in summary
     epochs = summary.split("## Epochs", 1)[1].split("\n\n", 2)[1]
     assert len([line for line in epochs.splitlines() if line.startswith("| 1 |")]) == 1
     assert "| 2 |" not in epochs
 
     assert refused.is_failed() and "both a config and config_path" in str(refused.message)
+    assert outside.is_failed() and "it changed output.container" in str(outside.message)
     report.record(
         "adversarial",
         "deployment run: form config (1 epoch) + default config_path (4 epochs)",
@@ -313,4 +328,9 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
         "adversarial",
         "deployment run: form config + a chosen config_path",
         "fails at once, naming both",
+    )
+    report.record(
+        "secrets",
+        "deployment run: form config with another output.container",
+        "fails at once, naming the field (the deployment's config file decides it)",
     )

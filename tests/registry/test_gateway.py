@@ -296,10 +296,11 @@ def test_links_without_a_gateway_are_plain_blob_addresses(outputs: ContainerClie
 @pytest.mark.parametrize(
     ("value", "why"),
     [
-        ("http://127.0.0.1:4280/?sig=abc", "no user, password, query"),
-        ("https://user:pw@outputs.example.com", "no user, password, query"),
-        ("ftp://outputs.example.com", "not an http(s) URL"),
-        ("127.0.0.1:4280", "not an http(s) URL"),
+        ("http://127.0.0.1:4280/?sig=abc", "must have no query"),
+        ("https://user:pw@outputs.example.com", "must have no user or password"),
+        ("ftp://outputs.example.com", "must be an http(s) URL"),
+        ("127.0.0.1:4280", "must be an http(s) URL"),
+        ("http://127.0.0.1:4280/outputs", "must have no path"),
         ("http://127.0.0.1:99999", "out of range"),
         ("http://out\tputs.example.com", "no spaces or control characters"),
         ("http://127.0.0.1:4280/a\nb", "no spaces or control characters"),

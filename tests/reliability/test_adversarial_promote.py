@@ -109,6 +109,13 @@ DAMAGED = {
         "run_id is 5",
     ),
     "nested 1200 deep": (_nested(1200), "nested too deep"),
+    # A ranged read of an empty blob answers 416, which crashed the promotion.
+    "empty (0 bytes)": (b"", "empty (0 bytes)"),
+    # JSON integers have no bound: 1e400 written as one raised OverflowError.
+    "accuracy 1e400 written as an integer": (
+        b'{"run_id": "r", "accuracy": 1' + b"0" * 400 + b', "model": "runs/r/model.pt"}',
+        "accuracy is an integer of about 401 digits, not a finite number in [0, 1]",
+    ),
 }
 
 

@@ -20,7 +20,7 @@ import yaml
 from backends.processes import read_record
 from flows.retrain import retrain
 from tests.conftest import ROOT, prefect_api_env
-from tests.pipeline_helpers import make_config, seed
+from tests.pipeline_helpers import deployment_defaults, make_config, seed
 from tests.reliability import report
 from training.make_images import write_digits
 
@@ -70,19 +70,6 @@ def _safe_pgid(pid: int) -> int | None:
         return None
 
 
-def _overrides(config: Any) -> list[str]:
-    return [
-        f"data.container={config.data.container}",
-        f"output.container={config.output.container}",
-        f"share.local_dir={config.share.local_dir}",
-        f"nfs.local_dir={config.nfs.local_dir}",
-        f"work_dir={config.work_dir}",
-        f"pool.id={config.pool.id}",
-        f"training.epochs={config.training.epochs}",
-        "training.batch_size=16",
-    ]
-
-
 def test_cancellation_through_the_api_stops_training_and_releases_the_pool(
     prefect_database: str,
     deployed: dict[str, Any],
@@ -96,55 +83,55 @@ def test_cancellation_through_the_api_stops_training_and_releases_the_pool(
 
     config = make_config(tmp_path, "training.epochs=60")
     seed(config, digits_source)
+    config_file = tmp_path / "deployment.yaml"  # the deployment's config: the run changes none
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     env = {**prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
-    worker = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "prefect"),
-            "worker",
-            "start",
-            "--pool",
-            "retrain-workers",
-            "--prefetch-seconds",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        run = run_deployment(
-            "retrain/manual",
-            timeout=0,
-            parameters={"config_path": "configs/local.yaml", "overrides": _overrides(config)},
+    # The run reads its deployment's config file while it runs: the default stays until it ends.
+    with deployment_defaults(deployed, {"config_path": str(config_file)}):
+        worker = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "prefect"),
+                "worker",
+                "start",
+                "--pool",
+                "retrain-workers",
+                "--prefetch-seconds",
+                "1",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
-        pgid = _wait("the training task", lambda: _training_pid(config))
-        started = time.monotonic()
+        try:
+            run = run_deployment("retrain/manual", timeout=0)
+            pgid = _wait("the training task", lambda: _training_pid(config))
+            started = time.monotonic()
 
-        async def cancel() -> None:
-            async with get_client() as client:
-                await client.set_flow_run_state(run.id, Cancelling())
+            async def cancel() -> None:
+                async with get_client() as client:
+                    await client.set_flow_run_state(run.id, Cancelling())
 
-        asyncio.run(cancel())
+            asyncio.run(cancel())
 
-        async def state() -> Any:
-            async with get_client() as client:
-                return (await client.read_flow_run(run.id)).state
+            async def state() -> Any:
+                async with get_client() as client:
+                    return (await client.read_flow_run(run.id)).state
 
-        final = _wait(
-            "the Cancelled state",
-            lambda: (s := asyncio.run(state())) and s.is_cancelled() and s,
-            120,
-        )
-        seconds = time.monotonic() - started
-        assert final.is_cancelled()
-        _wait("the pool's release", lambda: _pool_state(config) == "released", 30)
-        assert _training_pid(config) is None
-        assert not _group_alive(pgid), "training processes outlived the cancellation"
-    finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=60)
+            final = _wait(
+                "the Cancelled state",
+                lambda: (s := asyncio.run(state())) and s.is_cancelled() and s,
+                120,
+            )
+            seconds = time.monotonic() - started
+            assert final.is_cancelled()
+            _wait("the pool's release", lambda: _pool_state(config) == "released", 30)
+            assert _training_pid(config) is None
+            assert not _group_alive(pgid), "training processes outlived the cancellation"
+        finally:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=60)
     report.record(
         "orchestrator",
         f"cancel through the Prefect API during training (server on {prefect_database})",

@@ -98,7 +98,7 @@ def test_a_chart_that_cannot_be_drawn_is_left_out_and_named() -> None:
     }
     text = "\n".join(charts_markdown(charts))
     assert "`charts/confusion.png`" in text and "`charts/curves.png`" not in text
-    assert (
+    assert (  # the reason as Markdown shows it as written (its brackets escaped)
         "The loss and accuracy per epoch could not be drawn (ValueError: metrics.json: "
-        "epochs[0] has no train_loss): left out." in text
+        "epochs\\[0\\] has no train_loss): left out." in text
     )

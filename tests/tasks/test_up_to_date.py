@@ -78,15 +78,19 @@ def test_a_damaged_record_is_named_not_trusted(data: bytes, why: str) -> None:
     assert not fresh and why in reason
 
 
-def test_gate_data_version_follows_content_not_upload() -> None:
+def test_gate_data_version_follows_every_write() -> None:
+    """A blob's MD5 is what its writer sent (Put Block List stores it unchecked): the data
+    version follows the ETag, which every write changes, as well as the MD5."""
     a = PinnedBlob("d/train/0/a.png", "etag-1", 10, "md5-a")
-    same_content = PinnedBlob("d/train/0/a.png", "etag-2", 10, "md5-a")
-    new_content = PinnedBlob("d/train/0/a.png", "etag-3", 10, "md5-b")
-    no_md5 = PinnedBlob("d/train/0/a.png", "etag-4", 10, None)
-    assert listing_version([a]) == listing_version([same_content])
+    same = PinnedBlob("d/train/0/a.png", "etag-1", 10, "md5-a")
+    written_again = PinnedBlob("d/train/0/a.png", "etag-2", 10, "md5-a")
+    new_content = PinnedBlob("d/train/0/a.png", "etag-1", 10, "md5-b")
+    assert listing_version([a]) == listing_version([same])
+    assert listing_version([a]) != listing_version([written_again])
     assert listing_version([a]) != listing_version([new_content])
+    no_md5 = PinnedBlob("d/train/0/a.png", "etag-4", 10, None)
     rewritten = PinnedBlob("d/train/0/a.png", "etag-5", 10, None)
-    assert listing_version([no_md5]) != listing_version([rewritten])  # content unknown
+    assert listing_version([no_md5]) != listing_version([rewritten])
 
 
 V1 = {"container": "c", "root": "images", "version": "v1", "chosen": "named by the run"}

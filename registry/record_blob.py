@@ -1,0 +1,75 @@
+"""Reading a registry record (a small JSON blob someone else may have written) without trusting
+its size or its numbers.
+
+Every record reader goes through here: the champion, the last run and each trained fingerprint,
+each run's record and its promotion decision. A record is read with one ranged request of at
+most its limit plus one byte, so a blob of 400 MB costs 8 MB of memory at most, not 400; an
+empty blob, which answers a ranged read with 416 (InvalidRange), is an empty record (a damaged
+one), not an error. A number in a record is an accuracy only when it is in [0, 1]: JSON has no
+bound on integers, and a 400-digit one raised OverflowError wherever it met a float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RecordBlob:
+    """What a record blob holds: at most ``limit + 1`` of its bytes, and its ETag."""
+
+    data: bytes
+    etag: str
+    limit: int
+
+    @property
+    def too_large(self) -> bool:
+        return len(self.data) > self.limit
+
+    @property
+    def problem(self) -> str | None:
+        """Why the bytes cannot be a record before parsing them, or None."""
+        if self.too_large:
+            return f"larger than {self.limit} bytes"
+        if not self.data.strip():
+            return "empty"
+        return None
+
+
+def read_record(container: Any, name: str, limit: int) -> RecordBlob | None:
+    """The record ``name`` (None when it does not exist), read up to ``limit + 1`` bytes."""
+    from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+
+    try:
+        download = container.download_blob(name, offset=0, length=limit + 1)
+    except ResourceNotFoundError:
+        return None
+    except HttpResponseError as exc:
+        if exc.status_code != 416:
+            raise
+        # A range of an empty blob is unsatisfiable: the blob is there, with no bytes.
+        try:
+            props = container.get_blob_client(name).get_blob_properties()
+        except ResourceNotFoundError:
+            return None
+        if props.size:  # written again since: read what it holds now
+            return read_record(container, name, limit)
+        return RecordBlob(b"", str(props.etag), limit)
+    return RecordBlob(download.readall(), str(download.properties.etag), limit)
+
+
+def fraction(value: Any) -> float | None:
+    """``value`` as a float when it is a number in [0, 1] (an accuracy), else None. NaN, the
+    infinities and integers too large for a float are none."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0 <= value <= 1 else None
+
+
+def shown(value: Any) -> str:
+    """A stored value as an error names it: short, whatever its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**18:
+        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
