@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 from datetime import UTC, datetime
 from importlib import metadata
@@ -20,6 +21,10 @@ from bench import report_systems as systems
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RESULTS = ROOT / "docs" / "bench-gpu"
+# A benchmark's section of the page: its heading names its module.
+SECTION = re.compile(r"^## .*\(`bench/(\w+)\.py`\)\s*$")
+WRITTEN = re.compile(r"^Written by `make bench` on (.+ UTC)\.$", re.MULTILINE)
+KEPT = "Not run by the `make bench` that wrote this page: kept as the one of {} wrote it."
 
 
 def _cpu_model() -> str:
@@ -592,10 +597,43 @@ def _fed_measured(paths: list[Path]) -> bool:
     return False
 
 
-def render(results: Path) -> str:
+def previous_sections(page: str) -> dict[str, list[str]]:
+    """Each benchmark's section of an earlier page, by module name, with a line saying when it
+    was measured. A run of some benchmarks (``--only``, or a fresh clone whose results folder
+    is empty) re-renders the page: without these, every section it did not run would vanish.
+    A section kept before keeps its first date."""
+    written = WRITTEN.search(page)
+    note = KEPT.format(written.group(1) if written else "an earlier run")
+    sections: dict[str, list[str]] = {}
+    current: str | None = None
+    for line in page.rstrip("\n").splitlines():
+        if line.startswith("## "):
+            match = SECTION.match(line)
+            current = match.group(1) if match else None
+            if current is not None:
+                sections[current] = [line, ""]
+                continue
+        if current is not None:
+            body = sections[current]
+            if len(body) == 2 and line == "":
+                continue  # the blank line under the heading: the note goes there
+            if len(body) == 2 and not line.startswith(KEPT.split("{}")[0]):
+                body += [note, ""]
+            body.append(line)
+    return {name: [*"\n".join(body).rstrip().split("\n"), ""] for name, body in sections.items()}
+
+
+def render(results: Path, previous: str = "") -> str:
+    """The page for the results in ``results``; a benchmark with no result there keeps its
+    section of ``previous`` (the page as it was), marked as kept."""
+    kept = previous_sections(previous)
+
     def load(name: str) -> dict[str, Any] | None:
         path = results / f"{name}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        if path.is_file():
+            return json.loads(path.read_text())
+        lines.extend(kept.get(name, []))
+        return None
 
     lines = [
         "# Performance",
@@ -684,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m bench.report RESULTS_DIR OUTPUT.md", file=sys.stderr)
         return 2
     results, output = Path(args[0]), Path(args[1])
-    text = render(results)
+    text = render(results, output.read_text() if output.is_file() else "")
     tmp = output.with_name(f".{output.name}.tmp")
     tmp.write_text(text)
     tmp.replace(output)
