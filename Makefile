@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
-SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/install_sshd.sh \
+SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/apt_programs.sh scripts/install_sshd.sh \
 	scripts/install_service_packages.sh scripts/install_image_tools.sh scripts/install_strace.sh \
 	package.json package-lock.json
 
