@@ -21,7 +21,7 @@ from typing import Any
 
 from registry.layout import champion_blob, damaged_blob, is_model_blob
 from registry.layout import history_blob as _history_blob
-from registry.record_blob import fraction, read_record, shown
+from registry.record_blob import fraction, json_object, read_record, shown
 
 # A flat record is well under 1 KB. A record from before the history folder nested every
 # earlier champion (about 5 KB per promotion): up to this size it is still read.
@@ -65,14 +65,9 @@ class ChampionRead:
 
 def parse_record(data: bytes, metric: str) -> Champion | str:
     """The champion in ``data``, or a sentence saying why it is not one."""
-    try:
-        record = json.loads(data)
-    except RecursionError:
-        return "nested too deep to read (every earlier champion inside it)"
-    except (ValueError, UnicodeDecodeError) as exc:
-        return f"not JSON ({exc})"
-    if not isinstance(record, dict):
-        return f"a JSON {type(record).__name__}, not an object"
+    record = json_object(data, MAX_RECORD_BYTES)
+    if isinstance(record, str):
+        return record
     missing = [k for k in ("run_id", metric, "model") if k not in record]
     if missing:
         return f"lacks {', '.join(missing)}"

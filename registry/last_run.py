@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.layout import is_model_blob, last_run_blob, trained_blob
-from registry.record_blob import fraction, read_record, shown
+from registry.record_blob import fraction, json_object, read_record, shown
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -48,16 +48,9 @@ class LastRun:
 
 def _parse(data: bytes) -> LastRun | str:
     """The record in ``data``, or why it is unusable."""
-    if len(data) > MAX_RECORD_BYTES:
-        return f"larger than {MAX_RECORD_BYTES} bytes"
-    if not data.strip():
-        return "empty"
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        return "not JSON"
-    if not isinstance(doc, dict):
-        return "not a JSON object"
+    doc = json_object(data, MAX_RECORD_BYTES)
+    if isinstance(doc, str):
+        return doc
     wanted: dict[str, type | tuple[type, ...]] = {
         "run_id": str,
         "fingerprint": dict,

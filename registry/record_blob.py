@@ -11,6 +11,7 @@ bound on integers, and a 400-digit one raised OverflowError wherever it met a fl
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,15 +27,6 @@ class RecordBlob:
     @property
     def too_large(self) -> bool:
         return len(self.data) > self.limit
-
-    @property
-    def problem(self) -> str | None:
-        """Why the bytes cannot be a record before parsing them, or None."""
-        if self.too_large:
-            return f"larger than {self.limit} bytes"
-        if not self.data.strip():
-            return "empty"
-        return None
 
 
 def read_record(container: Any, name: str, limit: int) -> RecordBlob | None:
@@ -57,6 +49,25 @@ def read_record(container: Any, name: str, limit: int) -> RecordBlob | None:
             return read_record(container, name, limit)
         return RecordBlob(b"", str(props.etag), limit)
     return RecordBlob(download.readall(), str(download.properties.etag), limit)
+
+
+def json_object(data: bytes, limit: int) -> dict[str, Any] | str:
+    """``data`` as a JSON object, or why it is not one, in words a reader can act on: larger
+    than ``limit``, empty, not JSON, nested too deep to read (a record nesting every earlier
+    record inside it), or another JSON type."""
+    if len(data) > limit:
+        return f"larger than {limit} bytes"
+    if not data.strip():
+        return "empty"
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        return "nested too deep to read"
+    except ValueError:  # UnicodeDecodeError included
+        return "not JSON"
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    return doc
 
 
 def fraction(value: Any) -> float | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from backends.azure.access import redact
 from registry.layout import run_record_blob
-from registry.record_blob import fraction, read_record, shown
+from registry.record_blob import fraction, json_object, read_record, shown
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -65,16 +65,9 @@ def write_run_record(outputs: ContainerClient, run_prefix: str, record: RunRecor
 
 def parse_run_record(data: bytes) -> RunRecord | str:
     """The record in ``data``, or why it is unusable (a damaged record is named, not a crash)."""
-    if len(data) > MAX_RECORD_BYTES:
-        return f"larger than {MAX_RECORD_BYTES} bytes"
-    if not data.strip():
-        return "empty"
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        return "not JSON"
-    if not isinstance(doc, dict):
-        return "not a JSON object"
+    doc = json_object(data, MAX_RECORD_BYTES)
+    if isinstance(doc, str):
+        return doc
     if not isinstance(doc.get("run_id"), str) or doc.get("outcome") not in OUTCOMES:
         return "no run_id, or an outcome that is none of " + ", ".join(OUTCOMES)
     accuracy = doc.get("accuracy")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from core.text import printable
 from registry.champion import read_champion
 from registry.layout import RUN_RECORD, decision_blob, run_folder, runs_root
-from registry.record_blob import fraction, read_record
+from registry.record_blob import fraction, json_object, read_record
 from registry.run_record import RunRecord, read_run_record
 from training.atomic import atomic_write
 
@@ -63,13 +62,8 @@ def _decision(container: ContainerClient, blob: str) -> dict[str, Any] | None:
     stored = read_record(container, blob, MAX_DECISION_BYTES)
     if stored is None:
         return None
-    if stored.problem:
-        return {"reason": f"{blob} is unusable ({stored.problem})"}
-    try:
-        doc = json.loads(stored.data)
-    except (ValueError, RecursionError):
-        return {"reason": f"{blob} is unusable (not JSON)"}
-    return doc if isinstance(doc, dict) else {"reason": f"{blob} is unusable (not an object)"}
+    doc = json_object(stored.data, stored.limit)
+    return {"reason": f"{blob} is unusable ({doc})"} if isinstance(doc, str) else doc
 
 
 def _text(value: Any) -> str:
@@ -188,12 +182,8 @@ def recorded_model_md5(container: ContainerClient, blob: str) -> str | None:
     if not blob.endswith("/model.pt"):
         return None
     stored = read_record(container, f"{blob.rsplit('/', 1)[0]}/metrics.json", MAX_METRICS_BYTES)
-    if stored is None or stored.problem:
-        return None
-    try:
-        value = json.loads(stored.data).get("model_md5")
-    except (ValueError, RecursionError, AttributeError):
-        return None
+    doc = None if stored is None else json_object(stored.data, stored.limit)
+    value = doc.get("model_md5") if isinstance(doc, dict) else None
     return value if isinstance(value, str) and value else None
 
 

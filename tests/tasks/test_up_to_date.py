@@ -66,7 +66,7 @@ def test_force_a_missing_model_and_no_record_train() -> None:
     ("data", "why"),
     [
         (b"not json", "not JSON"),
-        (b"[]", "not a JSON object"),
+        (b"[]", "a JSON list, not an object"),
         (b"{}", "field run_id is missing"),
         (json.dumps({**vars(last()), "accuracy": True}).encode(), "field accuracy"),
     ],
