@@ -29,6 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
+from backends.processes import stop
+
 ROOT = Path(__file__).resolve().parents[1]
 ACCOUNT = "devstoreaccount1"
 DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -182,10 +184,5 @@ def _serve(binary: Path, location: Path, port: int, lock: IO[str]) -> Iterator[s
                 time.sleep(0.1)
         yield connection_string(port)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()

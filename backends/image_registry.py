@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from backends.azurite import free_port
+from backends.processes import stop
 
 BINARY = "docker-registry"
 MANIFESTS = ", ".join(
@@ -131,12 +132,7 @@ def local_registry(address: str | None, storage: Path | None = None) -> Iterator
             time.sleep(0.1)
         yield registry
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
         with contextlib.suppress(OSError):
             config.unlink()

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,3 +85,14 @@ def kill_group(record: ProcessRecord) -> bool:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(record.pid, signal.SIGKILL)
     return True
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """End a server this process started: SIGTERM, so it can flush and close what it holds
+    (Azurite its data folder, the registry its uploads), then SIGKILL after ``grace`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
