@@ -59,6 +59,7 @@ def test_the_step_runs_a_registry_of_its_own_when_none_listens(
     assert not ImageRegistry(address).answers()
 
 
+@pytest.mark.processes
 def test_a_code_change_rebuilds_only_the_code_layer(
     tmp_path: Path, image_registry: ImageRegistry, training_image: str
 ) -> None:

@@ -17,6 +17,8 @@ import pytest
 from deployments.supervisor import port_in_use
 from tests.conftest import ROOT, child_env
 
+pytestmark = pytest.mark.processes  # each test runs a script or servers of its own
+
 # A service of three stand-ins: an HTTP server; a step that refuses to run unless that server
 # answers (so it proves it was started only after the first was healthy); and a process that
 # ignores SIGTERM and has a child of its own (what a worker running a flow looks like).

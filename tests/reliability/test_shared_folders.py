@@ -68,6 +68,7 @@ def _azurite_in_another_process(location: Path) -> Iterator[subprocess.Popen[str
         proc.wait()
 
 
+@pytest.mark.processes
 def test_a_second_azurite_on_one_data_folder_is_refused_and_no_blob_is_lost(
     tmp_path: Path,
 ) -> None:
@@ -117,6 +118,7 @@ def test_a_second_azurite_on_one_data_folder_is_refused_and_no_blob_is_lost(
     )
 
 
+@pytest.mark.processes
 def test_an_azurite_outliving_its_starter_keeps_the_folder_and_a_dead_one_frees_it(
     tmp_path: Path,
 ) -> None:
@@ -174,6 +176,7 @@ def _pipeline(tmp_path: Path, name: str, nfs: Path, *overrides: str) -> Any:
     )
 
 
+@pytest.mark.processes
 def test_pipelines_sharing_an_nfs_folder_take_turns_across_processes(tmp_path: Path) -> None:
     """Two configs with pools, data prefixes and work dirs of their own, one NFS folder (the
     default nfs.local_dir, spelled here once through a symlink): staging makes the folder's

@@ -122,6 +122,7 @@ def test_checkpoint_folders_no_run_will_resume_are_removed(tmp_path: Path) -> No
     }
 
 
+@pytest.mark.processes
 def test_the_trainer_marks_its_folder_finished_and_prunes_when_asked(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     stale = _folder(root, "0000000000000009", {"checkpoint-4.pt": b"x"}, days_ago=2)

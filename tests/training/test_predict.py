@@ -46,6 +46,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
+@pytest.mark.processes
 def test_predictions_are_the_scorers_own_on_the_same_images(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -92,6 +93,7 @@ def test_predictions_are_the_scorers_own_on_the_same_images(
         assert {row[f"label_{k}"] for k in (1, 2, 3)} == set(saved["class_names"])
 
 
+@pytest.mark.processes
 def test_any_image_the_trainer_takes_is_labelled_and_damaged_ones_are_named(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -129,6 +131,7 @@ def test_any_image_the_trainer_takes_is_labelled_and_damaged_ones_are_named(
     assert "labelled 5 images, skipped 5" in proc.stderr
 
 
+@pytest.mark.processes
 def test_nothing_readable_and_a_bad_model_are_errors(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -164,6 +167,7 @@ def test_the_gpu_gives_the_cpus_labels(trained: tuple[Path, Path]) -> None:
         assert [v for _, v in gpu.top] == pytest.approx([v for _, v in cpu.top], abs=1e-3)
 
 
+@pytest.mark.processes
 def test_the_scorer_takes_a_folder_with_only_the_split_it_scores(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.processes  # each test runs a script or servers of its own
+
 SCRIPT = ROOT / "training" / "prepare_node.sh"
 TWO_GPUS = (
     "GPU 0: NVIDIA A100 80GB PCIe (UUID: GPU-6f3b2a1e-0000-0000-0000-000000000000)\n"

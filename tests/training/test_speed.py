@@ -77,6 +77,7 @@ def test_channels_last_steps_equal_the_contiguous_ones() -> None:
     assert max(float((a - b).abs().max()) for a, b in zip(plain, fused, strict=True)) < 1e-5
 
 
+@pytest.mark.processes
 def test_bf16_channels_last_forward_and_step() -> None:
     speed = _speed(precision="bf16", channels_last=True)
     model = build_model("cnn", 10)
