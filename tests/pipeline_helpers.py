@@ -156,3 +156,38 @@ def execute_as_worker(run: Any, env: dict[str, str]) -> tuple[Any, str]:
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(run.id).state
     return state, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def process_worker(env: dict[str, str]) -> Iterator[Any]:
+    """A `prefect worker start` on the retrain-workers pool, as the service runs it, ended with
+    its whole process group. SIGTERM first (the worker's own shutdown); a worker still there
+    after a minute (seen on a loaded machine) is killed, since one left polling would take the
+    next test's runs on the same server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    worker = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "prefect"),
+            *("worker", "start", "--pool", "retrain-workers", "--prefetch-seconds", "1"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield worker
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()

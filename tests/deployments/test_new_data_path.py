@@ -134,7 +134,11 @@ def test_each_version_is_trained_once_whichever_way_it_arrives(
         _upload_version(config, _digits(tmp_path, "v3", 3), "v3")
         _execute(_start("watch-new-data/poll"), azurite)
         runs = _wait_for_runs(on_new_data, container, 3)
-        sensed = sorted((r for r in runs if r.id != v2_run.id), key=lambda r: r.created)
+        # The sensor reports v1 before v3 (their markers' order), but the trigger's automation
+        # may create their runs in either order: run them oldest version first.
+        sensed = sorted(
+            (r for r in runs if r.id != v2_run.id), key=lambda r: r.parameters["data_version"]
+        )
         assert [r.parameters["data_version"] for r in sensed] == ["v1", "v3"]
         for run in sensed:
             _execute(run, azurite)

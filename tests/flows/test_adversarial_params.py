@@ -7,8 +7,6 @@ have their content repeated in the error."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -250,6 +248,7 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
     from tests.pipeline_helpers import (
         deployment_defaults,
         make_config,
+        process_worker,
         seed,
         task_runs_and_artifacts,
     )
@@ -266,45 +265,23 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
     elsewhere = {**form, "output": {**form["output"], "container": "another-pipelines"}}
 
     env = {**child_env(), **prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
-    worker = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "prefect"),
-            "worker",
-            "start",
-            "--pool",
-            "retrain-workers",
-            "--prefetch-seconds",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
 
     async def final_state(run_id: Any) -> Any:
         async with get_client() as client:
             state = (await client.read_flow_run(run_id)).state
         return state if state and state.is_final() else None
 
-    try:
-        with deployment_defaults(deployed, {"config_path": str(config_file)}):
-            run = run_deployment("retrain/manual", parameters={"config": form}, timeout=0)
-            conflict = run_deployment(
-                "retrain/manual",
-                parameters={"config": form, "config_path": "configs/azure.example.yaml"},
-                timeout=0,
-            )
-            moved = run_deployment("retrain/manual", parameters={"config": elsewhere}, timeout=0)
-            state = _wait("the form run", lambda: asyncio.run(final_state(run.id)), 600)
-            refused = _wait(
-                "the conflicting run", lambda: asyncio.run(final_state(conflict.id)), 300
-            )
-            outside = _wait("the moving run", lambda: asyncio.run(final_state(moved.id)), 300)
-    finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=60)
+    with process_worker(env), deployment_defaults(deployed, {"config_path": str(config_file)}):
+        run = run_deployment("retrain/manual", parameters={"config": form}, timeout=0)
+        conflict = run_deployment(
+            "retrain/manual",
+            parameters={"config": form, "config_path": "configs/azure.example.yaml"},
+            timeout=0,
+        )
+        moved = run_deployment("retrain/manual", parameters={"config": elsewhere}, timeout=0)
+        state = _wait("the form run", lambda: asyncio.run(final_state(run.id)), 600)
+        refused = _wait("the conflicting run", lambda: asyncio.run(final_state(conflict.id)), 300)
+        outside = _wait("the moving run", lambda: asyncio.run(final_state(moved.id)), 300)
 
     assert run.parameters["config_path"] == str(config_file)  # the default, merged in
     assert state.is_completed(), state.message

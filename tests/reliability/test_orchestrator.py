@@ -20,7 +20,7 @@ import yaml
 from backends.processes import read_record
 from flows.retrain import retrain
 from tests.conftest import ROOT, prefect_api_env
-from tests.pipeline_helpers import deployment_defaults, make_config, seed
+from tests.pipeline_helpers import deployment_defaults, make_config, process_worker, seed
 from tests.reliability import report
 from training.make_images import write_digits
 
@@ -87,51 +87,31 @@ def test_cancellation_through_the_api_stops_training_and_releases_the_pool(
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     env = {**prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
     # The run reads its deployment's config file while it runs: the default stays until it ends.
-    with deployment_defaults(deployed, {"config_path": str(config_file)}):
-        worker = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "prefect"),
-                "worker",
-                "start",
-                "--pool",
-                "retrain-workers",
-                "--prefetch-seconds",
-                "1",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
+    with deployment_defaults(deployed, {"config_path": str(config_file)}), process_worker(env):
+        run = run_deployment("retrain/manual", timeout=0)
+        pgid = _wait("the training task", lambda: _training_pid(config))
+        started = time.monotonic()
+
+        async def cancel() -> None:
+            async with get_client() as client:
+                await client.set_flow_run_state(run.id, Cancelling())
+
+        asyncio.run(cancel())
+
+        async def state() -> Any:
+            async with get_client() as client:
+                return (await client.read_flow_run(run.id)).state
+
+        final = _wait(
+            "the Cancelled state",
+            lambda: (s := asyncio.run(state())) and s.is_cancelled() and s,
+            120,
         )
-        try:
-            run = run_deployment("retrain/manual", timeout=0)
-            pgid = _wait("the training task", lambda: _training_pid(config))
-            started = time.monotonic()
-
-            async def cancel() -> None:
-                async with get_client() as client:
-                    await client.set_flow_run_state(run.id, Cancelling())
-
-            asyncio.run(cancel())
-
-            async def state() -> Any:
-                async with get_client() as client:
-                    return (await client.read_flow_run(run.id)).state
-
-            final = _wait(
-                "the Cancelled state",
-                lambda: (s := asyncio.run(state())) and s.is_cancelled() and s,
-                120,
-            )
-            seconds = time.monotonic() - started
-            assert final.is_cancelled()
-            _wait("the pool's release", lambda: _pool_state(config) == "released", 30)
-            assert _training_pid(config) is None
-            assert not _group_alive(pgid), "training processes outlived the cancellation"
-        finally:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=60)
+        seconds = time.monotonic() - started
+        assert final.is_cancelled()
+        _wait("the pool's release", lambda: _pool_state(config) == "released", 30)
+        assert _training_pid(config) is None
+        assert not _group_alive(pgid), "training processes outlived the cancellation"
     report.record(
         "orchestrator",
         f"cancel through the Prefect API during training (server on {prefect_database})",

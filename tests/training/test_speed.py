@@ -51,12 +51,12 @@ def test_cpu_choices() -> None:
     assert gpu.fused_optimizer is False  # split layouts: see the next test
 
 
-def _three_steps(speed: fast.Speed, reference: torch.nn.Module) -> list[torch.Tensor]:
+def _steps(speed: fast.Speed, reference: torch.nn.Module, steps: int = 1) -> list[torch.Tensor]:
     model = copy.deepcopy(reference)
     optimizer = fast.sgd(model.parameters(), speed, lr=0.1, momentum=0.9, weight_decay=5e-4)
     fast.set_layout(model, speed)
     images = torch.randint(0, 256, (8, 3, 32, 32), generator=torch.Generator().manual_seed(0))
-    for _ in range(3):
+    for _ in range(steps):
         torch.manual_seed(1)  # the same dropout masks in every run
         logits = model(fast.to_input(images, speed))
         torch.nn.functional.cross_entropy(logits, torch.arange(8)).backward()
@@ -67,13 +67,17 @@ def _three_steps(speed: fast.Speed, reference: torch.nn.Module) -> list[torch.Te
 
 @pytest.mark.processes
 def test_channels_last_steps_equal_the_contiguous_ones() -> None:
-    """Channels-last weights with contiguous gradients take the same steps as the plain model;
-    the fused kernel on those split layouts did not (why ``resolve`` refuses it)."""
+    """Channels-last weights with contiguous gradients take the same step as the plain model;
+    the fused kernel on those split layouts did not (why ``resolve`` refuses it: 1e-2 apart
+    after one step). One step from seeded weights: the layouts sum in other orders, and over
+    several steps a ReLU flipped by a last-bit difference moved weights by 5e-4 for some
+    initial weights (a random 1 in 25), which says nothing about the optimizer."""
+    torch.manual_seed(0)
     reference = build_model("cnn", 10)
-    plain = _three_steps(_speed(optimizer_kernel="foreach"), reference)
-    split = _three_steps(_speed(channels_last=True), reference)
+    plain = _steps(_speed(optimizer_kernel="foreach"), reference)
+    split = _steps(_speed(channels_last=True), reference)
     assert max(float((a - b).abs().max()) for a, b in zip(plain, split, strict=True)) < 1e-5
-    fused = _three_steps(_speed(optimizer_kernel="fused"), reference)
+    fused = _steps(_speed(optimizer_kernel="fused"), reference)
     assert max(float((a - b).abs().max()) for a, b in zip(plain, fused, strict=True)) < 1e-5
 
 
