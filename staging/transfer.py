@@ -371,8 +371,12 @@ class _Engine:
 
     def fetcher(self, tasks: Iterator[tuple[Download | _Large, int]], lock: threading.Lock) -> None:
         while not self.failures:
-            with lock:
-                task = next(tasks, None)
+            try:
+                with lock:  # opening a large blob's temp file happens here, and may fail
+                    task = next(tasks, None)
+            except BaseException as exc:
+                self.failures.append(exc)
+                return
             if task is None:
                 return
             what, k = task

@@ -15,10 +15,10 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION
-from staging.blob import list_pinned
+from staging.blob import list_pinned, object_store
 from staging.listing import ChangedSinceGateError
 from staging.sync import sync_to_directory
-from staging.transfer import HOLD_BYTES, PIECE, TransferError
+from staging.transfer import HOLD_BYTES, PIECE, Download, TransferError, download_all
 from tests.reliability.fault_proxy import FaultProxy
 
 SIZE = 2 * PIECE + 12_345  # three ranges, the last one short
@@ -153,3 +153,20 @@ def test_a_large_blob_changed_between_its_ranges_fails_named(
     assert ranges >= 2
     assert not (dest / "big.bin").exists()
     assert list(dest.rglob("*.part")) == []
+
+
+@pytest.mark.parametrize("size", [100, SIZE], ids=["whole", "ranges"])
+def test_a_file_that_cannot_be_created_fails_the_download(
+    container: ContainerClient, tmp_path: Path, size: int
+) -> None:
+    """A target whose folder cannot be made (a file is in the way) fails the download with
+    the file system's error, for a blob read whole as for one read as ranges: never a
+    download that ends as if it had landed everything."""
+    container.upload_blob("ds/blob.bin", random.Random(5).randbytes(size))
+    (blob,) = list_pinned(container, "ds")
+    (tmp_path / "in-the-way").write_text("a file, not a folder")
+    landed: list[str] = []
+    job = Download(blob, tmp_path / "in-the-way" / "blob.bin")
+    with pytest.raises(FileExistsError, match="in-the-way"):
+        download_all(object_store(container), [job], True, 4, lambda j, *_: landed.append(j))
+    assert landed == []
