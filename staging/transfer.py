@@ -35,7 +35,8 @@ What each download guarantees:
   and a response that breaks off mid-body is fetched again (:class:`staging.blob.Retry`);
 * cancelled after a hard failure: no queued download starts once one has failed for good
   (each would only retry against the same broken storage); those in flight finish and are
-  reported, so the step's retry resumes where this one stopped.
+  reported, so the step's retry resumes where this one stopped. A large blob with pieces
+  still to fetch is abandoned and its temp file removed.
 """
 
 from __future__ import annotations
