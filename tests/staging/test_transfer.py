@@ -15,7 +15,7 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION
-from staging.blob import list_pinned, object_store
+from staging.blob import Retry, list_pinned, object_store
 from staging.listing import ChangedSinceGateError
 from staging.sync import sync_to_directory
 from staging.transfer import HOLD_BYTES, PIECE, Download, TransferError, download_all
@@ -170,3 +170,29 @@ def test_a_file_that_cannot_be_created_fails_the_download(
     with pytest.raises(FileExistsError, match="in-the-way"):
         download_all(object_store(container), [job], True, 4, lambda j, *_: landed.append(j))
     assert landed == []
+
+
+def test_ranges_cut_off_or_refused_are_fetched_again(
+    container: ContainerClient, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Ranges answered 503, reset, or cut off halfway through their body: each is fetched
+    again, and what lands is the blob, MD5-verified; a sync that still gives up leaves no
+    file under the final name and no temp file, and the next attempt completes it."""
+    data = random.Random(6).randbytes(SIZE)
+    container.upload_blob("ds/big.bin", data)
+    listing = list_pinned(container, "ds")
+    proxy.rate, proxy.faults = 0.4, ("503", "reset", "truncate")
+    dest = tmp_path / "data"
+    fast = Retry(first_wait=0.01, max_wait=0.05)
+    for _ in range(5):  # what the stage-data task's retries do
+        try:
+            sync_to_directory(container, "ds", dest, listing=listing, retry=fast)
+            break
+        except TransferError:
+            assert not (dest / "big.bin").exists()
+            assert list(dest.rglob("*.part")) == []
+    else:
+        pytest.fail("staging did not complete within 5 attempts")
+    assert (dest / "big.bin").read_bytes() == data
+    assert list(dest.rglob("*.part")) == []
+    assert proxy.injected["truncate"] > 0
