@@ -68,8 +68,11 @@ class UnsafeBlobNameError(ValueError):
 class SyncReport:
     downloaded: list[str] = field(default_factory=list)
     skipped: int = 0
-    verified: int = 0  # files the manifest vouched for, read again (their turn, or changed)
-    repaired: list[str] = field(default_factory=list)  # of those, found changed: downloaded
+    # Staged files read to check their bytes: their turn, a status not the one recorded, or
+    # no manifest entry vouching for them. 0: the sync read no staged file.
+    verified: int = 0
+    # Files the manifest vouched for, found changed when read: downloaded again.
+    repaired: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     bytes_downloaded: int = 0
     total_files: int = 0
@@ -289,13 +292,15 @@ def sync_to_directory(
                 files[name] = {**entry, "md5": md5, "stat": _status(st)}
                 continue
             report.repaired.append(name)
-        elif same_size and blob.md5 and _md5_b64(target) == blob.md5:
-            # Not vouched for, yet the blob's bytes: written by a sync cut short before its
-            # manifest (or the manifest lost).
+        elif same_size and blob.md5:
+            # Not vouched for, yet maybe the blob's bytes: written by a sync cut short before
+            # its manifest (or the manifest lost).
             assert st is not None
-            report.skipped += 1
-            files[name] = {**entry, "stat": _status(st)}
-            continue
+            report.verified += 1
+            if _md5_b64(target) == blob.md5:
+                report.skipped += 1
+                files[name] = {**entry, "stat": _status(st)}
+                continue
         todo.append(Download(blob, target))
         entries[name] = entry
 
