@@ -104,13 +104,18 @@ def staging(r: dict[str, Any]) -> list[str]:
             f"| client CPU per small file, {_delay(ms)} | {step:.2f} ms | {rc:.2f} "
             f"| {cp['small']['cpu_ms_per_file']:.3f} | {_ratio(step, rc)} | |"
         )
-    for ms, m in r["small"].items():
-        step, rc = m["step"]["resync_seconds"], m["rclone"]["resync_seconds"]
-        files = m["step"].get("files") or m["step"]["seconds"] * m["step"]["files_per_sec"]
-        rows.append(
-            f"| re-sync, nothing changed ({files:,.0f} files), {_delay(ms)} | {step:.2f} s "
-            f"| {rc:.2f} s | | {_ratio(step, rc)} (time) | |"
-        )
+    for size, cases in (("small", r["small"]), ("large", r["large"])):
+        for ms, m in cases.items():
+            step, rc = m["step"]["resync_seconds"], m["rclone"]["resync_seconds"]
+            files = m["step"].get("files") or m["step"]["seconds"] * m["step"]["files_per_sec"]
+            cpu = m["step"].get("resync_cpu_seconds")
+            cpu_rc = m["rclone"].get("resync_cpu_seconds")
+            spent = f", {cpu:.2f} s CPU" if cpu is not None else ""
+            spent_rc = f", {cpu_rc:.2f} s CPU" if cpu_rc is not None else ""
+            rows.append(
+                f"| re-sync, nothing changed ({files:,.0f} {size} files), {_delay(ms)} "
+                f"| {step:.2f} s{spent} | {rc:.2f} s{spent_rc} | | {_ratio(step, rc)} (time) | |"
+            )
     changed, pack = r["resync_one_percent"], r["first_pack"]
     return [
         "## Staging: Blob to the data folder (`bench/staging.py`)",
@@ -144,10 +149,17 @@ STAGING_NOTES = [
     "the async SDK with 64 in flight: all within 0.3-0.5x of rclone on small files. Tried",
     "since: `rclone copy` driven by the step, and `obstore` (Python bindings of Rust's",
     "`object_store`, which makes each request outside the interpreter lock). The step",
-    "now downloads with obstore from one asyncio loop, hashes each blob as it arrives, and",
-    "hands the file work (temp file, write, rename) to a few writer threads; it lists with the",
+    "now downloads with obstore's blocking calls from as many fetch threads as it has requests",
+    "in flight (each call releases the interpreter lock for its whole exchange; from an",
+    "asyncio loop the same engine costs two awaited futures per blob, each a wake-up of the",
+    "loop), and hands the file work (MD5, temp file, write, rename) to one writer thread, more",
+    "only when its queue grows. A blob over 8 MB is read as parallel ranged reads, each pinned",
+    "with If-Match to the listed ETag, written in place and hashed in order. It lists with the",
     "SDK's request pipeline (its authentication and retries) and the C XML parser instead of",
-    "the SDK's per-blob models, at a fifth of the CPU per listed blob. rclone as the engine was",
+    "the SDK's per-blob models, at a fifth of the CPU per listed blob. A re-sync reads no file",
+    "whose status (size, modification and change times, inode) is the one recorded when it was",
+    "staged; a file rewritten behind its back has a new change time and is read, and one slice",
+    "of the files in 16 is re-read by turns for what no status shows. rclone as the engine was",
     "rejected: 1.60 writes in place under the final name, does not pin a blob to the gate's",
     "ETag, and checks an MD5 only by reading every file again; the step would have had to",
     "re-read what rclone wrote to keep its guarantees (MD5-verified, temp name then rename,",
@@ -162,18 +174,19 @@ STAGING_NOTES = [
     "staging checks every byte it stages against that same MD5. Its cost on a 1.28 M-blob",
     "listing is measured in the gate's section below (`bench/gate_scale.py`).",
     "",
-    "Where the step is behind rclone, and what would close it. Small files: the step spends",
-    "more client CPU per file than rclone (the table), and on 2 cores shared with Azurite the",
-    "client's CPU is what bounds files/s. Little of it is bytes (MD5 and the file writes are a",
-    "small part); most is the per-blob round trip between Python and the Rust engine (a",
-    "request and a body awaited per blob, the hand-off to a writer thread). Closing it takes",
-    "one call into the engine per batch of blobs (download to temp files, check size and MD5,",
-    "rename, in Rust), or data packed at the source, which turns per-file costs into per-shard",
-    "costs. Large files: each blob is one stream through Python in 8 MB pieces, and the step",
-    "flushes what it wrote before the manifest vouches for it (rclone 1.60 does not flush);",
-    "parallel ranged reads per blob (a range and If-Match on each), written in place and",
-    "hashed in order, would close it. `cp -r` is the ceiling of a local copy; against Azurite,",
-    "which serves every byte from one Node.js process on the same 2 cores, half of it is not",
+    "Where the step is behind rclone, and what would close it. Small files: with blocking",
+    "fetch threads and one writer the step spends about the client CPU per file rclone does",
+    "(the table); where requests take milliseconds it keeps as many in flight and stays level.",
+    "With no delay it falls behind at about the same CPU per file: the gap is time spent",
+    "waiting (for a core shared with Azurite, or for the interpreter lock), not work, and where",
+    "that wait goes is not measured yet. Large files: each range is received whole before it",
+    "is written and hashed,",
+    "so the network and the hashing of one piece do not overlap as in rclone's streams, and",
+    "the step flushes what it wrote before the manifest vouches for it (rclone 1.60 does not",
+    "flush); streaming each range into place would close the first. Re-sync: the step reads",
+    "only its slice of the files; most of what is left is the listing itself, which both",
+    "tools pay. `cp -r` is the ceiling of a local copy; against Azurite, which serves every",
+    "byte from one Node.js process on the same 2 cores, half of it is not",
     "reachable by any HTTP client here (rclone does not reach it either).",
     "",
 ]

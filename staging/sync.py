@@ -4,6 +4,15 @@ Properties a training run relies on:
 
 * incremental: a blob whose ETag and size match the last sync is not downloaded again (nor a
   blob of a new name, a new version's, whose size and Content-MD5 match the file on its path);
+* trusted without reading: a file the manifest vouches for (same blob, ETag, size and MD5 as
+  recorded) whose status is the one recorded when it was staged (size, modification time,
+  change time, inode) is not read again. A file changed behind the manifest's back changes
+  its change time (which no program can set back), so it is read, and downloaded again when
+  its bytes differ. What a status cannot show (bits rotting on the disk, a restore that keeps
+  every time, a rewrite within the same tick of the file system's clock as staging's own
+  rename) is caught by turns: each sync re-reads the files of one slice in
+  ``verify_every`` (by a hash of the path), so every file is read again at least once every
+  ``verify_every`` syncs;
 * atomic: each file is written under a temporary name and renamed, so a reader (or a resumed
   sync) never sees a partial file under its final name; the manifest is written only after
   the files are flushed to storage;
@@ -25,21 +34,29 @@ from __future__ import annotations
 
 import os
 import stat
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from staging.blob import Retry, list_pinned, object_store
 from staging.listing import PinnedBlob
-from staging.transfer import Download, download_all
+from staging.transfer import Download, download_all, flush_filesystem
 from training.atomic import file_md5
-from training.staged_folder import MANIFEST, SHARD_DIR, TEMP_PREFIX, load_entries, write_manifest
+from training.staged_folder import (
+    MANIFEST,
+    SHARD_DIR,
+    TEMP_PREFIX,
+    previous_sync,
+    write_manifest,
+)
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
 MAX_NAME = 1024  # Azure's own limit on blob names
 MAX_SEGMENT_BYTES = 255  # NAME_MAX of ext4, XFS and NFS exports: one path segment, in bytes
+VERIFY_EVERY = 16  # a file the manifest vouches for is read again once in this many syncs
 
 
 class UnsafeBlobNameError(ValueError):
@@ -50,6 +67,11 @@ class UnsafeBlobNameError(ValueError):
 class SyncReport:
     downloaded: list[str] = field(default_factory=list)
     skipped: int = 0
+    # Staged files read to check their bytes: their turn, a status not the one recorded, or
+    # no manifest entry vouching for them. 0: the sync read no staged file.
+    verified: int = 0
+    # Files the manifest vouched for, found changed when read: downloaded again.
+    repaired: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     bytes_downloaded: int = 0
     total_files: int = 0
@@ -164,6 +186,24 @@ def _remove_stale(dest: Path, root: Path, stale: dict[str, str]) -> list[str]:
     return deleted
 
 
+def _same_content(name: str, blob: PinnedBlob, old_name: str, old: dict[str, Any]) -> bool:
+    """Whether the manifest's entry on a path vouches for ``blob``'s content. The same blob
+    only at the same ETag (and the listed MD5, when there is one): its Content-MD5 is whatever
+    its writer sent with Put Block List, so a blob rewritten with its old MD5 kept is new
+    content. Across names (a new version's blob landing on an old one's path) the MD5 is the
+    only content identity there is."""
+    if old.get("size") != blob.size:
+        return False
+    if old_name == name:
+        return old.get("etag") == blob.etag and (blob.md5 is None or old.get("md5") == blob.md5)
+    return blob.md5 is not None and old.get("md5") == blob.md5
+
+
+def _status(st: os.stat_result) -> list[int]:
+    """What the manifest records of a staged file's status (its size is recorded apart)."""
+    return [st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def sync_to_directory(
     container: ContainerClient,
     prefix: str,
@@ -171,13 +211,17 @@ def sync_to_directory(
     workers: int = 32,
     listing: list[PinnedBlob] | None = None,
     retry: Retry | None = None,
+    verify_every: int = VERIFY_EVERY,
 ) -> SyncReport:
     """Mirror the blobs under ``prefix`` into ``dest``; see the module docstring.
 
     ``listing``: the data gate's pinned listing, staged exactly (the flow always passes it);
     without it the container is listed now (benchmarks, a standalone sync). ``workers``:
-    downloads in flight at once. ``retry``: how hard each download tries.
+    requests in flight at once. ``retry``: how hard each download tries. ``verify_every``:
+    each file the manifest vouches for is read again once in this many syncs (1: every time).
     """
+    if verify_every < 1:
+        raise ValueError(f"verify_every must be 1 or more, not {verify_every}")
     prefix = prefix.strip("/")
     pinned = listing is not None
     if listing is None:
@@ -185,7 +229,9 @@ def sync_to_directory(
     planned = _plan(listing, prefix)  # every name checked before anything is written
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
-    previous = load_entries(dest)
+    previous, syncs = previous_sync(dest)
+    syncs += 1
+    turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
     # Stale is decided on destination paths, not blob names: a new version under a new prefix
     # renames every blob but lands on the same paths, which must stay.
     by_path = {str(old["path"]): (n, old) for n, old in previous.items()}
@@ -210,41 +256,49 @@ def sync_to_directory(
         if first or (st and stat.S_ISDIR(st.st_mode)):
             report.deleted += _clear_way(dest, name, rel, stale)
             st = None if st and stat.S_ISDIR(st.st_mode) else st
+        path = str(rel)
         entry: dict[str, Any] = {
-            "path": str(rel),
+            "path": path,
             "etag": blob.etag,
             "size": blob.size,
             "md5": blob.md5,
         }
         # What the last sync wrote on this path: this blob, or an earlier version's blob of
-        # another name whose content may well be the same. The same blob is unchanged only at
-        # the same ETag: its Content-MD5 is whatever its writer sent with Put Block List, and a
-        # blob rewritten with its old MD5 kept was skipped (even a forced run trained the old
-        # bytes). Across names the MD5 is the only content identity there is.
-        old_name, old = by_path.get(str(rel), (None, None))
+        # another name whose content may well be the same.
+        old_name, old = by_path.get(path, (None, None))
         same_size = st is not None and stat.S_ISREG(st.st_mode) and st.st_size == blob.size
-        unchanged = (
-            old is not None
-            and old.get("size") == blob.size
-            and (
-                old.get("etag") == blob.etag
-                if old_name == name
-                else blob.md5 is not None and old.get("md5") == blob.md5
-            )
-        )
-        if same_size and old is not None and unchanged:
-            report.skipped += 1
-            files[name] = {**entry, "md5": old.get("md5") or blob.md5}
-        elif old is None and same_size and blob.md5 and file_md5(target) == blob.md5:
-            # Written by a sync cut short before its manifest (or the manifest lost): intact.
-            report.skipped += 1
-            files[name] = entry
-        else:
-            todo.append(Download(blob, target))
-            entries[name] = entry
+        if same_size and old_name and old is not None and _same_content(name, blob, old_name, old):
+            assert st is not None
+            md5 = old.get("md5") or blob.md5
+            recorded = old.get("stat")
+            if recorded == _status(st) and zlib.crc32(path.encode()) % verify_every != turn:
+                report.skipped += 1  # trusted: not read
+                files[name] = {**entry, "md5": md5, "stat": recorded}
+                continue
+            # Its turn to be read, or its status is not the one staging left (changed behind
+            # the manifest's back, or a manifest older than the status record).
+            report.verified += 1
+            if file_md5(target) == md5:
+                report.skipped += 1
+                files[name] = {**entry, "md5": md5, "stat": _status(st)}
+                continue
+            report.repaired.append(name)
+        elif old is None and same_size and blob.md5:
+            # Not in the manifest, yet maybe the blob's bytes: written by a sync cut short
+            # before its first manifest (or the manifest lost). A path the manifest holds at
+            # another ETag is downloaded again, whatever its MD5: a blob rewritten with its old
+            # Content-MD5 kept (Put Block List stores it unchecked) would match the old bytes.
+            assert st is not None
+            report.verified += 1
+            if file_md5(target) == blob.md5:
+                report.skipped += 1
+                files[name] = {**entry, "stat": _status(st)}
+                continue
+        todo.append(Download(blob, target))
+        entries[name] = entry
 
-    def landed(job: Download, md5: str) -> None:
-        files[job.blob.name] = {**entries[job.blob.name], "md5": md5}
+    def landed(job: Download, md5: str, st: os.stat_result) -> None:
+        files[job.blob.name] = {**entries[job.blob.name], "md5": md5, "stat": _status(st)}
         report.downloaded.append(job.blob.name)
         report.bytes_downloaded += job.blob.size
 
@@ -257,13 +311,13 @@ def sync_to_directory(
         # instead of an fsync per file (a COMMIT round trip each on NFS). A file lost to a
         # crash before this point is not in the manifest and is checked again next time.
         if report.downloaded:
-            os.sync()
+            flush_filesystem(dest)
         # Stale files are still recorded as such, so a sync cut short deletes them next time.
         pending = {n: previous[n] for n in stale.values()}
-        _write_manifest(dest, prefix, files, report, pending)
+        _write_manifest(dest, prefix, files, report, pending, syncs)
     report.deleted += _remove_stale(dest, root, stale)
     if stale:
-        _write_manifest(dest, prefix, files, report)
+        _write_manifest(dest, prefix, files, report, None, syncs)
     return report
 
 
@@ -296,7 +350,8 @@ def _write_manifest(
     prefix: str,
     files: dict[str, dict[str, Any]],
     report: SyncReport,
-    stale: dict[str, dict[str, Any]] | None = None,
+    stale: dict[str, dict[str, Any]] | None,
+    syncs: int,
 ) -> None:
-    report.data_version = write_manifest(dest, prefix, files, stale)
+    report.data_version = write_manifest(dest, prefix, files, stale, syncs)
     report.manifest = str(dest / MANIFEST)

@@ -3,37 +3,58 @@
 Why this engine: the storage SDK spends about 3 ms of interpreter-locked CPU per small blob
 (request preparation, its policy pipeline, XML), which bounds a sync of small files whatever
 the bandwidth or the thread count. Here each request is made by ``obstore`` (Rust's
-``object_store`` with hyper and tokio) from one asyncio loop, hundreds in flight at the cost
-of a few coroutines; the loop only hashes and hands bytes to writer threads. ``bench/staging``
-measures it against rclone, the SDK and ``cp -r``.
+``object_store`` with hyper and tokio): a blocking call that releases the interpreter lock for
+the whole exchange, made by ``workers`` fetch threads at once. Driven from an asyncio loop
+instead, the same engine costs two awaited futures per blob, each a wake-up of the loop, in
+the one thread that also does the file work. ``bench/staging`` measures the step against
+rclone.
+
+Where the interpreter's time goes per small blob, and how it is kept down: the fetch threads
+only fetch; the file work (MD5 check, temp file, write, rename) is queued to one writer thread,
+a second and more being started only when the queue grows (on NFS each create and rename is a
+round trip), so that most file system calls release the lock without another thread waiting
+for it. A large blob (over :data:`PIECE`) is read as parallel ranged reads, each pinned with
+If-Match to the same ETag, written in place with ``pwrite`` and hashed in order as the pieces
+arrive: one blob of 64 MB is then as many requests in flight as the engine has workers. Pieces
+that arrive ahead of their turn are held in memory up to :data:`HOLD_BYTES` per blob; beyond
+that they are read back from the file when their turn comes, so a slow first piece of a blob of
+many GB does not hold the rest of it in memory.
 
 What each download guarantees:
 
-* pinned: with ``if_match`` the blob is read only while its ETag is the given one (the data
-  gate's), so what lands is what was validated; a changed or deleted blob is named;
+* pinned: with ``pinned`` every request (each range of a large blob too) carries If-Match on
+  the listed ETag (the data gate's), so what lands is what was validated; a changed or deleted
+  blob is named. The ranges of a large blob carry it in any case: pieces of two versions of a
+  blob never make one file, and a blob changed while its pieces are read fails, named;
 * verified: the byte count, and the MD5 whenever the listing has one, are checked before the
   file gets its final name: a reader never sees a partial or wrong file under that name;
-* temp name then rename: ``.staging-<uuid>.part`` beside the target, unique per download, so
-  two syncs into one folder (two runs, or two nodes on NFS) never write the same temp file;
+* temp name then rename: ``.staging-<random>-<n>.part`` beside the target, unique per
+  download (a random token per sync and a counter), so two syncs into one folder (two runs, or
+  two nodes on NFS) never write the same temp file;
 * retried: the store retries each request (resets, 5xx, throttling, timeouts) with backoff,
-  and a response that breaks off mid-body fetches the blob again (:class:`staging.blob.Retry`);
+  and a response that breaks off mid-body is fetched again (:class:`staging.blob.Retry`);
 * cancelled after a hard failure: no queued download starts once one has failed for good
   (each would only retry against the same broken storage); those in flight finish and are
-  reported, so the step's retry resumes where this one stopped.
+  reported, so the step's retry resumes where this one stopped. A large blob with pieces
+  still to fetch is abandoned and its temp file removed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import contextlib
+import ctypes
+import ctypes.util
 import hashlib
+import itertools
 import os
+import queue
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +65,17 @@ from training.staged_folder import TEMP_PREFIX
 if TYPE_CHECKING:
     from obstore.store import AzureStore
 
-WHOLE = 4 << 20  # blobs up to this size are read in one piece; larger ones streamed
-CHUNK = 8 << 20  # the stream's piece size: large enough that per-piece costs vanish
+PIECE = 8 << 20  # a blob larger than this is read as ranges of this size, in parallel
+HOLD_BYTES = 64 << 20  # per large blob, pieces kept in memory until their turn to be hashed
+QUEUE_BYTES = 64 << 20  # bytes waiting for the writer before fetch threads write themselves
+SPAWN_AT = 32  # files waiting per writer thread before another writer starts
+MAX_WRITERS = 8
 SECRET = re.compile(r"(sig|se|sv|sp|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|st|sr)=[^&\s\"']+")
+
+# What :func:`download_all` reports for each file it lands: the download, its MD5 (base64) and
+# the file's status after the rename (size, modification and change times, inode), which the
+# manifest records so that a later sync can trust the file without reading it.
+Done = Callable[["Download", str, os.stat_result], None]
 
 
 class IntegrityError(IOError):
@@ -69,158 +98,334 @@ def redact(text: str) -> str:
     return SECRET.sub(r"\1=REDACTED", text.strip().splitlines()[0] if text.strip() else "")
 
 
-def _md5(data: Any) -> Any:
-    return hashlib.md5(data, usedforsecurity=False)
-
-
-class _Writer:
-    """File work off the event loop, on a few threads: on NFS each create and rename is a
-    round trip, which the loop must not wait for one at a time."""
-
-    def __init__(self, threads: int) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="staging-write")
-        self._made: set[Path] = set()
-        self._lock = threading.Lock()
-
-    def _folder(self, path: Path) -> None:
-        if path not in self._made:
-            path.mkdir(parents=True, exist_ok=True)
-            with self._lock:
-                self._made.add(path)
-
-    def open_temp(self, target: Path) -> tuple[int, Path]:
-        self._folder(target.parent)
-        tmp = target.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}.part"
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-
-    @staticmethod
-    def write(fd: int, data: Any, digest: Any = None) -> None:
-        if digest is not None:
-            digest.update(data)  # hashlib releases the lock for large buffers
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-
-    def whole(self, target: Path, data: Any) -> None:
-        """A blob read in one piece, already verified: temp file, then its final name."""
-        fd, tmp = self.open_temp(target)
-        try:
-            try:
-                self.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-
-
-async def _fetch(store: AzureStore, job: Download, pinned: bool, writer: _Writer) -> str:
-    """One blob to its file; returns its MD5 (base64). Raises with the blob named."""
-    import obstore
-    from obstore.exceptions import NotFoundError, PreconditionError
-
-    blob = job.blob
-    loop = asyncio.get_running_loop()
-    try:
-        response = await obstore.get_async(
-            store, blob.name, options={"if_match": blob.etag} if pinned else None
-        )
-    except (PreconditionError, NotFoundError) as exc:
-        if pinned:  # a condition on a deleted blob is answered 412 or 404: one message for both
-            raise ChangedSinceGateError(
-                f"blob {blob.name!r} changed or was deleted after the data gate validated it "
-                f"(its ETag is no longer {blob.etag}): it is not staged unvalidated; run again "
-                "to validate it"
-            ) from None
-        raise TransferError(
-            f"blob {blob.name!r} vanished during the sync: {redact(str(exc))}"
-        ) from None
-    if blob.size <= WHOLE:
-        data = await response.bytes_async()
-        received, digest = len(data), _md5(data)
-        _verify(blob, received, digest)
-        await loop.run_in_executor(writer.pool, writer.whole, job.target, data)
-        return base64.b64encode(digest.digest()).decode()
-    fd, tmp = await loop.run_in_executor(writer.pool, writer.open_temp, job.target)
-    try:
-        try:
-            digest, received = _md5(b""), 0
-            async for piece in response.stream(min_chunk_size=CHUNK):
-                await loop.run_in_executor(writer.pool, writer.write, fd, piece, digest)
-                received += len(piece)
-        finally:
-            os.close(fd)
-        _verify(blob, received, digest)
-        await loop.run_in_executor(writer.pool, os.replace, tmp, job.target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def b64md5(digest: Any) -> str:
     return base64.b64encode(digest.digest()).decode()
 
 
-def _verify(blob: PinnedBlob, received: int, digest: Any) -> None:
+def _verify(blob: PinnedBlob, received: int, md5: str) -> None:
     if received != blob.size:
         raise IntegrityError(
             f"blob {blob.name!r}: downloaded {received} bytes, expected {blob.size}"
         )
-    actual = base64.b64encode(digest.digest()).decode()
-    if blob.md5 and actual != blob.md5:
-        raise IntegrityError(f"blob {blob.name!r}: MD5 {actual} does not match stored {blob.md5}")
+    if blob.md5 and md5 != blob.md5:
+        raise IntegrityError(f"blob {blob.name!r}: MD5 {md5} does not match stored {blob.md5}")
 
 
-async def _fetch_retrying(
-    store: AzureStore, job: Download, pinned: bool, writer: _Writer, retry: Retry
-) -> str:
-    """:func:`_fetch`, again after a transport failure the store's own retries did not cover
-    (a body cut off midway). Refusals (a changed blob, wrong bytes, no permission) are final."""
-    from obstore.exceptions import BaseError, GenericError
-
-    wait = retry.first_wait
-    for attempt in range(1, retry.blob_attempts + 1):
-        try:
-            return await _fetch(store, job, pinned, writer)
-        except GenericError as exc:
-            if attempt == retry.blob_attempts:
-                raise TransferError(
-                    f"blob {job.blob.name!r}: {redact(str(exc))} (after {attempt} attempts)"
-                ) from None
-        except BaseError as exc:  # the store's other refusals: permissions, authentication
-            raise TransferError(f"blob {job.blob.name!r}: {redact(str(exc))}") from None
-        await asyncio.sleep(wait)
-        wait = min(retry.max_wait, wait * 2)
-    raise AssertionError("unreachable")  # the loop returns or raises
+def _write_all(fd: int, data: Any, offset: int | None = None) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
+        view = view[n:]
+        if offset is not None:
+            offset += n
 
 
-async def _run(
-    store: AzureStore,
-    jobs: Iterator[Download],
-    pinned: bool,
-    workers: int,
-    done: Callable[[Download, str], None],
-    retry: Retry,
-    writers: int,
-) -> None:
-    writer = _Writer(writers)
-    failures: list[BaseException] = []
+def _read_all(fd: int, size: int, offset: int) -> bytes:
+    parts = []
+    while size:
+        part = os.pread(fd, size, offset)
+        if not part:
+            raise IntegrityError(f"{size} bytes missing at {offset} of a file being written")
+        parts.append(part)
+        size, offset = size - len(part), offset + len(part)
+    return b"".join(parts)
 
-    async def worker() -> None:
-        for job in jobs:  # one shared iterator: a job is taken by exactly one worker
-            if failures:
-                return
-            try:
-                md5 = await _fetch_retrying(store, job, pinned, writer, retry)
-            except BaseException as exc:
-                failures.append(exc)
-                return
-            done(job, md5)
 
+def flush_filesystem(path: Path) -> None:
+    """Flush what was written to the file system holding ``path`` (``syncfs``), before the
+    manifest vouches for it: one flush for all files instead of an fsync per file (a COMMIT
+    round trip each on NFS), and only this file system, not every disk of the machine as
+    ``sync`` would."""
+    libc_name = ctypes.util.find_library("c")
+    syncfs = getattr(ctypes.CDLL(libc_name, use_errno=True), "syncfs", None) if libc_name else None
+    if syncfs is None:
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        await asyncio.gather(*(worker() for _ in range(max(1, workers))))
+        if syncfs(fd) != 0:
+            os.sync()
     finally:
-        writer.pool.shutdown(wait=True)
-    if failures:
-        raise failures[0]
+        os.close(fd)
+
+
+@dataclass(eq=False)
+class _Large:
+    """A blob read as ranges: its temp file, and the pieces hashed so far (in order)."""
+
+    job: Download
+    tmp: str
+    fd: int
+    pieces: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting: dict[int, Any] = field(default_factory=dict)  # arrived, not yet hashed
+    hashed: int = 0
+    hashing: bool = False
+    received: int = 0
+    digest: Any = field(default_factory=lambda: hashlib.md5(usedforsecurity=False))
+    held: int = 0  # bytes of ``waiting`` kept in memory (the others are read back)
+    active: int = 0  # pieces being fetched or written: the file stays open while any is
+    failed: bool = False
+    closed: bool = False
+
+
+class _Engine:
+    def __init__(
+        self, store: AzureStore, pinned: bool, done: Done, retry: Retry, piece: int
+    ) -> None:
+        self.store, self.pinned, self.retry, self.piece = store, pinned, retry, piece
+        self._done = done
+        self._done_lock = threading.Lock()
+        self.failures: list[BaseException] = []
+        self.token = uuid.uuid4().hex[:12]
+        self.counter = itertools.count()
+        self.made: set[str] = set()
+        self.queue: queue.SimpleQueue[tuple[Download, Any] | None] = queue.SimpleQueue()
+        self.queued = 0  # bytes waiting in the queue
+        self.queued_lock = threading.Lock()
+        self.writers: list[threading.Thread] = []
+        self.writers_lock = threading.Lock()
+        self.unfinished: set[_Large] = set()
+
+    # -- files ----------------------------------------------------------------------------
+
+    def _temp(self, target: str) -> str:
+        folder = os.path.dirname(target)
+        if folder not in self.made:
+            os.makedirs(folder, exist_ok=True)
+            self.made.add(folder)
+        return f"{folder}/{TEMP_PREFIX}{self.token}-{next(self.counter)}.part"
+
+    def land_whole(self, job: Download, data: Any) -> None:
+        """A blob read in one piece: verified, then temp file, write, rename."""
+        md5 = b64md5(hashlib.md5(data, usedforsecurity=False))
+        _verify(job.blob, len(data), md5)
+        target = os.fspath(job.target)
+        tmp = self._temp(target)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        self.done(job, md5, os.stat(target))
+
+    def done(self, job: Download, md5: str, st: os.stat_result) -> None:
+        with self._done_lock:
+            self._done(job, md5, st)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _get(self, blob: PinnedBlob, span: tuple[int, int] | None) -> Any:
+        """The blob's bytes (a range of them), retried when the body breaks off; refusals
+        (a changed blob, no permission) raise at once, named. A range always carries If-Match:
+        the pieces of one file must come from one version of the blob."""
+        import obstore
+        from obstore.exceptions import BaseError, GenericError, NotFoundError, PreconditionError
+
+        options: dict[str, Any] = {}
+        if self.pinned or span is not None:
+            options["if_match"] = blob.etag
+        if span is not None:
+            options["range"] = span
+        wait = self.retry.first_wait
+        for attempt in range(1, self.retry.blob_attempts + 1):
+            try:
+                return obstore.get(self.store, blob.name, options=options or None).bytes()  # type: ignore[arg-type]
+            except (PreconditionError, NotFoundError) as exc:
+                if self.pinned:  # a condition on a deleted blob is answered 412 or 404
+                    raise ChangedSinceGateError(
+                        f"blob {blob.name!r} changed or was deleted after the data gate "
+                        f"validated it (its ETag is no longer {blob.etag}): it is not staged "
+                        "unvalidated; run again to validate it"
+                    ) from None
+                if isinstance(exc, PreconditionError):
+                    raise TransferError(
+                        f"blob {blob.name!r} changed while it was being downloaded (its ETag is "
+                        f"no longer {blob.etag}); run again to stage the new version"
+                    ) from None
+                raise TransferError(
+                    f"blob {blob.name!r} vanished during the sync: {redact(str(exc))}"
+                ) from None
+            except GenericError as exc:
+                if attempt == self.retry.blob_attempts:
+                    raise TransferError(
+                        f"blob {blob.name!r}: {redact(str(exc))} (after {attempt} attempts)"
+                    ) from None
+            except BaseError as exc:  # the store's other refusals: permissions, authentication
+                raise TransferError(f"blob {blob.name!r}: {redact(str(exc))}") from None
+            time.sleep(wait)
+            wait = min(self.retry.max_wait, wait * 2)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    # -- large blobs ----------------------------------------------------------------------
+
+    def open_large(self, job: Download) -> _Large:
+        target = os.fspath(job.target)
+        tmp = self._temp(target)
+        # Read as well as written: pieces not held in memory are read back to be hashed.
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        pieces = -(-job.blob.size // self.piece)
+        large = _Large(job, tmp, fd, pieces)
+        self.unfinished.add(large)
+        return large
+
+    def _span(self, large: _Large, k: int) -> tuple[int, int]:
+        start = k * self.piece
+        return start, min(large.job.blob.size, start + self.piece)
+
+    def piece_of(self, large: _Large, k: int) -> None:
+        start, end = self._span(large, k)
+        data = self._get(large.job.blob, (start, end))
+        if len(data) != end - start:
+            raise IntegrityError(
+                f"blob {large.job.blob.name!r}: range {start}-{end} gave {len(data)} bytes"
+            )
+        _write_all(large.fd, data, start)
+        # Hash in order: whoever finds the next piece waiting hashes it and those after it;
+        # the others leave theirs and go on fetching. A piece ahead of its turn is kept only
+        # while the blob holds less than HOLD_BYTES; otherwise it is read back from the file.
+        with large.lock:
+            keep = k == large.hashed or large.held + len(data) <= HOLD_BYTES
+            large.waiting[k] = data if keep else None
+            large.held += len(data) if keep else 0
+            large.received += len(data)
+            if large.hashing:
+                return
+            large.hashing = True
+        while True:
+            with large.lock:
+                if large.hashed not in large.waiting:
+                    large.hashing = False
+                    finished = large.hashed == large.pieces
+                    break
+                k = large.hashed
+                held = large.waiting.pop(k)
+                large.held -= len(held) if held is not None else 0
+                large.hashed += 1
+            if held is None:
+                start, end = self._span(large, k)
+                held = _read_all(large.fd, end - start, start)
+            large.digest.update(held)  # hashlib releases the lock on large buffers
+        if finished:
+            self._finish_large(large)
+
+    def _finish_large(self, large: _Large) -> None:
+        md5 = b64md5(large.digest)
+        target = os.fspath(large.job.target)
+        try:
+            _verify(large.job.blob, large.received, md5)
+            os.close(large.fd)
+            large.closed = True
+            os.replace(large.tmp, target)
+        except BaseException:
+            self._abandon(large)  # a wrong or unrenamed file: its temp file goes
+            raise
+        finally:
+            self.unfinished.discard(large)
+        self.done(large.job, md5, os.stat(target))
+
+    @staticmethod
+    def _abandon(large: _Large) -> None:
+        """Close and remove the temp file of a large blob that will not be finished."""
+        if not large.closed:
+            os.close(large.fd)
+            large.closed = True
+        _unlink(large.tmp)
+
+    # -- threads --------------------------------------------------------------------------
+
+    def deliver(self, job: Download, data: Any) -> None:
+        """Hand a whole blob to the writers, or write it here when they are behind."""
+        with self.queued_lock:
+            behind = self.queued > QUEUE_BYTES
+            if not behind:
+                self.queued += len(data)
+        if behind:
+            self.land_whole(job, data)
+            return
+        self.queue.put((job, data))
+        if self.queue.qsize() > SPAWN_AT * len(self.writers) and len(self.writers) < MAX_WRITERS:
+            self.start_writer()
+
+    def start_writer(self) -> None:
+        with self.writers_lock:
+            if len(self.writers) >= MAX_WRITERS:
+                return
+            thread = threading.Thread(target=self.writer, name="staging-write", daemon=True)
+            self.writers.append(thread)
+            thread.start()
+
+    def writer(self) -> None:
+        while (item := self.queue.get()) is not None:
+            job, data = item
+            with self.queued_lock:
+                self.queued -= len(data)
+            try:  # fetched before a failure, if any: it lands and is reported all the same
+                self.land_whole(job, data)
+            except BaseException as exc:
+                self.failures.append(exc)
+
+    def fetcher(self, tasks: Iterator[tuple[Download | _Large, int]], lock: threading.Lock) -> None:
+        while not self.failures:
+            try:
+                with lock:  # opening a large blob's temp file happens here, and may fail
+                    task = next(tasks, None)
+            except BaseException as exc:
+                self.failures.append(exc)
+                return
+            if task is None:
+                return
+            what, k = task
+            try:
+                if isinstance(what, _Large):
+                    self.large_piece(what, k)
+                else:
+                    self.deliver(what, self._get(what.blob, None))
+            except BaseException as exc:
+                self.failures.append(exc)
+                return
+
+    def large_piece(self, large: _Large, k: int) -> None:
+        """One piece of a large blob; a failed piece fails the blob, and its temp file goes
+        once no other piece of it is being written (never while a write may still use its
+        descriptor, whose number could by then name another file)."""
+        with large.lock:
+            if large.failed:
+                return  # its blob failed: its other pieces are not fetched
+            large.active += 1
+        try:
+            self.piece_of(large, k)
+        except BaseException:
+            with large.lock:
+                large.failed = True
+            raise
+        finally:
+            with large.lock:
+                large.active -= 1
+                last = large.active == 0 and large.failed
+            if last:
+                self.unfinished.discard(large)
+                self._abandon(large)
+
+    def tasks(self, jobs: Iterable[Download]) -> Iterator[tuple[Download | _Large, int]]:
+        """Whole blobs, and the pieces of large ones, in listing order (called under a lock)."""
+        for job in jobs:
+            if job.blob.size <= self.piece:
+                yield job, 0
+                continue
+            large = self.open_large(job)
+            for k in range(large.pieces):
+                yield large, k
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def download_all(
@@ -228,26 +433,35 @@ def download_all(
     jobs: Iterable[Download],
     pinned: bool,
     workers: int,
-    done: Callable[[Download, str], None],
+    done: Done,
     retry: Retry | None = None,
+    piece: int = PIECE,
 ) -> None:
-    """Download every job, ``workers`` at a time, calling ``done(job, md5)`` as each lands;
-    raises the first hard failure once the downloads in flight have ended.
+    """Download every job, ``workers`` requests in flight, calling ``done(job, md5, stat)`` as
+    each file lands; raises the first hard failure once the requests in flight have ended.
 
-    The loop runs in a thread of its own, so a caller that already runs an event loop (a
-    Prefect task, a notebook) can call this as a plain function.
+    Plain threads, no event loop: a caller that already runs one (a Prefect task, a notebook)
+    calls this as a plain function.
     """
-    outcome: list[BaseException] = []
-    writers = min(16, max(4, workers // 2))
-
-    def main() -> None:
-        try:
-            asyncio.run(_run(store, iter(jobs), pinned, workers, done, retry or Retry(), writers))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=main, name="staging-downloads")
-    thread.start()
-    thread.join()
-    if outcome:
-        raise outcome[0]
+    engine = _Engine(store, pinned, done, retry or Retry(), piece)
+    engine.start_writer()
+    tasks, lock = engine.tasks(jobs), threading.Lock()
+    fetchers = [
+        threading.Thread(target=engine.fetcher, args=(tasks, lock), name="staging-fetch")
+        for _ in range(max(1, workers))
+    ]
+    try:
+        for thread in fetchers:
+            thread.start()
+    finally:
+        for thread in fetchers:
+            if thread.ident is not None:
+                thread.join()
+        for _ in engine.writers:
+            engine.queue.put(None)
+        for thread in engine.writers:
+            thread.join()
+        for large in list(engine.unfinished):  # cut short: their temp files go
+            engine._abandon(large)
+    if engine.failures:
+        raise engine.failures[0]

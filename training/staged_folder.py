@@ -4,12 +4,17 @@ the shard packer and the trainer read it.
 
 The manifest (``.staging-manifest.json``) maps each staged blob to the file it became::
 
-    {"prefix": "images/v2", "data_version": "<16 hex>",
-     "files": {"<blob name>": {"path": "<relative path>", "etag": ..., "size": ..., "md5": ...}},
+    {"prefix": "images/v2", "data_version": "<16 hex>", "syncs": 12,
+     "files": {"<blob name>": {"path": "<relative path>", "etag": ..., "size": ..., "md5": ...,
+                               "stat": [mtime_ns, ctime_ns, inode]}},
      "stale": {...}}   # files a cut-short sync still has to delete (same entry shape)
 
 ``data_version`` names the content, not the time: the same bytes under the same names give the
-same version. Kept free of heavy imports (no torch): the staging task on a node imports it.
+same version. ``stat`` is the file's status right after staging renamed it into place: a later
+sync that finds the same size, times and inode trusts the file without reading it (the change
+time cannot be set by a program, so a rewrite that keeps the modification time still shows).
+``syncs`` counts the syncs, which take turns re-reading a slice of the files (see
+``staging.sync``). Kept free of heavy imports (no torch): the staging task on a node imports it.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from training.atomic import atomic_write_json, read_json_object
+from training.atomic import atomic_write, read_json_object
 
 MANIFEST = ".staging-manifest.json"
-TEMP_PREFIX = ".staging-"  # a download in progress: ``.staging-<uuid>.part`` beside its target
+TEMP_PREFIX = ".staging-"  # a download in progress: ``.staging-<token>-<n>.part`` by its target
 SHARD_DIR = ".shards"  # the packed shards (training.shards) live here
 
 
@@ -40,17 +45,22 @@ def _read(dest: Path) -> dict[str, Any] | None:
         return None
 
 
-def load_entries(dest: Path) -> dict[str, dict[str, Any]]:
-    """Blob name -> entry of every file the last sync wrote, stale ones it had yet to delete
-    included (a sync deletes them unless a blob lands on their path again). An unusable
-    manifest reads as empty: every file is then checked again, nothing is lost."""
+def previous_sync(dest: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """What the last sync left in ``dest``: blob name -> entry of every file it wrote, stale
+    ones it had yet to delete included (a sync deletes them unless a blob lands on their path
+    again), and how many syncs the manifest has seen. One read of the manifest for both (it
+    holds an entry per file). An unusable manifest reads as empty, and one written before the
+    status record and the sync count (no ``stat``, no ``syncs``) as zero syncs whose files have
+    no status to trust: every file is then checked again, nothing is lost."""
     data = _read(dest) or {}
     entries: dict[str, Any] = {}
     for section in ("stale", "files"):  # a live entry wins over a stale one of the same name
         part = data.get(section)
         if isinstance(part, dict):
             entries.update(part)
-    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}
+    count = data.get("syncs")
+    syncs = count if type(count) is int and count >= 0 else 0
+    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}, syncs
 
 
 def write_manifest(
@@ -58,15 +68,22 @@ def write_manifest(
     prefix: str,
     files: dict[str, dict[str, Any]],
     stale: dict[str, dict[str, Any]] | None = None,
+    syncs: int = 0,
 ) -> str:
     """Write the manifest of ``files`` atomically; returns its data version. ``stale`` entries
     (files still to be deleted) are kept apart from the data version, so an interrupted sync
     can finish the cleanup."""
     version = data_version(files)
-    manifest: dict[str, Any] = {"prefix": prefix, "data_version": version, "files": files}
+    manifest: dict[str, Any] = {
+        "prefix": prefix,
+        "data_version": version,
+        "syncs": syncs,
+        "files": files,
+    }
     if stale:
         manifest["stale"] = stale
-    atomic_write_json(manifest, dest / MANIFEST)
+    text = json.dumps(manifest, separators=(",", ":")).encode()  # compact: one entry per file
+    atomic_write(dest / MANIFEST, lambda fh: fh.write(text))
     return version
 
 

@@ -110,6 +110,7 @@ def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
         for case in staging[part].values():
             assert case["step"]["files"] == case["rclone"]["files"] == files
             assert case["step"]["resync_seconds"] > 0
+            assert case["rclone"]["resync_cpu_seconds"] > 0
     changed = staging["resync_one_percent"]
     assert changed["downloaded"] == changed["changed_blobs"] == changed["decoded"] == 3
     assert changed["reused"] == 297
@@ -123,6 +124,7 @@ def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
     for heading in ("## Staging", "## Data loading", "## The trainer", "## On a GPU"):
         assert heading in text
     assert "| small files, no delay |" in text and "step / rclone" in text
+    assert "| re-sync, nothing changed (2 large files), no delay |" in text
 
 
 def test_nodes_section_renders_what_was_measured() -> None:

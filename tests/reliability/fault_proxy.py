@@ -8,6 +8,8 @@ At a configurable rate, per request, chosen with a seeded RNG:
 - ``lost``: forwarded (so the write happened), the connection closed before the answer.
 ``cut_after`` makes every request after the first N successful blob GETs fail, to interrupt a
 sync midway. Counters say what was injected and which blobs were served in full.
+``before_get``, when set, is called with the path and headers of each blob GET before it is
+forwarded: to see what a client asks for, or to change a blob between two of its requests.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import socketserver
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
 FAULTS = ("reset", "503", "slow", "truncate", "lost")
@@ -40,6 +43,7 @@ class FaultProxy:
         self.served_gets: Counter[str] = Counter()  # blob path -> complete GET answers
         self.requests = 0
         self.cut_after: int | None = None
+        self.before_get: Callable[[str, dict[str, str]], None] | None = None
         self._lock = threading.Lock()
         proxy = self
 
@@ -87,6 +91,8 @@ class FaultProxy:
             headers.append((name.strip(), value.strip()))
         length = int(next((v for k, v in headers if k.lower() == "content-length"), "0"))
         body = h.rfile.read(length) if length else b""
+        if self.before_get and method == "GET" and "comp=" not in target:
+            self.before_get(unquote(urlparse(target).path), {k.lower(): v for k, v in headers})
         fault = self._choose(method)
         if fault == "reset":
             h.connection.shutdown(socket.SHUT_RDWR)

@@ -6,10 +6,13 @@ import base64
 import hashlib
 import json
 import logging
+import os
+import time
 import uuid
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, quote
 
 import pytest
@@ -64,7 +67,7 @@ def test_lost_manifest_does_not_redownload_intact_files(
     sync_to_directory(container, "ds", dest)
     (dest / MANIFEST).unlink()
     report = sync_to_directory(container, "ds", dest)
-    assert report.downloaded == [] and report.skipped == 30
+    assert report.downloaded == [] and report.skipped == report.verified == 30
 
 
 # Azurite refuses names with literal ".." segments, but stores backslashes as slashes, so the
@@ -185,3 +188,115 @@ def test_redact_keeps_the_message_and_drops_sas_fields() -> None:
     assert redact(text) == (
         "GET https://a.blob.core.windows.net/c/x?sv=REDACTED&sig=REDACTED&se=REDACTED failed"
     )
+
+
+def _recorded(dest: Path) -> dict[str, dict[str, Any]]:
+    return {f["path"]: f for f in json.loads((dest / MANIFEST).read_text())["files"].values()}
+
+
+def _rewrite_in_place(path: Path, data: bytes, status: list[int]) -> None:
+    """New bytes of the same size in the same inode, the modification time set back to the
+    recorded one; until the change time differs from the recorded one (it moves with the file
+    system's clock, which may tick coarser than a fast test)."""
+    assert len(data) == path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.write(data)
+    mtime_ns, ctime_ns, _ = status
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+    while path.stat().st_ctime_ns == ctime_ns:
+        time.sleep(0.01)
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def test_resync_with_nothing_changed_reads_no_staged_file(
+    container: ContainerClient, tmp_path: Path
+) -> None:
+    """A re-sync trusts every file whose status is the one recorded: none is read (outside
+    the by-turns slice, empty here: one turn in a million), none downloaded."""
+    dest = tmp_path / "data"
+    sync_to_directory(container, "ds", dest)
+    again = sync_to_directory(container, "ds", dest, verify_every=1 << 20)
+    assert (again.verified, again.downloaded, again.skipped) == (0, [], 30)
+    assert again.repaired == []
+
+
+def test_a_file_changed_behind_the_manifests_back_is_found(
+    container: ContainerClient, tmp_path: Path
+) -> None:
+    """Same size, same inode, the modification time restored: the change time still differs
+    from the recorded one, so the file is read, found wrong and downloaded again; the other
+    files are not read."""
+    dest = tmp_path / "data"
+    sync_to_directory(container, "ds", dest)
+    target = dest / "train" / "c1" / "4.png"
+    _rewrite_in_place(
+        target, b"x" * target.stat().st_size, _recorded(dest)["train/c1/4.png"]["stat"]
+    )
+    again = sync_to_directory(container, "ds", dest, verify_every=1 << 20)
+    assert again.verified == 1
+    assert again.repaired == again.downloaded == ["ds/train/c1/4.png"]
+    assert target.read_bytes() == b"image-4" * 50
+    assert list(dest.rglob("*.part")) == []
+
+
+def test_every_file_is_read_again_within_verify_every_syncs(
+    container: ContainerClient, tmp_path: Path
+) -> None:
+    """What no status shows (bits rotting in place): every file rewritten, the manifest's
+    status record made to match (as if nothing had touched them). Each re-sync reads one slice,
+    a file is read once per cycle, and after ``verify_every`` syncs every file was read,
+    found wrong and repaired."""
+    dest = tmp_path / "data"
+    every = 4
+    sync_to_directory(container, "ds", dest, verify_every=every)
+    manifest = json.loads((dest / MANIFEST).read_text())
+    for entry in manifest["files"].values():
+        path = dest / entry["path"]
+        path.write_bytes(b"\0" * entry["size"])
+        st = path.stat()
+        entry["stat"] = [st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    (dest / MANIFEST).write_text(json.dumps(manifest))
+    repaired: list[str] = []
+    for _ in range(every):
+        report = sync_to_directory(container, "ds", dest, verify_every=every)
+        assert report.verified == len(report.repaired) < 30  # one slice, not every file
+        repaired += report.repaired
+    assert sorted(repaired) == sorted(b.name for b in container.list_blobs())  # each once
+    for i in range(30):
+        assert (
+            dest / "train" / f"c{i % 3}" / f"{i}.png"
+        ).read_bytes() == f"image-{i}".encode() * 50
+    assert sync_to_directory(container, "ds", dest, verify_every=1 << 20).verified == 0
+
+
+@pytest.mark.parametrize("syncs", ["absent", "not a count"])
+def test_a_manifest_of_the_earlier_format_is_read_and_checked(
+    container: ContainerClient, tmp_path: Path, syncs: str
+) -> None:
+    """A manifest written before the status record and the sync count (no ``stat``, no
+    ``syncs``): it loads, every file is read once (nothing vouches for its status), a wrong
+    one is downloaded again, and the manifest is written in the new format."""
+    dest = tmp_path / "data"
+    first = sync_to_directory(container, "ds", dest)
+    manifest = json.loads((dest / MANIFEST).read_text())
+    older = {
+        "prefix": manifest["prefix"],
+        "data_version": manifest["data_version"],
+        "files": {
+            n: {k: e[k] for k in ("path", "etag", "size", "md5")}
+            for n, e in manifest["files"].items()
+        },
+    }
+    if syncs != "absent":
+        older["syncs"] = syncs
+    (dest / MANIFEST).write_text(json.dumps(older, indent=2))
+    target = dest / "train" / "c2" / "5.png"
+    target.write_bytes(b"y" * target.stat().st_size)
+    report = sync_to_directory(container, "ds", dest)
+    assert report.verified == 30 and report.downloaded == report.repaired == ["ds/train/c2/5.png"]
+    assert target.read_bytes() == b"image-5" * 50
+    assert report.data_version == first.data_version
+    rewritten = json.loads((dest / MANIFEST).read_text())
+    assert rewritten["syncs"] == 1
+    assert all(len(e["stat"]) == 3 for e in rewritten["files"].values())
+    assert sync_to_directory(container, "ds", dest, verify_every=1 << 20).verified == 0
