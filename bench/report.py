@@ -24,7 +24,8 @@ GPU_RESULTS = ROOT / "docs" / "bench-gpu"
 # A benchmark's section of the page: its heading names its module.
 SECTION = re.compile(r"^## .*\(`bench/(\w+)\.py`\)\s*$")
 WRITTEN = re.compile(r"^Written by `make bench` on (.+ UTC)\.$", re.MULTILINE)
-KEPT = "Not run by the `make bench` that wrote this page: kept as the one of {} wrote it."
+MACHINE = re.compile(r"^Machine: (.+)\.$", re.MULTILINE)
+KEPT = "Not run by the `make bench` that wrote this page: kept as the one of {} wrote it, on {}."
 
 
 def _cpu_model() -> str:
@@ -616,7 +617,11 @@ def previous_sections(page: str) -> dict[str, list[str]]:
     is empty) re-renders the page: without these, every section it did not run would vanish.
     A section kept before keeps its first date."""
     written = WRITTEN.search(page)
-    note = KEPT.format(written.group(1) if written else "an earlier run")
+    machine = MACHINE.search(page)
+    note = KEPT.format(
+        written.group(1) if written else "an undated run",
+        machine.group(1) if machine else "a machine it did not name",
+    )
     sections: dict[str, list[str]] = {}
     current: str | None = None
     for line in page.rstrip("\n").splitlines():

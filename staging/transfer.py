@@ -206,13 +206,16 @@ class _Engine:
         try:
             try:
                 _write_all(fd, data)
+                os.replace(tmp, target)
+                # The status of the inode written here, not of whatever the path names by now
+                # (another sync into the same folder may have renamed its file onto it).
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, target)
         except BaseException:
             _unlink(tmp)
             raise
-        self.done(job, md5, os.stat(target))
+        self.done(job, md5, st)
 
     def done(self, job: Download, md5: str, st: os.stat_result) -> None:
         with self._done_lock:
@@ -319,15 +322,16 @@ class _Engine:
         target = os.fspath(large.job.target)
         try:
             _verify(large.job.blob, large.received, md5)
+            os.replace(large.tmp, target)
+            st = os.fstat(large.fd)  # the inode written here (see land_whole)
             os.close(large.fd)
             large.closed = True
-            os.replace(large.tmp, target)
         except BaseException:
             self._abandon(large)  # a wrong or unrenamed file: its temp file goes
             raise
         finally:
             self.unfinished.discard(large)
-        self.done(large.job, md5, os.stat(target))
+        self.done(large.job, md5, st)
 
     @staticmethod
     def _abandon(large: _Large) -> None:

@@ -161,13 +161,15 @@ def execute_as_worker(run: Any, env: dict[str, str]) -> tuple[Any, str]:
 @contextlib.contextmanager
 def process_worker(env: dict[str, str]) -> Iterator[Any]:
     """A `prefect worker start` on the retrain-workers pool, as the service runs it, ended with
-    its whole process group. SIGTERM first (the worker's own shutdown); a worker still there
-    after a minute (seen on a loaded machine) is killed, since one left polling would take the
-    next test's runs on the same server."""
-    import os
-    import signal
+    every process below it: the worker starts each flow run in a process group of its own, so
+    the worker's group alone would leave a run that is still going (a test that failed mid-run)
+    training against the next test's server. SIGTERM first (the worker's own shutdown); what is
+    still there after a minute (a worker, on a loaded machine) is killed, since a worker left
+    polling would take the next test's runs."""
     import subprocess
     import sys
+
+    import psutil
 
     worker = subprocess.Popen(
         [
@@ -183,11 +185,17 @@ def process_worker(env: dict[str, str]) -> Iterator[Any]:
     try:
         yield worker
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGTERM)
         try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+            main = psutil.Process(worker.pid)
+            tree = [*main.children(recursive=True), main]
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=10)
+        worker.wait()

@@ -12,6 +12,8 @@ EARLIER = """# Performance
 
 Written by `make bench` on 2026-11-22 23:02 UTC.
 
+Machine: AMD EPYC, 2 cores, 24 GiB.
+
 ## Staging: Blob to the data folder (`bench/staging.py`)
 
 | step | rclone |
@@ -33,7 +35,7 @@ def test_a_section_with_no_result_is_kept_with_its_date(tmp_path: Path) -> None:
 
     staging = page[page.index("## Staging") : page.index("## The training image")]
     assert "| 1.2x | 1.0 |" in staging
-    assert "kept as the one of 2026-11-22 23:02 UTC wrote it" in staging
+    assert "kept as the one of 2026-11-22 23:02 UTC wrote it, on AMD EPYC, 2 cores" in staging
     assert "Image size: 1 GB." in page
     # Kept again by a later page: still the date it was measured, said once.
     again = render(tmp_path, page)
