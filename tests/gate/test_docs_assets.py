@@ -11,28 +11,9 @@ import pytest
 
 from core.config import ValidationConfig
 from gate.docs_assets import ASSETS, NODE_MODULES, DocsAssetError, localize
+from tests.gate_helpers import valid_manifest_rows
 
 ASSET_TAG = re.compile(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=\"([^\"]+)\"", re.IGNORECASE)
-
-
-def _rows() -> list[dict[str, object]]:
-    return [
-        {
-            "path": f"{split}/c{c}/{split}{i}.png",
-            "split": split,
-            "label": f"c{c}",
-            "width": 8,
-            "height": 8,
-            "channels": 1,
-            "bytes": 100,
-            "md5": f"{split}{c}{i}",
-            "readable": True,
-            "leak": False,
-        }
-        for c in range(2)
-        for split, n in (("train", 3), ("test", 1))
-        for i in range(n)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +23,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     docs = tmp_path_factory.mktemp("site") / "data_docs"
     rules = ValidationConfig(min_images_per_class=2, min_side=8, max_side=64)
-    passed, _ = run_expectations(_rows(), rules, docs)
+    passed, _ = run_expectations(valid_manifest_rows(), rules, docs)
     assert passed
     return docs
 
@@ -98,6 +79,6 @@ def test_a_dollar_in_the_site_folder_is_a_folder_name(tmp_path: Path) -> None:
 
     docs = tmp_path / "$HOME ${PATH} $(id)" / "data_docs"
     rules = ValidationConfig(min_images_per_class=2, min_side=8, max_side=64)
-    passed, _ = run_expectations(_rows(), rules, docs)
+    passed, _ = run_expectations(valid_manifest_rows(), rules, docs)
     assert passed
     assert (docs / "index.html").is_file()
