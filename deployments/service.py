@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from deployments.setup import WORK_POOL
 from deployments.supervisor import Component, http_ok, port_in_use, shown, supervise
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-WORK_POOL = "retrain-workers"
 
 
 @dataclass(frozen=True)

@@ -266,9 +266,14 @@ _deployed: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture
-def deployed(request: pytest.FixtureRequest, prefect_api: None) -> dict[str, Any]:
+def deployed(request: pytest.FixtureRequest, prefect_api: None) -> Iterator[dict[str, Any]]:
     """`python -m deployments.setup` then `prefect deploy --all`, as the README says, once per
-    server (the test's ``prefect_database`` chooses which, when it asks for one)."""
+    server (the test's ``prefect_database`` chooses which, when it asks for one).
+
+    Afterwards, the runs the test started and left unfinished (those its relay or sensor
+    started, which no one executes, or one it was executing when it failed) are cancelled: a
+    Pending or Running one holds its deployment's concurrency slot (limit 1), and the next test
+    on this server that executes a run of that deployment would be refused."""
     if "prefect_database" in request.fixturenames:
         request.getfixturevalue("prefect_database")
     env = prefect_api_env()
@@ -282,7 +287,13 @@ def deployed(request: pytest.FixtureRequest, prefect_api: None) -> dict[str, Any
             )
             assert proc.returncode == 0, proc.stdout + proc.stderr
         _deployed[env["PREFECT_API_URL"]] = asyncio.run(_read_deployments())
-    return _deployed[env["PREFECT_API_URL"]]
+    deployments = _deployed[env["PREFECT_API_URL"]]
+    yield deployments
+    from tests.pipeline_helpers import cancel_runs_left_unfinished
+
+    cancel_runs_left_unfinished(
+        [d.id for d in deployments.values()], f"left unfinished by {request.node.nodeid}"
+    )
 
 
 async def _read_deployments() -> dict[str, Any]:

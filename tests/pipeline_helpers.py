@@ -12,6 +12,7 @@ from uuid import UUID
 
 from backends.blob import container_client, upload_directory
 from core.config import PipelineConfig, load_config
+from deployments.setup import WORK_POOL
 from tests.conftest import ROOT
 
 
@@ -144,7 +145,11 @@ def execute_as_worker(run: Any, env: dict[str, str]) -> tuple[Any, str]:
 
     with get_client(sync_client=True) as client:
         proposed = client.set_flow_run_state(run.id, Pending())
-        assert proposed.status.value == "ACCEPT", proposed.details
+        accepted = proposed.status.value == "ACCEPT"
+        holders = [] if accepted else runs_left_unfinished([run.deployment_id])
+        assert accepted, f"{proposed.details}; unfinished runs of the deployment: " + ", ".join(
+            f"{r.name} ({r.state_name}, {r.parameters})" for r in holders
+        )
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "prefect"), "flow-run", "execute", str(run.id)],
         cwd=ROOT,
@@ -159,22 +164,32 @@ def execute_as_worker(run: Any, env: dict[str, str]) -> tuple[Any, str]:
 
 
 @contextlib.contextmanager
-def process_worker(env: dict[str, str]) -> Iterator[Any]:
-    """A `prefect worker start` on the retrain-workers pool, as the service runs it, ended with
-    every process below it: the worker starts each flow run in a process group of its own, so
-    the worker's group alone would leave a run that is still going (a test that failed mid-run)
-    training against the next test's server. SIGTERM first (the worker's own shutdown); what is
-    still there after a minute (a worker, on a loaded machine) is killed, since a worker left
-    polling would take the next test's runs."""
+def process_worker(env: dict[str, str]) -> Iterator[str]:
+    """A `prefect worker start` on the retrain-workers pool, as the service runs it, polling a
+    work queue of its own; yields the queue's name, which the test gives its runs
+    (``run_deployment(..., work_queue_name=queue)``). A worker on the whole pool would also take
+    the runs other tests left scheduled on the session's server (the relay's and the sensor's,
+    which no one executes) and, ended mid-run, leave one of them holding its deployment's
+    concurrency slot for the rest of the session.
+
+    Ended with every process below it: the worker starts each flow run in a process group of
+    its own, so the worker's group alone would leave a run that is still going (a test that
+    failed mid-run) training against the next test's server. SIGTERM first (the worker's own
+    shutdown); what is still there after a minute (a worker, on a loaded machine) is killed."""
     import subprocess
     import sys
 
     import psutil
+    from prefect.client.orchestration import get_client
 
+    queue = f"test-{uuid.uuid4().hex[:10]}"
+    with get_client(sync_client=True) as client:
+        created = client.create_work_queue(name=queue, work_pool_name=WORK_POOL)
     worker = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "prefect"),
-            *("worker", "start", "--pool", "retrain-workers", "--prefetch-seconds", "1"),
+            *("worker", "start", "--pool", WORK_POOL, "--work-queue", queue),
+            *("--prefetch-seconds", "1"),
         ],
         cwd=ROOT,
         env=env,
@@ -183,7 +198,7 @@ def process_worker(env: dict[str, str]) -> Iterator[Any]:
         start_new_session=True,
     )
     try:
-        yield worker
+        yield queue
     finally:
         try:
             main = psutil.Process(worker.pid)
@@ -199,3 +214,47 @@ def process_worker(env: dict[str, str]) -> Iterator[Any]:
                 proc.kill()
         psutil.wait_procs(alive, timeout=10)
         worker.wait()
+        with get_client(sync_client=True) as client:
+            client.delete_work_queue_by_id(created.id)
+
+
+UNFINISHED = ("SCHEDULED", "PENDING", "RUNNING", "CANCELLING", "PAUSED")
+
+
+def runs_left_unfinished(deployment_ids: list[UUID]) -> list[Any]:
+    """The runs of these deployments a person or a trigger started (not the schedules' own)
+    that have not reached a final state."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=deployment_ids),
+                state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=[StateType[t] for t in UNFINISHED])
+                ),
+            )
+        )
+    return [run for run in runs if not run.auto_scheduled]
+
+
+def cancel_runs_left_unfinished(deployment_ids: list[UUID], why: str) -> list[Any]:
+    """Cancel what :func:`runs_left_unfinished` finds, forced as the UI's cancel of a run with
+    no infrastructure is: the transition releases the deployment concurrency slot a Pending or
+    Running run holds, so a run the next test executes is not refused for a slot no one will
+    give back. The runs cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    left = runs_left_unfinished(deployment_ids)
+    with get_client(sync_client=True) as client:
+        for run in left:
+            client.set_flow_run_state(run.id, Cancelled(message=why), force=True)
+    return left

@@ -165,6 +165,31 @@ def test_prefect_yaml_deployments(deployed: dict[str, Any]) -> None:
     assert trigger["expect"] == ["retrain.data.ready"]
 
 
+def test_one_run_at_a_time_and_a_cancelled_run_gives_its_slot_back(
+    deployed: dict[str, Any],
+) -> None:
+    """What the service's one-at-a-time rests on, and what each test's clean-up relies on: a
+    second run of a deployment is refused a slot while the first is Pending, and a run that is
+    cancelled with no process behind it (the UI's cancel of an orphaned run) gives it back."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.states import Pending
+
+    from tests.pipeline_helpers import cancel_runs_left_unfinished
+
+    first, second = (run_deployment("retrain/on-new-data", timeout=0) for _ in range(2))
+    with get_client(sync_client=True) as client:
+        assert client.set_flow_run_state(first.id, Pending()).status.value == "ACCEPT"
+        refused = client.set_flow_run_state(second.id, Pending())
+        assert refused.status.value == "REJECT"
+        assert "concurrency limit" in str(refused.details)
+        cancelled = cancel_runs_left_unfinished([first.deployment_id], "orphaned")
+        assert {r.id for r in cancelled} == {first.id, second.id}
+        assert client.read_flow_run(first.id).state_type.value == "CANCELLED"
+        third = run_deployment("retrain/on-new-data", timeout=0)
+        assert client.set_flow_run_state(third.id, Pending()).status.value == "ACCEPT"
+
+
 def _defaults(schema: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
     """Every field's default in a form section, nested sections followed through their $ref."""
     values = {}

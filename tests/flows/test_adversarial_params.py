@@ -271,17 +271,29 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
             state = (await client.read_flow_run(run_id)).state
         return state if state and state.is_final() else None
 
-    with process_worker(env), deployment_defaults(deployed, {"config_path": str(config_file)}):
-        run = run_deployment("retrain/manual", parameters={"config": form}, timeout=0)
+    # A run another test left scheduled (as the relay's are): the worker polls its own queue.
+    stray = run_deployment("retrain/on-new-data", timeout=0)
+    with (
+        process_worker(env) as queue,
+        deployment_defaults(deployed, {"config_path": str(config_file)}),
+    ):
+        run = run_deployment(
+            "retrain/manual", parameters={"config": form}, timeout=0, work_queue_name=queue
+        )
         conflict = run_deployment(
             "retrain/manual",
             parameters={"config": form, "config_path": "configs/azure.example.yaml"},
             timeout=0,
+            work_queue_name=queue,
         )
-        moved = run_deployment("retrain/manual", parameters={"config": elsewhere}, timeout=0)
+        moved = run_deployment(
+            "retrain/manual", parameters={"config": elsewhere}, timeout=0, work_queue_name=queue
+        )
         state = _wait("the form run", lambda: asyncio.run(final_state(run.id)), 600)
         refused = _wait("the conflicting run", lambda: asyncio.run(final_state(conflict.id)), 300)
         outside = _wait("the moving run", lambda: asyncio.run(final_state(moved.id)), 300)
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(stray.id).state_type.value == "SCHEDULED"
 
     assert run.parameters["config_path"] == str(config_file)  # the default, merged in
     assert state.is_completed(), state.message

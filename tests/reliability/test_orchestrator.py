@@ -87,8 +87,11 @@ def test_cancellation_through_the_api_stops_training_and_releases_the_pool(
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     env = {**prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
     # The run reads its deployment's config file while it runs: the default stays until it ends.
-    with deployment_defaults(deployed, {"config_path": str(config_file)}), process_worker(env):
-        run = run_deployment("retrain/manual", timeout=0)
+    with (
+        deployment_defaults(deployed, {"config_path": str(config_file)}),
+        process_worker(env) as queue,
+    ):
+        run = run_deployment("retrain/manual", timeout=0, work_queue_name=queue)
         pgid = _wait("the training task", lambda: _training_pid(config))
         started = time.monotonic()
 
