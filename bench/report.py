@@ -78,6 +78,32 @@ def _delay(ms: str) -> str:
     return "no delay" if float(ms) == 0 else f"{ms} ms per request"
 
 
+def _first_step(found: dict[str, Any] | None) -> list[str]:
+    """Loose files against WebDataset shards of the same images: the stage-data step."""
+    if not found:
+        return []
+    rows = [
+        "| new data to the first step (stage + pack) | loose files | tar shards | "
+        "packed / loose (time) |",
+        "|---|---:|---:|---:|",
+    ]
+    for ms, m in found["delays"].items():
+        loose, packed = m["loose_seconds"], m["packed_seconds"]
+        rows.append(
+            f"| {m['images']:,} images, {_delay(ms)} | {loose:.2f} s | {packed:.2f} s "
+            f"| {_ratio(packed, loose)} |"
+        )
+    return [
+        f"The same small images uploaded as {found['tar_files']} WebDataset tar shard(s) of "
+        f"about {found['tar_mb']} MB (`python -m training.webdataset`), against loose files: "
+        "the whole stage-data step, download and pack, which is what stands between new data "
+        "and the trainer's first step (the trainer then reads the same packed rows).",
+        "",
+        *rows,
+        "",
+    ]
+
+
 def staging(r: dict[str, Any]) -> list[str]:
     """The step against rclone and ``cp -r``: rates, then the ratios the goal is stated in."""
     cp = r["cp_r"]
@@ -138,6 +164,7 @@ def staging(r: dict[str, Any]) -> list[str]:
         f"{changed['pack_seconds']:.2f} s ({changed['decoded']} decoded, "
         f"{changed['reused']:,} rows reused).",
         "",
+        *_first_step(r.get("first_step")),
         *STAGING_NOTES,
     ]
 

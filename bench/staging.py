@@ -15,7 +15,9 @@ must, shows it. Each case runs ``--rounds`` times, the step first in even rounds
 first in odd ones, and the medians are reported, so both see the same load on this shared
 machine; each also re-syncs what it just staged, with nothing changed (the step then reads
 only its by-turns slice of the files, rclone compares sizes and modification times), timed and
-its CPU counted. Then the shard pack and the nightly case: 1% of the small files changed.
+its CPU counted. Then the same small images as WebDataset tar shards against loose files:
+the whole stage-data step (download and pack for the trainer), new data to the first step.
+Then the shard pack and the nightly case: 1% of the small files changed.
 Everything is in the page cache: these are CPU and protocol costs, not disk reads.
 """
 
@@ -43,6 +45,7 @@ from bench import dataset
 from bench.delay_proxy import delayed
 from bench.output import dataset_main
 from staging.sync import stage, sync_to_directory
+from training.webdataset import pack_folders
 
 PREFIX = "bench"
 PACK_IMAGE_SIZE = 32  # the default model's input size: the side of a packed image
@@ -164,6 +167,32 @@ def change_one_percent(container: ContainerClient, prefix: str, side: int) -> in
     return len(chosen)
 
 
+def loose_or_packed(
+    conn: str, name: str, port: int, work: Path, delay: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """New data to what the trainer reads, the same images uploaded two ways: loose files,
+    and WebDataset tar shards of ``--tar-mb`` (``training.webdataset``). Each is staged into a
+    fresh folder and packed for the trainer (the whole stage-data step), ``rounds`` times,
+    the order reversed every other round; medians. The trainer's first step then reads the
+    same packed rows either way, so this is the difference in time to the first step."""
+    seconds: dict[str, list[float]] = {"loose": [], "packed": []}
+    images = 0
+    with delayed(port, delay) as via:
+        container = _through(conn, via, name)
+        for rnd in range(args.rounds):
+            order = ("loose", "packed") if rnd % 2 == 0 else ("packed", "loose")
+            for how in order:
+                dest = work / f"first-step-{how}-{delay:g}ms-{rnd}"
+                prefix = f"{PREFIX}/{'images' if how == 'loose' else 'tars'}"
+                started = time.perf_counter()
+                done = stage(container, prefix, dest, PACK_IMAGE_SIZE, args.workers)
+                seconds[how].append(time.perf_counter() - started)
+                images = done["shards"]["images"]
+                shutil.rmtree(dest)
+    loose, packed = (statistics.median(seconds[k]) for k in ("loose", "packed"))
+    return {"images": images, "loose_seconds": round(loose, 3), "packed_seconds": round(packed, 3)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     images = dataset.images(args.source, args.small, args.small_kb)
     raw = dataset.large_files(args.source, args.large, args.large_mb)
@@ -178,6 +207,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         container.create_container()
         for folder in (images, raw):
             upload_directory(container, folder, f"{PREFIX}/{folder.name}", workers=8)
+        tars = work / "tars"
+        shard_files = sum(pack_folders(images, tars, args.tar_mb * 2**20).values())
+        upload_directory(container, tars, f"{PREFIX}/tars", workers=8)
         port = urlsplit(container.url).port or 10000
         small = {
             f"{d:g}": measure(conn, name, port, "images", work, d, args) for d in args.delays_ms
@@ -188,6 +220,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ceiling = {
             "small": copy_ceiling(work / f"step-images-{args.delays_ms[0]:g}ms-0", work),
             "large": copy_ceiling(work / f"step-raw-{args.large_delays_ms[0]:g}ms-0", work),
+        }
+        first_step = {
+            f"{d:g}": loose_or_packed(conn, name, port, work, d, args) for d in args.delays_ms
         }
         staged = work / "packed"
         prefix = f"{PREFIX}/images"
@@ -212,6 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "large": large,
         "cp_r": ceiling,
         "first_pack": {**packed["shards"], "step_seconds": round(t_pack, 3)},
+        "first_step": {"tar_files": shard_files, "tar_mb": args.tar_mb, "delays": first_step},
         "resync_one_percent": {
             "seconds": round(t_changed, 3),
             "changed_blobs": changed,
@@ -236,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=32, help="downloads in flight (both tools)")
     p.add_argument("--rounds", type=int, default=2, help="per case; the order alternates")
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0, 2, 10])
+    p.add_argument("--tar-mb", type=int, default=16, help="tar shard size, the packed case")
     p.add_argument("--large-delays-ms", type=float, nargs="+", default=[0, 10])
     return dataset_main(p, "staging", run, argv)
 

@@ -21,10 +21,12 @@ import base64
 import hashlib
 import io
 import json
+import tarfile
+import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from backends.blob import container_client
 from core.config import BlobLocation
@@ -33,6 +35,7 @@ from staging.blob import list_pinned
 from staging.listing import PinnedBlob
 from training.atomic import atomic_write, read_json_object
 from training.images import SPLITS, is_image_name, open_image, to_rgb
+from training.webdataset import ShardError, is_tar_name, samples
 
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
 # reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content;
@@ -70,19 +73,29 @@ def _describe_image(container: Any, blob: PinnedBlob, prefix: str) -> dict[str, 
 
 def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
     """What the blob's bytes say (:data:`CONTENT_FIELDS`): one read of the whole image, decoded
-    as the trainer decodes it. ``channels``: the bands the file stores (the model gets RGB)."""
-    row: dict[str, Any] = {
-        "width": None,
-        "height": None,
-        "channels": None,
-        "readable": False,
-        "md5": blob.md5,
-    }
+    as the trainer decodes it."""
     if blob.size == 0 or not is_image_name(rel):  # the trainer reads only .png/.jpg/.jpeg
+        return {**_UNREAD, "md5": blob.md5}
+    return _decoded(container.download_blob(blob.name).readall(), blob.md5)
+
+
+_UNREAD: dict[str, Any] = {
+    "width": None,
+    "height": None,
+    "channels": None,
+    "readable": False,
+    "md5": None,
+}
+
+
+def _decoded(data: bytes, md5: str | None) -> dict[str, Any]:
+    """:data:`CONTENT_FIELDS` of an image's bytes. ``channels``: the bands the file stores (the
+    model gets RGB)."""
+    if md5 is None:
+        md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+    row = {**_UNREAD, "md5": md5}
+    if not data:
         return row
-    data = container.download_blob(blob.name).readall()
-    if row["md5"] is None:
-        row["md5"] = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
     try:
         with open_image(io.BytesIO(data)) as image:
             channels = len(image.getbands())
@@ -91,6 +104,70 @@ def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
     except Exception:  # PIL raises many types for garbage; the gate reports them as unreadable
         pass
     return row
+
+
+# What a cached tar shard holds: a row per sample, its content and where it sits in the shard.
+SAMPLE_FIELDS = ("name", "label", "bytes", *CONTENT_FIELDS)
+
+
+def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
+    """A WebDataset shard's samples (:data:`SAMPLE_FIELDS` each), from one read of the whole
+    blob (as every loose image is read whole), spooled to disk past 64 MB; or ``error``, why
+    it cannot be read as samples."""
+    with tempfile.SpooledTemporaryFile(max_size=64 * 2**20) as spool:
+        container.download_blob(blob.name).readinto(spool)
+        spool.seek(0)
+        try:
+            with tarfile.open(fileobj=spool, mode="r:") as tar:
+                found = []
+                for sample in samples(tar, blob.name):
+                    handle = tar.extractfile(sample.image)
+                    data = handle.read() if handle else b""
+                    found.append(
+                        {
+                            "name": sample.image.name,
+                            "label": sample.label,
+                            "bytes": sample.image.size,
+                            **_decoded(data, None),
+                        }
+                    )
+        except (tarfile.TarError, ShardError, EOFError, OSError) as exc:
+            return {"error": str(exc)}
+    return {"samples": found}
+
+
+def _shard_rows(rel: str, size: int, shard: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's rows of a shard: one per sample, its path the shard's plus its name in
+    it; an unreadable shard is one unreadable row under its own path."""
+    split = rel.split("/")[0] if rel.count("/") == 1 else None
+    if "samples" not in shard:
+        return [{"path": rel, "split": split, "label": None, "bytes": int(size), **_UNREAD}]
+    return [
+        {
+            "path": f"{rel}/{s['name']}",
+            "split": split,
+            "label": s["label"],
+            "bytes": s["bytes"],
+            **{k: s[k] for k in CONTENT_FIELDS},
+        }
+        for s in shard["samples"]
+    ]
+
+
+def _cached(hit: Any, shard: bool) -> TypeGuard[dict[str, Any]]:
+    """Whether a cache entry has the shape this gate writes (an older one is read again)."""
+    if not isinstance(hit, dict):
+        return False
+    if not shard:
+        return set(hit) == set(CONTENT_FIELDS)
+    if set(hit) == {"error"}:
+        return True
+    found = hit.get("samples")
+    return (
+        set(hit) == {"samples"}
+        and isinstance(found, list)
+        and all(isinstance(s, dict) and set(s) == set(SAMPLE_FIELDS) for s in found)
+    )
 
 
 def cache_path(location: BlobLocation, cache_dir: Path) -> Path:
@@ -135,24 +212,31 @@ def build_manifest(
 
     prefix = location.prefix
 
-    def describe(blob: PinnedBlob) -> tuple[dict[str, Any], bool]:
-        """The blob's row, and whether its content's part came from the cache."""
+    def describe(blob: PinnedBlob) -> tuple[list[dict[str, Any]], dict[str, Any], bool]:
+        """The blob's rows (one, or a tar shard's samples), what the cache keeps of its
+        content, and whether that came from the cache."""
         rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
-        if blob.size == 0 or not is_image_name(rel):  # nothing to read: never from the cache
-            return _describe_image(container, blob, prefix), False
-        hit = cache.get(_content_key(blob))
-        if isinstance(hit, dict) and set(hit) == set(CONTENT_FIELDS):
-            return {**_path_fields(rel, blob.size), **hit}, True
-        return _describe_image(container, blob, prefix), False
+        shard = is_tar_name(rel)
+        if blob.size == 0 or not (shard or is_image_name(rel)):  # nothing to read or keep
+            row = _describe_image(container, blob, prefix)
+            return [row], {k: row[k] for k in CONTENT_FIELDS}, False
+        cached = cache.get(_content_key(blob))
+        reused = False
+        if _cached(cached, shard):
+            content, reused = cached, True
+        elif shard:
+            content = _shard_samples(container, blob)
+        else:
+            content = _content(container, blob, rel)
+        if shard:
+            return _shard_rows(rel, blob.size, content), content, reused
+        return [{**_path_fields(rel, blob.size), **content}], content, reused
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         described = list(pool.map(describe, blobs))
-    rows = [row for row, _ in described]
-    reused = sum(1 for _, from_cache in described if from_cache)
-    entries = {
-        _content_key(b): {k: row[k] for k in CONTENT_FIELDS}
-        for b, row in zip(blobs, rows, strict=True)
-    }
+    rows = [row for found, _, _ in described for row in found]
+    reused = sum(1 for _, _, from_cache in described if from_cache)
+    entries = {_content_key(b): kept for b, (_, kept, _) in zip(blobs, described, strict=True)}
     atomic_write(
         cache_file, lambda fh: fh.write(json.dumps(entries, separators=(",", ":")).encode())
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -16,12 +17,16 @@ from torch.utils.data import Dataset
 
 from training.dataset import DatasetError, DatasetInfo, Gather, SplitData, to_model_input
 from training.images import REQUIRED_SPLITS, SPLITS, is_image_name, open_image
+from training.webdataset import ShardError, TarMember, is_tar_name, shard_members
+
+# An image the readers decode: a loose file, or an image inside a WebDataset tar shard.
+ImageSource = Path | TarMember
 
 
 class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
     """Decodes lazily, so memory stays flat however large the split is."""
 
-    def __init__(self, samples: Sequence[tuple[Path, int]], size: int) -> None:
+    def __init__(self, samples: Sequence[tuple[ImageSource, int]], size: int) -> None:
         self.samples = list(samples)
         self.size = size
 
@@ -31,37 +36,47 @@ class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
         try:
-            with open_image(path) as image:
+            with open_image(_opened(path)) as image:
                 return to_model_input(image, self.size), label
         except (OSError, UnidentifiedImageError, ValueError) as exc:
             raise DatasetError(f"cannot decode image {path}: {exc}") from exc
 
 
-def decode_checked(path: Path, size: int | None) -> torch.Tensor | str | None:
+def _opened(source: ImageSource) -> Path | IO[bytes]:
+    """What Pillow opens: the file, or the bytes of a tar member read at its offset."""
+    return source.open() if isinstance(source, TarMember) else source
+
+
+def decode_checked(path: ImageSource, size: int | None) -> torch.Tensor | str | None:
     """Fully decode ``path`` (a valid header is not enough): the model input at ``size``, or
     None when no size is asked for; a string saying why when the file is unusable."""
     try:
-        if path.stat().st_size == 0:
+        if (path.size if isinstance(path, TarMember) else path.stat().st_size) == 0:
             return "zero-byte file"
-        with open_image(path) as image:
+        with open_image(_opened(path)) as image:
             image.load()
             return None if size is None else to_model_input(image, size)
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
         return f"unreadable image ({type(exc).__name__}: {exc})"
 
 
-def _check_image(path: Path) -> str | None:
+def _check_image(path: ImageSource) -> str | None:
     verdict = decode_checked(path, None)
     return verdict if isinstance(verdict, str) else None
 
 
-def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
+def _list_split(root: Path, split: str) -> dict[str, list[ImageSource]]:
     split_dir = root / split
     if not split_dir.is_dir():
         raise DatasetError(f"missing split: {split_dir} does not exist (expected {split}/<class>/)")
-    classes: dict[str, list[Path]] = {}
+    shards = sorted(p for p in split_dir.iterdir() if p.is_file() and is_tar_name(p))
+    if shards:
+        return _list_shards(split_dir, shards)
+    classes: dict[str, list[ImageSource]] = {}
     for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-        files = sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
+        files: list[ImageSource] = [
+            *sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
+        ]
         if not files:
             raise DatasetError(f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images")
         classes[class_dir.name] = files
@@ -70,9 +85,32 @@ def _list_split(root: Path, split: str) -> dict[str, list[Path]]:
     return classes
 
 
+def _list_shards(split_dir: Path, shards: list[Path]) -> dict[str, list[ImageSource]]:
+    """A split packed as WebDataset shards (``training.webdataset``): its images per class,
+    read from the tars' headers. Class folders beside the shards would be a second copy of
+    the split, or half of one: refused rather than guessed at."""
+    folders = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
+    if folders:
+        raise DatasetError(
+            f"{split_dir} holds both tar shards and class folders ({', '.join(folders[:3])}): "
+            "a split is one or the other"
+        )
+    classes: dict[str, list[ImageSource]] = {}
+    for shard in shards:
+        try:
+            found = shard_members(shard)
+        except ShardError as exc:
+            raise DatasetError(str(exc)) from exc
+        for label, members in found.items():
+            classes.setdefault(label, []).extend(members)
+    if not classes:
+        raise DatasetError(f"split {split_dir}: its tar shards hold no samples")
+    return dict(sorted(classes.items()))
+
+
 def list_image_folders(
     root: Path, required: Sequence[str] = REQUIRED_SPLITS
-) -> tuple[list[str], dict[str, dict[str, list[Path]]]]:
+) -> tuple[list[str], dict[str, dict[str, list[ImageSource]]]]:
     """The class names and, per split present, each class's image files; checks that every
     split has the same classes (a model cannot score a class it never saw). ``required``: the
     splits that must be there (the scorer needs only the one it scores)."""
@@ -93,16 +131,16 @@ def list_image_folders(
 
 
 def labelled_samples(
-    class_names: list[str], listed: dict[str, dict[str, list[Path]]], bad: dict[str, str]
-) -> dict[str, tuple[list[tuple[Path, int]], list[str]]]:
+    class_names: list[str], listed: dict[str, dict[str, list[ImageSource]]], bad: dict[str, str]
+) -> dict[str, tuple[list[tuple[ImageSource, int]], list[str]]]:
     """Per split, the usable (file, label) pairs and the damaged files left out with why.
 
     A class whose every file is damaged in some split is an error, not a silent gap.
     """
     labels = {name: i for i, name in enumerate(class_names)}
-    result: dict[str, tuple[list[tuple[Path, int]], list[str]]] = {}
+    result: dict[str, tuple[list[tuple[ImageSource, int]], list[str]]] = {}
     for split, classes in listed.items():
-        samples: list[tuple[Path, int]] = []
+        samples: list[tuple[ImageSource, int]] = []
         skipped: list[str] = []
         for name, files in classes.items():
             for path in files:

@@ -42,8 +42,14 @@ from torch.utils.data import Dataset
 
 from training.atomic import atomic_write, atomic_write_json, read_json_object
 from training.dataset import DatasetError, DatasetInfo, SplitData
-from training.image_folders import decode_checked, labelled_samples, list_image_folders
+from training.image_folders import (
+    ImageSource,
+    decode_checked,
+    labelled_samples,
+    list_image_folders,
+)
 from training.staged_folder import SHARD_DIR, staged_md5s
+from training.webdataset import TarMember
 
 INDEX = "index.json"
 LOCK = ".pack.lock"  # held while a pack runs: two packs of one folder take turns
@@ -71,35 +77,41 @@ class PackReport:
         return asdict(self)
 
 
-def _files(listed: dict[str, dict[str, list[Path]]]) -> Iterator[Path]:
+def _files(listed: dict[str, dict[str, list[ImageSource]]]) -> Iterator[ImageSource]:
     for classes in listed.values():
         for files in classes.values():
             yield from files
 
 
 def _content_keys(
-    root: Path, listed: dict[str, dict[str, list[Path]]]
-) -> tuple[str, dict[Path, str]]:
+    root: Path, listed: dict[str, dict[str, list[ImageSource]]]
+) -> tuple[str, dict[ImageSource, str]]:
     """The folder's data version and a key per image that changes when its content does.
 
     Staged folders use the manifest (no file is touched); any other folder its size and
-    modification time, as make does.
+    modification time, as make does. An image inside a tar shard is keyed by its shard's key
+    and its name in the shard.
     """
     version, md5s = staged_md5s(root)
-    keys: dict[Path, str] = {}
-    for path in _files(listed):
-        rel = path.relative_to(root).as_posix()
+    keys: dict[ImageSource, str] = {}
+    names: dict[ImageSource, str] = {}
+    for image in _files(listed):
+        file, inside = (
+            (image.tar, f":{image.name}") if isinstance(image, TarMember) else (image, "")
+        )
+        rel = file.relative_to(root).as_posix()
+        names[image] = rel + inside
         if rel in md5s:
-            keys[path] = f"md5:{md5s[rel]}"
+            keys[image] = f"md5:{md5s[rel]}{inside}"
         else:
-            st = path.stat()
-            keys[path] = f"stat:{st.st_size}:{st.st_mtime_ns}"
+            st = file.stat()
+            keys[image] = f"stat:{st.st_size}:{st.st_mtime_ns}{inside}"
     # The manifest's version stands only if it vouches for every image (it also lists
     # non-image files, so counting its entries would not say that).
     if version is None or any(key.startswith("stat:") for key in keys.values()):
         digest = hashlib.sha256()
-        for path, key in sorted(keys.items()):
-            digest.update(f"{path.relative_to(root).as_posix()}\0{key}\n".encode())
+        for name, key in sorted((names[image], key) for image, key in keys.items()):
+            digest.update(f"{name}\0{key}\n".encode())
         version = f"listing-{digest.hexdigest()[:16]}"
     return version, keys
 
@@ -192,7 +204,7 @@ class _OldRows:
         return data.tobytes() if len(data) == self.row_bytes else None
 
 
-def _decode_row(path: Path, size: int) -> bytes | str:
+def _decode_row(path: ImageSource, size: int) -> bytes | str:
     """One image as its shard row, or why it is unusable (runs in a decoding process)."""
     verdict = decode_checked(path, size)
     if isinstance(verdict, torch.Tensor):
@@ -331,13 +343,15 @@ class _SplitPacker:
     """Writes one split's shards, labels and row keys, reusing the old pack's rows of images
     whose content did not change and decoding the rest; collects the damaged images."""
 
-    def __init__(self, directory: Path, size: int, keys: dict[Path, str], old: _OldRows) -> None:
+    def __init__(
+        self, directory: Path, size: int, keys: dict[ImageSource, str], old: _OldRows
+    ) -> None:
         self.directory, self.size, self.keys, self.old = directory, size, keys, old
         self.bad: dict[str, str] = {}
         self.reused = 0
 
     def pack(
-        self, pool: Executor, stem: str, items: list[tuple[Path, int]], workers: int | None
+        self, pool: Executor, stem: str, items: list[tuple[ImageSource, int]], workers: int | None
     ) -> dict[str, Any]:
         """The split's entry in the index, once its files are written."""
         writer = _ShardWriter(self.directory, stem, _row_bytes(self.size))
@@ -370,7 +384,7 @@ class _SplitPacker:
         }
 
     def _rows(
-        self, pool: Executor, batch: list[tuple[Path, int]], workers: int | None
+        self, pool: Executor, batch: list[tuple[ImageSource, int]], workers: int | None
     ) -> list[bytes | str]:
         """Each image's row (the old pack's, or freshly decoded), or why it is unusable."""
         rows: list[bytes | str | None] = [self.old.get(self.keys[p]) for p, _ in batch]

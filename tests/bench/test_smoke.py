@@ -114,6 +114,9 @@ def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
     changed = staging["resync_one_percent"]
     assert changed["downloaded"] == changed["changed_blobs"] == changed["decoded"] == 3
     assert changed["reused"] == 297
+    # The same 300 images as tar shards: staged and packed to as many rows as loose files.
+    for case in staging["first_step"]["delays"].values():
+        assert case["images"] == 300 and case["packed_seconds"] > 0 < case["loose_seconds"]
     loading = json.loads((results / "loading.json").read_text())
     assert all(rate > 0 for per in loading["images_per_sec"].values() for rate in per.values())
     trainer = json.loads((results / "trainer.json").read_text())
@@ -125,6 +128,7 @@ def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
         assert heading in text
     assert "| small files, no delay |" in text and "step / rclone" in text
     assert "| re-sync, nothing changed (2 large files), no delay |" in text
+    assert "| 300 images, no delay |" in text and "packed / loose (time)" in text
 
 
 def test_nodes_section_renders_what_was_measured() -> None:

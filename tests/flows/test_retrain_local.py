@@ -26,6 +26,7 @@ from registry.gateway import serve
 from tests.conftest import ROOT
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from training.make_images import write_digits
+from training.webdataset import pack_folders
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
@@ -219,6 +220,35 @@ def _gate_case(case: str, source: Path) -> str:
     first = sorted((source / "train" / "digit_2").iterdir())[0]
     shutil.copy(first, source / "test" / "digit_2" / "leaked.png")
     return "leak"
+
+
+def test_a_dataset_uploaded_as_tar_shards_is_gated_staged_and_trained_packed(
+    tmp_path: Path, digits_source: Path
+) -> None:
+    """The README's advice for large datasets, end to end: WebDataset shards are gated by
+    their samples, staged as the few blobs they are, and packed for the trainer and the scorer
+    from the tars themselves: no image is ever a file of its own on the NFS server."""
+    packed = tmp_path / "packed"
+    shards = pack_folders(digits_source, packed, max_bytes=40_000)
+    images = sum(1 for p in digits_source.rglob("*.png"))
+    config = make_config(tmp_path)
+    assert seed(config, packed) == sum(shards.values())
+    state, _, artifacts = run(config)
+    assert state.is_completed(), state.message
+    result = state.result()
+    gate = next(a for a in artifacts if a.key == "data-gate").data
+    assert "Every expectation was met." in gate and f"{images} images" in gate
+    staged = {s["step"]: s for s in result["steps"]}["stage-data"]["details"]
+    assert staged["shards"]["action"] == "packed" and staged["shards"]["images"] == images
+    outputs = container_client(config.output)
+    prefix = f"runs/{result['run_id']}"
+    metrics = json.loads(outputs.download_blob(f"{prefix}/metrics.json").readall())
+    score = json.loads(outputs.download_blob(f"{prefix}/score.json").readall())
+    assert metrics["dataset"]["kind"] == "image-folders (packed shards)"
+    assert metrics["dataset"]["num_train"] + score["num_images"] == images
+    on_nfs = [p for p in (config.nfs.local_dir / "data").rglob("*") if p.is_file()]
+    assert not [p for p in on_nfs if p.suffix == ".png"]
+    assert len([p for p in on_nfs if p.suffix == ".tar"]) == sum(shards.values())
 
 
 @pytest.mark.parametrize("case", ["missing-class", "corrupt-images", "leakage"])

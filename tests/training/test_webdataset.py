@@ -1,0 +1,161 @@
+"""Data uploaded as WebDataset tar shards: read by the loose reader and packed by the shard
+packer without unpacking, to the same samples as the image folders they were made from; and
+a shard that would train on wrong labels refused, naming the shard and the sample."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import shutil
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from training.data import open_dataset
+from training.dataset import DatasetError, DatasetInfo
+from training.make_images import write_digits
+from training.shards import pack_shards
+from training.webdataset import main, pack_folders
+
+SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("folders")
+    write_digits(root, test_fraction=0.3, seed=0, per_class=16)
+    return root
+
+
+@pytest.fixture
+def shards(folders: Path, tmp_path: Path) -> Path:
+    """The folders as shards of about 10 KB: several per split."""
+    root = tmp_path / "packed"
+    written = pack_folders(folders, root, max_bytes=10_000)
+    assert written["train"] > 1 and written["test"] >= 1
+    return root
+
+
+def _content(info: DatasetInfo) -> dict[str, Counter[tuple[str, str]]]:
+    """Per split, each sample as (its pixels' digest, its class name), counted."""
+    return {
+        name: Counter(
+            (hashlib.sha256(image.numpy().tobytes()).hexdigest(), info.class_names[label])
+            for image, label in (split.dataset[i] for i in range(len(split.dataset)))
+        )
+        for name, split in info.splits.items()
+    }
+
+
+def test_shards_read_as_the_folders_they_were_made_from(folders: Path, shards: Path) -> None:
+    loose = open_dataset(str(folders), SIZE, use_shards=False)
+    packed = open_dataset(str(shards), SIZE, use_shards=False)
+    assert packed.class_names == loose.class_names
+    assert _content(packed) == _content(loose)
+    before = sorted(p.relative_to(shards) for p in shards.rglob("*"))
+
+    report = pack_shards(shards, SIZE)
+    assert report.action == "packed" and report.images == sum(
+        len(s.dataset) for s in loose.splits.values()
+    )
+    fed = open_dataset(str(shards), SIZE)
+    assert fed.kind == "image-folders (packed shards)"
+    assert _content(fed) == _content(loose)
+    # Nothing was unpacked: the only new files are the packer's, under .shards/.
+    after = sorted(p.relative_to(shards) for p in shards.rglob("*"))
+    assert [p for p in after if p not in before and p.parts[0] != ".shards"] == []
+
+
+def test_a_changed_shard_repacks_only_its_own_images(shards: Path) -> None:
+    first = pack_shards(shards, SIZE)
+    assert first.decoded == first.images
+    changed = sorted((shards / "train").glob("*.tar"))[0]
+    with tarfile.open(changed) as tar:
+        in_it = sum(1 for m in tar.getmembers() if m.name.endswith(".png"))
+    changed.write_bytes(changed.read_bytes())  # same bytes, new mtime: its key changes
+    again = pack_shards(shards, SIZE)
+    assert again.action == "packed"
+    assert (again.decoded, again.reused) == (in_it, first.images - in_it)
+
+
+def test_a_damaged_image_inside_a_shard_is_left_out_and_named(shards: Path) -> None:
+    shard = sorted((shards / "train").glob("*.tar"))[0]
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    first_png = next(m.name for m, _ in members if m.name.endswith(".png"))
+    _write(shard, [(m.name, data[:40] if m.name == first_png else data) for m, data in members])
+
+    info = open_dataset(str(shards), SIZE, use_shards=False)
+    assert [s.split(": ")[0] for s in info.splits["train"].skipped] == [f"{shard}/{first_png}"]
+    report = pack_shards(shards, SIZE)
+    assert report.skipped == 1
+
+
+def _write(path: Path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _png(folders: Path) -> bytes:
+    return next((folders / "train").rglob("*.png")).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("members", "named"),
+    [
+        ([("a.png", "png")], "sample 'a' (a.png) has no .cls member"),
+        ([("a.cls", b"3")], "sample 'a' has a .cls member and no .png/.jpg image"),
+        ([("a.png", "png"), ("a.jpg", "png"), ("a.cls", b"3")], "sample 'a' has two images"),
+        ([("a.png", "png"), ("a.cls", b"../3")], "holds '../3', not a class name"),
+        ([("a.png", "png"), ("a.cls", b"")], "holds '', not a class name"),
+        ([("a.png", "png"), ("a.cls", b"\xff\xfe")], "is not UTF-8 text"),
+        ([("a.png", "png"), ("a.cls", b"x" * 300)], "300 bytes, not a class"),
+    ],
+)
+def test_a_shard_that_would_mislabel_is_refused_naming_the_sample(
+    folders: Path, shards: Path, members: list[tuple[str, bytes | str]], named: str
+) -> None:
+    bad = shards / "train" / "999999.tar"
+    _write(bad, [(n, _png(folders) if d == "png" else d) for n, d in members])  # type: ignore[misc]
+    with pytest.raises(DatasetError) as err:
+        open_dataset(str(shards), SIZE, use_shards=False)
+    assert str(bad) in str(err.value) and named in str(err.value)
+    assert pack_shards(shards, SIZE).action == "not packed"
+
+
+def test_a_compressed_or_cut_shard_is_refused_naming_it(shards: Path) -> None:
+    shard = sorted((shards / "test").glob("*.tar"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(gzip.compress(data))
+    with pytest.raises(DatasetError, match=f"{shard}: not an uncompressed tar"):
+        open_dataset(str(shards), SIZE, use_shards=False)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        last = tar.getmembers()[-1]
+    at_a_boundary = last.offset_data + -(-last.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    for cut, why in ((len(data) // 2 + 100, "cut short|damaged tar"), (at_a_boundary, "cut short")):
+        shard.write_bytes(data[:cut])  # inside a member; then after its last member's data
+        with pytest.raises(DatasetError, match=f"{shard}: ({why})"):
+            open_dataset(str(shards), SIZE, use_shards=False)
+
+
+def test_a_split_of_shards_and_class_folders_is_refused(folders: Path, shards: Path) -> None:
+    shutil.copytree(folders / "train" / "digit_3", shards / "train" / "digit_3")
+    with pytest.raises(DatasetError, match="both tar shards and class folders"):
+        open_dataset(str(shards), SIZE, use_shards=False)
+
+
+def test_the_producers_command_refuses_to_write_into_a_full_folder(
+    folders: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = tmp_path / "out"
+    assert main([str(folders), str(dest)]) == 0
+    assert "train: 1 shard(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(folders), str(dest)])
+    assert "is not empty" in capsys.readouterr().err
