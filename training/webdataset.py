@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import IO
 
-from training.images import is_image_name
+from training.images import is_image_name, suffix
 
 TAR_SUFFIX = ".tar"
 LABEL_FIELD = "cls"
@@ -37,7 +37,7 @@ class ShardError(ValueError):
 
 
 def is_tar_name(name: str | PurePath) -> bool:
-    return PurePath(name).suffix.lower() == TAR_SUFFIX
+    return suffix(name) == TAR_SUFFIX
 
 
 @dataclass(frozen=True)

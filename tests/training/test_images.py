@@ -78,3 +78,18 @@ def test_a_damaged_exif_block_leaves_the_picture_as_stored(tmp_path: Path) -> No
     with open_image(io.BytesIO(buffer.getvalue())) as image:
         pixels = np.asarray(to_rgb(image))
     assert (pixels[:, :, 0] == upright).all()
+
+
+def test_the_suffix_is_pathlibs_for_every_name() -> None:
+    """The string-only suffix agrees with PurePath's on every name of up to five pieces of an
+    alphabet holding what changes the answer (dots, slashes, case)."""
+    import itertools
+    from pathlib import PurePath
+
+    from training.images import suffix
+
+    for k in range(1, 6):
+        for pieces in itertools.product(["a", ".", "/", "png", "P"], repeat=k):
+            name = "".join(pieces)
+            assert suffix(name) == PurePath(name).suffix.lower(), name
+            assert suffix(PurePath(name)) == PurePath(name).suffix.lower(), name
