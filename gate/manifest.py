@@ -17,11 +17,9 @@ because staging checks every byte it stages against that same MD5.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import json
-import tarfile
 import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -33,9 +31,10 @@ from core.config import BlobLocation
 from core.data_versions import MARKER
 from staging.blob import list_pinned
 from staging.listing import PinnedBlob
+from staging.transfer import b64md5
 from training.atomic import atomic_write, read_json_object
 from training.images import SPLITS, is_image_name, open_image, to_rgb
-from training.webdataset import ShardError, is_tar_name, samples
+from training.webdataset import ShardError, is_tar_name, open_shard, read_samples
 
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
 # reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content;
@@ -63,6 +62,7 @@ def _path_fields(rel: str, size: int) -> dict[str, Any]:
         "split": parts[0] if len(parts) == 3 else None,
         "label": parts[1] if len(parts) == 3 else None,
         "bytes": int(size),
+        "problem": None,
     }
 
 
@@ -92,7 +92,7 @@ def _decoded(data: bytes, md5: str | None) -> dict[str, Any]:
     """:data:`CONTENT_FIELDS` of an image's bytes. ``channels``: the bands the file stores (the
     model gets RGB)."""
     if md5 is None:
-        md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+        md5 = b64md5(hashlib.md5(data, usedforsecurity=False))
     row = {**_UNREAD, "md5": md5}
     if not data:
         return row
@@ -112,15 +112,15 @@ SAMPLE_FIELDS = ("name", "label", "bytes", *CONTENT_FIELDS)
 
 def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
     """A WebDataset shard's samples (:data:`SAMPLE_FIELDS` each), from one read of the whole
-    blob (as every loose image is read whole), spooled to disk past 64 MB; or ``error``, why
-    it cannot be read as samples."""
-    with tempfile.SpooledTemporaryFile(max_size=64 * 2**20) as spool:
+    blob (as every loose image is read whole), spooled to disk past 8 MB; or ``error``: why it
+    cannot be read as samples (``training.webdataset``'s rules, the trainer's)."""
+    with tempfile.SpooledTemporaryFile(max_size=8 * 2**20) as spool:
         container.download_blob(blob.name).readinto(spool)
         spool.seek(0)
         try:
-            with tarfile.open(fileobj=spool, mode="r:") as tar:
+            with open_shard(None, spool) as tar:
                 found = []
-                for sample in samples(tar, blob.name):
+                for sample in read_samples(tar, blob.name):
                     handle = tar.extractfile(sample.image)
                     data = handle.read() if handle else b""
                     found.append(
@@ -131,17 +131,25 @@ def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
                             **_decoded(data, None),
                         }
                     )
-        except (tarfile.TarError, ShardError, EOFError, OSError) as exc:
-            return {"error": str(exc)}
+        except (ShardError, OSError) as exc:
+            return {"error": str(exc).replace("the shard: ", f"{blob.name}: ", 1)}
     return {"samples": found}
 
 
 def _shard_rows(rel: str, size: int, shard: dict[str, Any]) -> list[dict[str, Any]]:
     """The manifest's rows of a shard: one per sample, its path the shard's plus its name in
-    it; an unreadable shard is one unreadable row under its own path."""
-    split = rel.split("/")[0] if rel.count("/") == 1 else None
-    if "samples" not in shard:
-        return [{"path": rel, "split": split, "label": None, "bytes": int(size), **_UNREAD}]
+    it. A shard that cannot be read as samples, or that the trainer would not read (anywhere
+    but directly in a split's folder), is one row under its own path saying why."""
+    parts = rel.split("/")
+    split = parts[0] if len(parts) == 2 else None
+    problem = shard.get("error")
+    if split is None:
+        problem = "a tar shard is read only as <split>/NNNNNN.tar (train/, val/ or test/)"
+    if problem is not None or "samples" not in shard:
+        return [
+            {"path": rel, "split": split, "label": None, "bytes": int(size), **_UNREAD}
+            | {"problem": problem or "not read as samples"}
+        ]
     return [
         {
             "path": f"{rel}/{s['name']}",
@@ -149,9 +157,19 @@ def _shard_rows(rel: str, size: int, shard: dict[str, Any]) -> list[dict[str, An
             "label": s["label"],
             "bytes": s["bytes"],
             **{k: s[k] for k in CONTENT_FIELDS},
+            "problem": None,
         }
         for s in shard["samples"]
     ]
+
+
+def _flag_mixed_splits(shard_rows: list[dict[str, Any]], loose: list[dict[str, Any]]) -> None:
+    """A split is tar shards or class folders, never both (the trainer refuses a mix): each
+    loose row of a split that also holds shards says so."""
+    with_shards = {r["split"] for r in shard_rows if r["split"]}
+    for row in loose:
+        if row["split"] in with_shards and row["problem"] is None:
+            row["problem"] = f"split {row['split']} holds tar shards: no class folders beside them"
 
 
 def _cached(hit: Any, shard: bool) -> TypeGuard[dict[str, Any]]:
@@ -248,6 +266,16 @@ def build_manifest(
             found[i] = fresh
     described_all = [d for d in found if d is not None]
     rows = [row for got, _, _ in described_all for row in got]
+    shard = [is_tar_name(blob.name) for blob in blobs]
+    _flag_mixed_splits(
+        [row for (got, _, _), tar in zip(described_all, shard, strict=True) if tar for row in got],
+        [
+            row
+            for (got, _, _), tar in zip(described_all, shard, strict=True)
+            if not tar
+            for row in got
+        ],
+    )
     reused = sum(1 for _, _, from_cache in described_all if from_cache)
     entries = {key: kept for key, (_, kept, _) in zip(keys, described_all, strict=True)}
     if not (reused == len(blobs) and len(entries) == len(cache)):  # else: the same cache

@@ -17,6 +17,8 @@ def examples(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
     column = record["column"]
     if record["table"] != "images" or not column or not record["examples"]:
         return record["examples"]
+    if column == "problem":  # the sentence itself names the shard or the split
+        return [f"{r['path']}: {r['problem']}" for r in rows if r.get("problem")][:5]
     bad = set(record["examples"])
     return [r["path"] for r in rows if str(r.get(column)) in bad][:5]
 

@@ -25,6 +25,7 @@ IMAGE_COLUMNS = [
     "md5",
     "readable",
     "leak",
+    "problem",
 ]
 CLASS_COLUMNS = ["label", "train_images", "val_images", "test_images"]
 
@@ -51,6 +52,8 @@ def _suites(rules: ValidationConfig, known: list[str], has_val: bool) -> dict[st
             ),
             gxe.ExpectColumnValuesToBeInSet(column="channels", value_set=[1, 2, 3, 4]),
             gxe.ExpectColumnValuesToBeInSet(column="leak", value_set=[False]),
+            # Why a tar shard cannot be read as samples, or a file sits where no reader looks.
+            gxe.ExpectColumnValuesToBeNull(column="problem"),
         ],
         "classes": [
             gxe.ExpectTableRowCountToBeBetween(min_value=2),

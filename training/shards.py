@@ -88,7 +88,7 @@ def _content_keys(
 ) -> tuple[str, dict[ImageSource, str]]:
     """The folder's data version and a key per image that changes when its content does.
 
-    Staged folders use the manifest (no file is touched); any other folder its size and
+    Staged folders use the manifest (no file is touched); any other folder its path, size and
     modification time, as make does. An image inside a tar shard is keyed by its shard's key
     and its name in the shard.
     """
@@ -105,7 +105,9 @@ def _content_keys(
             keys[image] = f"md5:{md5s[rel]}{inside}"
         else:
             st = file.stat()
-            keys[image] = f"stat:{st.st_size}:{st.st_mtime_ns}{inside}"
+            # With its path: two files of one size and time (an archive unpacked, `cp -p`, a
+            # file system's whole-second times) are not one content.
+            keys[image] = f"stat:{rel}:{st.st_size}:{st.st_mtime_ns}{inside}"
     # The manifest's version stands only if it vouches for every image (it also lists
     # non-image files, so counting its entries would not say that).
     if version is None or any(key.startswith("stat:") for key in keys.values()):

@@ -19,12 +19,12 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-from collections.abc import Iterable
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import IO
 
-from training.images import is_image_name, suffix
+from training.images import IMAGE_SUFFIXES, SPLITS, is_image_name, suffix
 
 TAR_SUFFIX = ".tar"
 LABEL_FIELD = "cls"
@@ -82,42 +82,57 @@ def _field(name: str) -> tuple[str, str]:
 def samples(tar: tarfile.TarFile, where: str) -> list[Sample]:
     """Every sample of an opened shard (``where``: how errors name it), in the shard's order.
 
-    A sample with an image and no class, or a class and no image, two images, or a class that
-    is not short text, is an error naming the key: a guessed label would train on a wrong one.
+    Whatever would have a reader guess is an error naming the member: an image and no class, a
+    class and no image, two of either, a class that is not short text, an image stored as a
+    link or sparsely (its bytes are not at its offset), a name with dots before the image's
+    extension (WebDataset would make it another field, not the image). A guessed label trains
+    on a wrong one; a skipped sample goes missing without a word.
     """
     images: dict[str, tarfile.TarInfo] = {}
     labels: dict[str, tarfile.TarInfo] = {}
-    order: list[str] = []
+    order: dict[str, None] = {}  # the keys in the shard's order (a dict: a list's `in` is O(n))
     for member in tar.getmembers():
-        if not member.isfile():
+        if member.isdir():
             continue
         key, field = _field(member.name)
-        if field == LABEL_FIELD:
-            labels[key] = member
-        elif is_image_name(member.name) and "." not in field:
-            if key in images:
-                raise ShardError(f"{where}: sample {key!r} has two images")
-            images[key] = member
-        else:
-            continue
-        if key not in order:
-            order.append(key)
+        last = field.rpartition(".")[2]
+        if last != LABEL_FIELD and f".{last}" not in IMAGE_SUFFIXES:
+            continue  # another field (.json, .txt): not read
+        if "." in field:
+            raise ShardError(
+                f"{where}: member {member.name!r} is field {field!r} of sample {key!r} (the key "
+                "ends at the first dot of the file name): name it without dots before the "
+                "extension"
+            )
+        if member.islnk() or member.issym():
+            raise ShardError(
+                f"{where}: member {member.name!r} is a link, not the bytes (pack with "
+                "`tar --hard-dereference`, or `python -m training.webdataset`)"
+            )
+        if member.issparse() or not member.isfile():
+            raise ShardError(f"{where}: member {member.name!r} is not stored as a plain file")
+        found = labels if field == LABEL_FIELD else images
+        if key in found:
+            what = "classes" if field == LABEL_FIELD else "images"
+            raise ShardError(f"{where}: sample {key!r} has two {what}")
+        found[key] = member
+        order[key] = None
     _check_complete(tar, where)
-    found = []
+    result = []
     for key in order:
         image, label = images.get(key), labels.get(key)
         if image is None:
             raise ShardError(f"{where}: sample {key!r} has a .cls member and no .png/.jpg image")
         if label is None:
             raise ShardError(f"{where}: sample {key!r} ({image.name}) has no .cls member")
-        found.append(Sample(key, image, _label(tar, label, f"{where}: sample {key!r}")))
-    return found
+        result.append(Sample(key, image, _label(tar, label, f"{where}: sample {key!r}")))
+    return result
 
 
 def _check_complete(tar: tarfile.TarFile, where: str) -> None:
-    """A tar ends with two zero blocks after its last member. Reading its headers stops,
-    without a word, where a cut-short upload ends: the samples after the cut would be missed
-    and the one it cuts through read short."""
+    """A tar ends with zero blocks after its last member, and nothing else follows. Reading
+    its headers stops, without a word, where a cut-short upload ends, and at the end of the
+    first of two tars written one after the other: the samples past either would be missed."""
     handle = tar.fileobj
     if handle is None:
         return
@@ -125,37 +140,60 @@ def _check_complete(tar: tarfile.TarFile, where: str) -> None:
     end = handle.read(2 * tarfile.BLOCKSIZE)
     if len(end) < 2 * tarfile.BLOCKSIZE or end.strip(b"\0"):
         raise ShardError(f"{where}: cut short (no end-of-archive blocks after its last member)")
+    while chunk := handle.read(2**20):
+        if chunk.strip(b"\0"):
+            raise ShardError(
+                f"{where}: data after its end-of-archive blocks (tars written one after the "
+                "other?): the samples there would be missed"
+            )
 
 
 def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, where: str) -> str:
+    """The class a .cls member holds: its text, stripped. Compared as text: ``7`` and ``007``
+    are two classes, and numbers sort as text (the model keeps the names, not the order)."""
     if member.size > MAX_LABEL_BYTES:
         raise ShardError(f"{where}: its .cls member is {member.size} bytes, not a class")
     handle = tar.extractfile(member)
     raw = handle.read() if handle else b""
     try:
-        text = raw.decode("utf-8").strip()
+        text = raw.decode("utf-8-sig").strip()
     except UnicodeDecodeError as exc:
         raise ShardError(f"{where}: its .cls member is not UTF-8 text") from exc
-    if not text or "/" in text or "\n" in text or text in (".", ".."):
+    if (
+        not text
+        or text in (".", "..")
+        or "/" in text
+        or any(unicodedata.category(c) == "Cc" for c in text)
+    ):
         raise ShardError(f"{where}: its .cls member holds {text!r}, not a class name")
     return text
 
 
-def open_shard(path: Path) -> tarfile.TarFile:
-    """``path`` as an uncompressed tar, or ShardError naming it."""
+def open_shard(path: Path | None, fileobj: IO[bytes] | None = None) -> tarfile.TarFile:
+    """A shard (the file at ``path``, or ``fileobj``) as an uncompressed tar whose names are
+    UTF-8, or ShardError naming it."""
     try:
-        return tarfile.open(path, mode="r:")
+        return tarfile.open(path, mode="r:", fileobj=fileobj, encoding="utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise ShardError(f"{path or 'the shard'}: a member name is not UTF-8 ({exc})") from exc
     except (tarfile.TarError, OSError, EOFError) as exc:
-        raise ShardError(f"{path}: not an uncompressed tar ({exc})") from exc
+        raise ShardError(f"{path or 'the shard'}: not an uncompressed tar ({exc})") from exc
+
+
+def read_samples(tar: tarfile.TarFile, where: str) -> list[Sample]:
+    """:func:`samples`, with a damaged tar or a member name that is not UTF-8 a ShardError."""
+    try:
+        return samples(tar, where)
+    except (tarfile.TarError, EOFError) as exc:
+        raise ShardError(f"{where}: damaged tar ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ShardError(f"{where}: a member name is not UTF-8 ({exc})") from exc
 
 
 def shard_members(path: Path) -> dict[str, list[TarMember]]:
     """The images of the shard at ``path`` per class (headers read, images not)."""
     with open_shard(path) as tar:
-        try:
-            found = samples(tar, str(path))
-        except tarfile.TarError as exc:
-            raise ShardError(f"{path}: damaged tar ({exc})") from exc
+        found = read_samples(tar, str(path))
     classes: dict[str, list[TarMember]] = {}
     for sample in found:
         member = TarMember(path, sample.image.name, sample.image.offset_data, sample.image.size)
@@ -163,24 +201,35 @@ def shard_members(path: Path) -> dict[str, list[TarMember]]:
     return classes
 
 
-def pack_folders(
-    source: Path, dest: Path, max_bytes: int = 256 * 2**20, splits: Iterable[str] = ()
-) -> dict[str, int]:
-    """Write the image folders under ``source`` (``<split>/<class>/<image>``) as WebDataset
-    shards under ``dest`` (``<split>/NNNNNN.tar``, a new shard once one holds ``max_bytes``);
-    the shards written per split. What a producer runs before uploading a large dataset."""
-    written: dict[str, int] = {}
-    for split_dir in sorted(p for p in source.iterdir() if p.is_dir()):
-        if splits and split_dir.name not in splits:
+def _plain(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """A member as every shard stores it: no owner, no time. Packing the same images again
+    gives the same bytes, so the gate's cache and staging see unchanged shards."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mtime = 0
+    info.mode = 0o644
+    return info
+
+
+def pack_folders(source: Path, dest: Path, max_bytes: int = 256 * 2**20) -> dict[str, int]:
+    """Write the image folders under ``source`` (``<split>/<class>/<image>``, the splits the
+    trainer reads) as WebDataset shards under ``dest`` (``<split>/NNNNNN.tar``, a new shard
+    once one holds ``max_bytes``); the shards written per split. What a producer runs before
+    uploading a large dataset. Refuses, before writing, what the trainer would refuse."""
+    if not (source / "train").is_dir():
+        raise ValueError(f"{source} has no train/ folder (expected <split>/<class>/<image>)")
+    planned: dict[str, list[tuple[Path, str]]] = {}
+    for split in SPLITS:
+        if not (source / split).is_dir():
             continue
-        out = dest / split_dir.name
-        out.mkdir(parents=True, exist_ok=True)
-        files = [
-            (f, c.name)
-            for c in sorted(p for p in split_dir.iterdir() if p.is_dir())
-            for f in sorted(c.iterdir())
-            if f.is_file() and is_image_name(f)
-        ]
+        planned[split] = []
+        for folder in sorted(p for p in (source / split).iterdir() if p.is_dir()):
+            found = sorted(f for f in folder.iterdir() if f.is_file() and is_image_name(f))
+            if not found:
+                raise ValueError(f"empty class folder: {folder} has no .png/.jpg/.jpeg images")
+            planned[split] += [(f, folder.name) for f in found]
+    written: dict[str, int] = {}
+    for split, files in planned.items():
         groups: list[list[tuple[Path, str]]] = []
         size = max_bytes
         for item in files:
@@ -189,17 +238,19 @@ def pack_folders(
                 size = 0
             groups[-1].append(item)
             size += item[0].stat().st_size + 1536  # the image, its header and its .cls member
+        out = dest / split
+        out.mkdir(parents=True, exist_ok=True)
         key = 0
         for count, group in enumerate(groups):
             with tarfile.open(out / f"{count:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
                 for path, label in group:
-                    tar.add(path, arcname=f"{key:09d}{path.suffix.lower()}")
+                    tar.add(path, arcname=f"{key:09d}{path.suffix.lower()}", filter=_plain)
                     text = label.encode()
-                    info = tarfile.TarInfo(f"{key:09d}.{LABEL_FIELD}")
+                    info = _plain(tarfile.TarInfo(f"{key:09d}.{LABEL_FIELD}"))
                     info.size = len(text)
                     tar.addfile(info, io.BytesIO(text))
                     key += 1
-        written[split_dir.name] = len(groups)
+        written[split] = len(groups)
     return written
 
 
@@ -217,9 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.source.is_dir():
         parser.error(f"{args.source} is not a folder")
-    if args.dest.exists() and any(args.dest.iterdir()):
-        parser.error(f"{args.dest} is not empty: shards are written into a new folder")
-    for split, count in pack_folders(args.source, args.dest, args.shard_mb * 2**20).items():
+    if args.dest.exists() and (not args.dest.is_dir() or any(args.dest.iterdir())):
+        parser.error(f"{args.dest} exists and is not an empty folder: shards go into a new one")
+    try:
+        written = pack_folders(args.source, args.dest, args.shard_mb * 2**20)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for split, count in written.items():
         print(f"{split}: {count} shard(s) in {args.dest / split}")
     return 0
 

@@ -54,3 +54,47 @@ def test_a_row_per_sample_and_each_shard_read_once(
     assert reused == shards - 1
     (row,) = [r for r in changed if r["path"].startswith(victim)]
     assert (row["path"], row["readable"], row["label"]) == (victim, False, None)
+
+
+def test_what_the_trainer_would_refuse_or_miss_fails_the_gate_saying_why(
+    azurite: str, small_folders: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gate that passes is a promise the trainer keeps: a shard outside a split's folder
+    (the trainer never reads it), class folders beside shards (the trainer refuses the split)
+    and a shard that is not samples each fail it, and the report says why, naming each."""
+    from core.config import ValidationConfig
+    from gate.report import failure
+    from gate.suites import run_expectations
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    config = make_config(tmp_path)
+    pack_folders(small_folders, tmp_path / "packed", max_bytes=20_000)
+    seed(config, tmp_path / "packed")
+    container = container_client(config.data)
+    good = next((tmp_path / "packed" / "train").glob("*.tar")).read_bytes()
+    png = next(small_folders.rglob("*.png")).read_bytes()
+    prefix = config.data.prefix
+    container.upload_blob(f"{prefix}/extra.tar", good)  # beside the splits
+    container.upload_blob(f"{prefix}/test/digit_0/more.tar", good)  # in a class folder
+    container.upload_blob(f"{prefix}/val/digit_0/x.png", png)  # val: loose only, fine
+    container.upload_blob(f"{prefix}/train/digit_0/x.png", png)  # beside train's shards
+    container.upload_blob(f"{prefix}/test/999999.tar", good[: len(good) // 2])  # cut short
+
+    rows, _ = build_manifest(config.data, config.work_dir / "gate-cache")
+    problems = {r["path"]: r["problem"] for r in rows if r["problem"]}
+    assert problems == {
+        "extra.tar": "a tar shard is read only as <split>/NNNNNN.tar (train/, val/ or test/)",
+        "test/digit_0/more.tar": (
+            "a tar shard is read only as <split>/NNNNNN.tar (train/, val/ or test/)"
+        ),
+        "train/digit_0/x.png": "split train holds tar shards: no class folders beside them",
+        "test/999999.tar": problems.get("test/999999.tar", "missing"),
+    }
+    assert problems["test/999999.tar"].startswith(f"{prefix}/test/999999.tar: ")
+    success, records = run_expectations(
+        rows, ValidationConfig(min_images_per_class=1), tmp_path / "docs"
+    )
+    assert not success
+    message = str(failure(rows, records))
+    assert "expect_column_values_to_be_null(problem): 4 unexpected" in message
+    assert "train/digit_0/x.png: split train holds tar shards" in message

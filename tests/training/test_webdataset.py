@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
 import shutil
 import tarfile
 from collections import Counter
@@ -94,10 +95,17 @@ def test_a_damaged_image_inside_a_shard_is_left_out_and_named(shards: Path) -> N
     assert report.skipped == 1
 
 
-def _write(path: Path, members: list[tuple[str, bytes]]) -> None:
-    with tarfile.open(path, "w") as tar:
+def _write(path: Path, members: list[tuple[str, bytes | str]]) -> None:
+    """A tar of ``members``; ``"link"`` as the data makes a hard link to the first member.
+    GNU format with surrogate escapes: a name may hold bytes that are not UTF-8."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, errors="surrogateescape") as tar:
         for name, data in members:
             info = tarfile.TarInfo(name)
+            if data == "link":
+                info.type, info.linkname = tarfile.LNKTYPE, members[0][0]
+                tar.addfile(info)
+                continue
+            assert isinstance(data, bytes)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
 
@@ -116,13 +124,23 @@ def _png(folders: Path) -> bytes:
         ([("a.png", "png"), ("a.cls", b"")], "holds '', not a class name"),
         ([("a.png", "png"), ("a.cls", b"\xff\xfe")], "is not UTF-8 text"),
         ([("a.png", "png"), ("a.cls", b"x" * 300)], "300 bytes, not a class"),
+        ([("a.png", "png"), ("a.cls", b"3"), ("a.cls", b"4")], "sample 'a' has two classes"),
+        ([("a.png", "png"), ("a.cls", b"a\rb")], "holds 'a\\rb', not a class name"),
+        (
+            [("img.v0.png", "png"), ("img.v0.cls", b"3")],
+            "member 'img.v0.png' is field 'v0.png' of sample 'img'",
+        ),
+        ([("a.png", "link"), ("a.cls", b"3")], "member 'a.png' is a link"),
+        ([("caf\udce9.png", "png"), ("caf\udce9.cls", b"3")], "a member name is not UTF-8"),
     ],
 )
 def test_a_shard_that_would_mislabel_is_refused_naming_the_sample(
     folders: Path, shards: Path, members: list[tuple[str, bytes | str]], named: str
 ) -> None:
     bad = shards / "train" / "999999.tar"
-    _write(bad, [(n, _png(folders) if d == "png" else d) for n, d in members])  # type: ignore[misc]
+    if any(d == "link" for _, d in members):
+        members = [("b.png", "png"), *members]
+    _write(bad, [(n, _png(folders) if d == "png" else d) for n, d in members])
     with pytest.raises(DatasetError) as err:
         open_dataset(str(shards), SIZE, use_shards=False)
     assert str(bad) in str(err.value) and named in str(err.value)
@@ -158,4 +176,48 @@ def test_the_producers_command_refuses_to_write_into_a_full_folder(
     assert "train: 1 shard(s)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(folders), str(dest)])
-    assert "is not empty" in capsys.readouterr().err
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit):
+        main([str(folders), str(tmp_path / "a-file")])
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    (tmp_path / "empty-class" / "train" / "cat").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "empty-class"), str(tmp_path / "out2")])
+    assert "empty class folder" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()  # refused before anything was written
+
+
+def test_two_tars_written_one_after_the_other_are_refused(shards: Path) -> None:
+    first, second = sorted((shards / "train").glob("*.tar"))[:2]
+    first.write_bytes(first.read_bytes() + second.read_bytes())
+    second.unlink()
+    with pytest.raises(DatasetError, match=f"{first}: data after its end-of-archive blocks"):
+        open_dataset(str(shards), SIZE, use_shards=False)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_class(folders: Path, shards: Path) -> None:
+    shard = sorted((shards / "train").glob("*.tar"))[0]
+    with tarfile.open(shard) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    _write(shard, [(n, b"\xef\xbb\xbf" + d if n.endswith(".cls") else d) for n, d in members])
+    before = open_dataset(str(folders), SIZE, use_shards=False).class_names
+    assert open_dataset(str(shards), SIZE, use_shards=False).class_names == before
+
+
+def test_shards_alike_in_size_and_time_keep_their_own_pixels_on_a_repack(
+    folders: Path, shards: Path
+) -> None:
+    """Shards of a folder not staged are keyed by path, size and time: tars pad to 10 KiB, so
+    equal sizes are common, and unpacked archives share times. A repack reuses each image's
+    own row, never another shard's."""
+    tars = sorted(shards.rglob("*.tar"))
+    for tar in tars:
+        os.utime(tar, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    assert len({t.stat().st_size for t in tars}) < len(tars)  # some alike
+    pack_shards(shards, SIZE)
+    shutil.copy(tars[0], shards / "train" / "999999.tar")  # a new shard: the folder repacks
+    again = pack_shards(shards, SIZE)
+    assert again.action == "packed" and again.reused > 0
+    loose = _content(open_dataset(str(shards), SIZE, use_shards=False))
+    assert _content(open_dataset(str(shards), SIZE)) == loose
