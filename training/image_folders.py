@@ -65,24 +65,45 @@ def _check_image(path: ImageSource) -> str | None:
     return verdict if isinstance(verdict, str) else None
 
 
-def _list_split(root: Path, split: str) -> dict[str, list[ImageSource]]:
+def _split_files(root: Path, split: str) -> tuple[list[Path], dict[str, list[Path]]]:
+    """A split's tar shards, or (none) its images per class folder: its files, no file read."""
     split_dir = root / split
     if not split_dir.is_dir():
         raise DatasetError(f"missing split: {split_dir} does not exist (expected {split}/<class>/)")
     shards = sorted(p for p in split_dir.iterdir() if p.is_file() and is_tar_name(p))
     if shards:
-        return _list_shards(split_dir, shards)
-    classes: dict[str, list[ImageSource]] = {}
+        return shards, {}
+    classes: dict[str, list[Path]] = {}
     for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-        files: list[ImageSource] = [
-            *sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
-        ]
+        files = sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
         if not files:
             raise DatasetError(f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images")
         classes[class_dir.name] = files
     if not classes:
         raise DatasetError(f"split {split_dir} has no class folders")
-    return classes
+    return [], classes
+
+
+def _splits(root: Path, required: Sequence[str]) -> list[str]:
+    return [s for s in SPLITS if s in required or (root / s).is_dir()]
+
+
+def list_files(root: Path, required: Sequence[str] = REQUIRED_SPLITS) -> list[Path]:
+    """Every file the dataset's images come from (loose images, and tar shards as wholes),
+    without opening a shard: what its data version is computed from. Reading every shard's
+    member headers instead is one read per image, on NFS, at every start of every rank."""
+    files: list[Path] = []
+    for split in _splits(root, required):
+        shards, classes = _split_files(root, split)
+        files += shards or [f for images in classes.values() for f in images]
+    return files
+
+
+def _list_split(root: Path, split: str) -> dict[str, list[ImageSource]]:
+    shards, classes = _split_files(root, split)
+    if shards:
+        return _list_shards(root / split, shards)
+    return {name: [*images] for name, images in classes.items()}
 
 
 def _list_shards(split_dir: Path, shards: list[Path]) -> dict[str, list[ImageSource]]:
@@ -114,7 +135,7 @@ def list_image_folders(
     """The class names and, per split present, each class's image files; checks that every
     split has the same classes (a model cannot score a class it never saw). ``required``: the
     splits that must be there (the scorer needs only the one it scores)."""
-    listed = {s: _list_split(root, s) for s in SPLITS if s in required or (root / s).is_dir()}
+    listed = {s: _list_split(root, s) for s in _splits(root, required)}
     if not listed:
         raise DatasetError(f"{root} has none of the splits {', '.join(SPLITS)}")
     first = "train" if "train" in listed else next(iter(listed))

@@ -46,6 +46,7 @@ from training.image_folders import (
     ImageSource,
     decode_checked,
     labelled_samples,
+    list_files,
     list_image_folders,
 )
 from training.staged_folder import SHARD_DIR, staged_md5s
@@ -83,44 +84,51 @@ def _files(listed: dict[str, dict[str, list[ImageSource]]]) -> Iterator[ImageSou
             yield from files
 
 
-def _content_keys(
-    root: Path, listed: dict[str, dict[str, list[ImageSource]]]
-) -> tuple[str, dict[ImageSource, str]]:
-    """The folder's data version and a key per image that changes when its content does.
+def _file_keys(root: Path, files: list[Path]) -> tuple[str, dict[Path, str]]:
+    """The folder's data version and a key per file (a loose image or a tar shard) that
+    changes when its content does.
 
-    Staged folders use the manifest (no file is touched); any other folder its path, size and
-    modification time, as make does. An image inside a tar shard is keyed by its shard's key
-    and its name in the shard.
+    Staged folders use the manifest (no file is touched); any other folder the file's path,
+    size and modification time, as make does (with the path: two files of one size and time,
+    an archive unpacked or a file system's whole-second times, are not one content).
     """
     version, md5s = staged_md5s(root)
-    keys: dict[ImageSource, str] = {}
-    names: dict[ImageSource, str] = {}
-    for image in _files(listed):
-        file, inside = (
-            (image.tar, f":{image.name}") if isinstance(image, TarMember) else (image, "")
-        )
-        rel = file.relative_to(root).as_posix()
-        names[image] = rel + inside
+    keys: dict[Path, str] = {}
+    rels: dict[Path, str] = {}
+    for file in files:
+        rel = rels[file] = file.relative_to(root).as_posix()
         if rel in md5s:
-            keys[image] = f"md5:{md5s[rel]}{inside}"
+            keys[file] = f"md5:{md5s[rel]}"
         else:
             st = file.stat()
-            # With its path: two files of one size and time (an archive unpacked, `cp -p`, a
-            # file system's whole-second times) are not one content.
-            keys[image] = f"stat:{rel}:{st.st_size}:{st.st_mtime_ns}{inside}"
-    # The manifest's version stands only if it vouches for every image (it also lists
+            keys[file] = f"stat:{rel}:{st.st_size}:{st.st_mtime_ns}"
+    # The manifest's version stands only if it vouches for every file (it also lists
     # non-image files, so counting its entries would not say that).
     if version is None or any(key.startswith("stat:") for key in keys.values()):
         digest = hashlib.sha256()
-        for name, key in sorted((names[image], key) for image, key in keys.items()):
-            digest.update(f"{name}\0{key}\n".encode())
+        for rel, key in sorted((rels[file], key) for file, key in keys.items()):
+            digest.update(f"{rel}\0{key}\n".encode())
         version = f"listing-{digest.hexdigest()[:16]}"
     return version, keys
 
 
+def _content_keys(
+    root: Path, listed: dict[str, dict[str, list[ImageSource]]]
+) -> tuple[str, dict[ImageSource, str]]:
+    """The data version (:func:`current_version`'s) and a key per image: its file's, and for
+    an image inside a tar shard, the shard's key and its name in the shard."""
+    version, files = _file_keys(root, list_files(root, list(listed)))
+    keys: dict[ImageSource, str] = {
+        image: f"{files[image.tar]}:{image.name}" if isinstance(image, TarMember) else files[image]
+        for image in _files(listed)
+    }
+    return version, keys
+
+
 def current_version(root: Path) -> str:
-    """The version of the data now in ``root``, as the shards record it."""
-    return _content_keys(root, list_image_folders(root)[1])[0]
+    """The version of the data now in ``root``, as the shards record it: from its files
+    alone, so a tar-sharded dataset's check opens no shard."""
+    return _file_keys(root, list_files(root))[0]
 
 
 def _row_bytes(size: int) -> int:

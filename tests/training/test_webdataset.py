@@ -9,6 +9,7 @@ import hashlib
 import io
 import os
 import shutil
+import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -221,3 +222,22 @@ def test_shards_alike_in_size_and_time_keep_their_own_pixels_on_a_repack(
     assert again.action == "packed" and again.reused > 0
     loose = _content(open_dataset(str(shards), SIZE, use_shards=False))
     assert _content(open_dataset(str(shards), SIZE)) == loose
+
+
+def test_the_trainer_starts_from_packed_shards_without_opening_a_tar(shards: Path) -> None:
+    """The data version is the shards' files' (their staged MD5s, or path, size and time):
+    listing every member header instead is a read per image, on NFS, at every rank's start."""
+    pack_shards(shards, SIZE)
+    opened: list[str] = []
+    watching = [True]
+
+    def watch(event: str, args: tuple[object, ...]) -> None:
+        if watching[0] and event == "open" and str(args[0]).endswith(".tar"):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(watch)  # audit hooks stay for the process: `watching` turns it off
+    try:
+        info = open_dataset(str(shards), SIZE)
+    finally:
+        watching[0] = False
+    assert info.kind == "image-folders (packed shards)" and opened == []
