@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -112,6 +112,14 @@ def _rates(files: int, size: int, wall: float, cpu: float) -> dict[str, float]:
     }
 
 
+def _turns(rounds: int, first: str, second: str) -> Iterator[tuple[int, str]]:
+    """Each round's two cases, the order reversed every other round, so both see the same
+    load on this shared machine."""
+    for rnd in range(rounds):
+        for case in (first, second) if rnd % 2 == 0 else (second, first):
+            yield rnd, case
+
+
 def measure(
     conn: str, name: str, port: int, part: str, work: Path, delay: float, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -123,22 +131,20 @@ def measure(
     trees = set()
     with delayed(port, delay) as via:
         container = _through(conn, via, name)
-        for rnd in range(args.rounds):
-            order = ("step", "rclone") if rnd % 2 == 0 else ("rclone", "step")
-            for tool in order:
-                dest = work / f"{tool}-{part}-{delay:g}ms-{rnd}"
-                call = {
-                    "step": lambda d=dest: sync_to_directory(container, source, d, workers),
-                    "rclone": lambda d=dest: rclone_copy(via, name, source, d, workers),
-                }[tool]
-                wall, cpu = measured(call, who[tool])
-                files, size = dataset.tree_bytes(dest)
-                trees.add((files, size))
-                rates = _rates(files, size, wall, cpu)
-                again, again_cpu = measured(call, who[tool])
-                rates["resync_seconds"] = round(again, 3)
-                rates["resync_cpu_seconds"] = round(again_cpu, 3)
-                runs[tool].append(rates)
+        for rnd, tool in _turns(args.rounds, "step", "rclone"):
+            dest = work / f"{tool}-{part}-{delay:g}ms-{rnd}"
+            call = {
+                "step": lambda d=dest: sync_to_directory(container, source, d, workers),
+                "rclone": lambda d=dest: rclone_copy(via, name, source, d, workers),
+            }[tool]
+            wall, cpu = measured(call, who[tool])
+            files, size = dataset.tree_bytes(dest)
+            trees.add((files, size))
+            rates = _rates(files, size, wall, cpu)
+            again, again_cpu = measured(call, who[tool])
+            rates["resync_seconds"] = round(again, 3)
+            rates["resync_cpu_seconds"] = round(again_cpu, 3)
+            runs[tool].append(rates)
     if len(trees) != 1:
         raise RuntimeError(f"{part}: the step and rclone staged different trees: {trees}")
     return {
@@ -179,16 +185,14 @@ def loose_or_packed(
     images = 0
     with delayed(port, delay) as via:
         container = _through(conn, via, name)
-        for rnd in range(args.rounds):
-            order = ("loose", "packed") if rnd % 2 == 0 else ("packed", "loose")
-            for how in order:
-                dest = work / f"first-step-{how}-{delay:g}ms-{rnd}"
-                prefix = f"{PREFIX}/{'images' if how == 'loose' else 'tars'}"
-                started = time.perf_counter()
-                done = stage(container, prefix, dest, PACK_IMAGE_SIZE, args.workers)
-                seconds[how].append(time.perf_counter() - started)
-                images = done["shards"]["images"]
-                shutil.rmtree(dest)
+        for rnd, how in _turns(args.rounds, "loose", "packed"):
+            dest = work / f"first-step-{how}-{delay:g}ms-{rnd}"
+            prefix = f"{PREFIX}/{'images' if how == 'loose' else 'tars'}"
+            started = time.perf_counter()
+            done = stage(container, prefix, dest, PACK_IMAGE_SIZE, args.workers)
+            seconds[how].append(time.perf_counter() - started)
+            images = done["shards"]["images"]
+            shutil.rmtree(dest)
     loose, packed = (statistics.median(seconds[k]) for k in ("loose", "packed"))
     return {"images": images, "loose_seconds": round(loose, 3), "packed_seconds": round(packed, 3)}
 
