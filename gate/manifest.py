@@ -106,6 +106,8 @@ def _decoded(data: bytes, md5: str | None) -> dict[str, Any]:
     return row
 
 
+SHARD = "the shard"  # how a shard's own errors name it: its rows carry its path
+
 # What a cached tar shard holds: a row per sample, its content and where it sits in the shard.
 SAMPLE_FIELDS = ("name", "label", "bytes", *CONTENT_FIELDS)
 
@@ -120,7 +122,7 @@ def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
         try:
             with open_shard(None, spool) as tar:
                 found = []
-                for sample in read_samples(tar, blob.name):
+                for sample in read_samples(tar, SHARD):
                     handle = tar.extractfile(sample.image)
                     data = handle.read() if handle else b""
                     found.append(
@@ -132,7 +134,8 @@ def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
                         }
                     )
         except (ShardError, OSError) as exc:
-            return {"error": str(exc).replace("the shard: ", f"{blob.name}: ", 1)}
+            # Kept by content, so no name in it: the row under the shard's path says where.
+            return {"error": str(exc).removeprefix(f"{SHARD}: ")}
     return {"samples": found}
 
 
@@ -143,7 +146,7 @@ def _shard_rows(rel: str, size: int, shard: dict[str, Any]) -> list[dict[str, An
     parts = rel.split("/")
     split = parts[0] if len(parts) == 2 else None
     problem = shard.get("error")
-    if split is None:
+    if split not in SPLITS:
         problem = "a tar shard is read only as <split>/NNNNNN.tar (train/, val/ or test/)"
     if problem is not None or "samples" not in shard:
         return [
@@ -165,11 +168,12 @@ def _shard_rows(rel: str, size: int, shard: dict[str, Any]) -> list[dict[str, An
 
 def _flag_mixed_splits(shard_rows: list[dict[str, Any]], loose: list[dict[str, Any]]) -> None:
     """A split is tar shards or class folders, never both (the trainer refuses a mix): each
-    loose row of a split that also holds shards says so."""
-    with_shards = {r["split"] for r in shard_rows if r["split"]}
+    loose row below a split's folder that also holds shards says so, at any depth."""
+    with_shards = {r["split"] for r in shard_rows if r["split"] in SPLITS}
     for row in loose:
-        if row["split"] in with_shards and row["problem"] is None:
-            row["problem"] = f"split {row['split']} holds tar shards: no class folders beside them"
+        split = row["path"].split("/", 1)[0]
+        if split in with_shards and "/" in row["path"] and row["problem"] is None:
+            row["problem"] = f"split {split} holds tar shards: no class folders beside them"
 
 
 def _cached(hit: Any, shard: bool) -> TypeGuard[dict[str, Any]]:
@@ -277,7 +281,13 @@ def build_manifest(
         ],
     )
     reused = sum(1 for _, _, from_cache in described_all if from_cache)
-    entries = {key: kept for key, (_, kept, _) in zip(keys, described_all, strict=True)}
+    # Only what was read as an image or a shard: a blob of another kind (`a.png.bak`, the
+    # same bytes) has the same content key, and its unread row must not stand for the image.
+    entries = {
+        key: kept
+        for blob, key, (_, kept, _) in zip(blobs, keys, described_all, strict=True)
+        if blob.size and (is_image_name(blob.name) or is_tar_name(blob.name))
+    }
     if not (reused == len(blobs) and len(entries) == len(cache)):  # else: the same cache
         atomic_write(
             cache_file, lambda fh: fh.write(json.dumps(entries, separators=(",", ":")).encode())

@@ -13,6 +13,7 @@ managed identity. Nothing here logs or returns a credential.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -166,7 +167,8 @@ def _page(container: ContainerClient, url: str, attempts: int = 3) -> bytes:
     from azure.core.exceptions import IncompleteReadError, ServiceResponseError
     from azure.core.rest import HttpRequest
 
-    for attempt in range(attempts):
+    attempt = 0
+    while True:
         request = HttpRequest("GET", url)
         request.headers["x-ms-version"] = API_VERSION
         response = container._client._send_request(request, stream=True)
@@ -177,9 +179,10 @@ def _page(container: ContainerClient, url: str, attempts: int = 3) -> bytes:
                     f"{urlsplit(url).path} refused with HTTP {response.status_code}"
                 )
             return response.read()
-        except (IncompleteReadError, ServiceResponseError, ConnectionError):
-            if attempt + 1 == attempts:
+        except (IncompleteReadError, ServiceResponseError):
+            attempt += 1
+            if attempt >= attempts:
                 raise
         finally:
             response.close()
-    raise AssertionError("unreachable")
+        time.sleep(0.5 * attempt)  # as the pipeline's retries, a pause before the next try

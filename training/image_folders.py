@@ -70,11 +70,19 @@ def _split_files(root: Path, split: str) -> tuple[list[Path], dict[str, list[Pat
     split_dir = root / split
     if not split_dir.is_dir():
         raise DatasetError(f"missing split: {split_dir} does not exist (expected {split}/<class>/)")
-    shards = sorted(p for p in split_dir.iterdir() if p.is_file() and is_tar_name(p))
+    entries = sorted(split_dir.iterdir())
+    shards = [p for p in entries if p.is_file() and is_tar_name(p)]
+    folders = [p for p in entries if p.is_dir()]
+    if shards and folders:
+        # A second copy of the split, or half of one: refused rather than guessed at.
+        raise DatasetError(
+            f"{split_dir} holds both tar shards and class folders "
+            f"({', '.join(p.name for p in folders[:3])}): a split is one or the other"
+        )
     if shards:
         return shards, {}
     classes: dict[str, list[Path]] = {}
-    for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+    for class_dir in folders:
         files = sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
         if not files:
             raise DatasetError(f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images")
@@ -108,14 +116,7 @@ def _list_split(root: Path, split: str) -> dict[str, list[ImageSource]]:
 
 def _list_shards(split_dir: Path, shards: list[Path]) -> dict[str, list[ImageSource]]:
     """A split packed as WebDataset shards (``training.webdataset``): its images per class,
-    read from the tars' headers. Class folders beside the shards would be a second copy of
-    the split, or half of one: refused rather than guessed at."""
-    folders = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
-    if folders:
-        raise DatasetError(
-            f"{split_dir} holds both tar shards and class folders ({', '.join(folders[:3])}): "
-            "a split is one or the other"
-        )
+    read from the tars' headers."""
     classes: dict[str, list[ImageSource]] = {}
     for shard in shards:
         try:

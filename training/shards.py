@@ -88,9 +88,11 @@ def _file_keys(root: Path, files: list[Path]) -> tuple[str, dict[Path, str]]:
     """The folder's data version and a key per file (a loose image or a tar shard) that
     changes when its content does.
 
-    Staged folders use the manifest (no file is touched); any other folder the file's path,
-    size and modification time, as make does (with the path: two files of one size and time,
-    an archive unpacked or a file system's whole-second times, are not one content).
+    Staged folders use the manifest (no file is touched); any other folder the file's path
+    and status: size and modification time, as make does, with the path (two files of one
+    size and time, an archive unpacked or a file system's whole-second times, are not one
+    content), the change time and the inode (a file replaced by one of the same size with
+    its time set back: tars are multiples of 512 bytes, so sizes repeat).
     """
     version, md5s = staged_md5s(root)
     keys: dict[Path, str] = {}
@@ -101,7 +103,7 @@ def _file_keys(root: Path, files: list[Path]) -> tuple[str, dict[Path, str]]:
             keys[file] = f"md5:{md5s[rel]}"
         else:
             st = file.stat()
-            keys[file] = f"stat:{rel}:{st.st_size}:{st.st_mtime_ns}"
+            keys[file] = f"stat:{rel}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
     # The manifest's version stands only if it vouches for every file (it also lists
     # non-image files, so counting its entries would not say that).
     if version is None or any(key.startswith("stat:") for key in keys.values()):
@@ -500,7 +502,10 @@ def open_shards(root: Path, image_size: int) -> DatasetInfo | str:
         return f"shards are format {index.get('format')}, this trainer reads {PACK_FORMAT}"
     if index.get("image_size") != image_size:
         return f"shards were packed at {index.get('image_size')} px; the model reads {image_size}"
-    version = current_version(root)
+    try:
+        version = current_version(root)
+    except DatasetError as exc:  # e.g. a split packed then removed: the scorer needs only one
+        return f"the folder no longer holds what was packed ({exc})"
     if index.get("version") != version:
         return f"shards hold data version {index.get('version')}; the folder holds {version}"
     splits: dict[str, SplitData] = {}

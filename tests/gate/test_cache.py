@@ -84,3 +84,19 @@ def test_new_version_under_a_new_prefix_reads_only_new_content(
     changed = next(r for r in rows if r["path"] == changed_rel)
     assert changed["readable"] is False and changed["bytes"] == len(b"new bytes, not an image")
     assert all(r["readable"] for r in rows if r["path"] != changed_rel)
+
+
+def test_a_copy_under_another_kind_of_name_does_not_stand_for_the_image(
+    seeded: tuple[PipelineConfig, int],
+) -> None:
+    """`a.png.bak`, the same bytes as `a.png`, shares its content key (MD5 and size); its row
+    (not an image, nothing read) must not be cached as what the image holds."""
+    config, _ = seeded
+    container = container_client(config.data)
+    first, _ = _build(config)
+    image = sorted(r["path"] for r in first if r["split"] == "train")[0]
+    data = container.download_blob(f"{config.data.prefix}/{image}").readall()
+    container.upload_blob(f"{config.data.prefix}/{image}.bak", data)
+    for _ in range(2):
+        rows, _ = _build(config)
+        assert next(r for r in rows if r["path"] == image)["readable"] is True

@@ -79,6 +79,8 @@ def test_what_the_trainer_would_refuse_or_miss_fails_the_gate_saying_why(
     container.upload_blob(f"{prefix}/val/digit_0/x.png", png)  # val: loose only, fine
     container.upload_blob(f"{prefix}/train/digit_0/x.png", png)  # beside train's shards
     container.upload_blob(f"{prefix}/test/999999.tar", good[: len(good) // 2])  # cut short
+    container.upload_blob(f"{prefix}/other/000000.tar", good)  # a folder no reader knows
+    container.upload_blob(f"{prefix}/train/a/b/y.png", png)  # deep, beside train's shards
 
     rows, _ = build_manifest(config.data, config.work_dir / "gate-cache")
     problems = {r["path"]: r["problem"] for r in rows if r["problem"]}
@@ -87,14 +89,20 @@ def test_what_the_trainer_would_refuse_or_miss_fails_the_gate_saying_why(
         "test/digit_0/more.tar": (
             "a tar shard is read only as <split>/NNNNNN.tar (train/, val/ or test/)"
         ),
+        "other/000000.tar": (
+            "a tar shard is read only as <split>/NNNNNN.tar (train/, val/ or test/)"
+        ),
         "train/digit_0/x.png": "split train holds tar shards: no class folders beside them",
+        "train/a/b/y.png": "split train holds tar shards: no class folders beside them",
         "test/999999.tar": problems.get("test/999999.tar", "missing"),
     }
-    assert problems["test/999999.tar"].startswith(f"{prefix}/test/999999.tar: ")
+    # Kept by content: the sentence names no blob (the row's path does), so the same bytes
+    # under another version's folder are not reported under this one's name.
+    assert problems["test/999999.tar"].startswith(("cut short", "damaged tar"))
     success, records = run_expectations(
         rows, ValidationConfig(min_images_per_class=1), tmp_path / "docs"
     )
     assert not success
     message = str(failure(rows, records))
-    assert "expect_column_values_to_be_null(problem): 4 unexpected" in message
-    assert "train/digit_0/x.png: split train holds tar shards" in message
+    assert "expect_column_values_to_be_null(problem): 6 unexpected" in message
+    assert "train/a/b/y.png: split train holds tar shards" in message

@@ -241,3 +241,42 @@ def test_the_trainer_starts_from_packed_shards_without_opening_a_tar(shards: Pat
     finally:
         watching[0] = False
     assert info.kind == "image-folders (packed shards)" and opened == []
+
+
+def test_class_folders_added_beside_packed_shards_are_refused_not_ignored(
+    folders: Path, shards: Path
+) -> None:
+    pack_shards(shards, SIZE)
+    shutil.copytree(folders / "train" / "digit_3", shards / "train" / "digit_3")
+    with pytest.raises(DatasetError, match="both tar shards and class folders"):
+        open_dataset(str(shards), SIZE)
+
+
+def test_a_shard_replaced_with_its_size_and_time_kept_is_read_again(shards: Path) -> None:
+    """Relabelled in place (each class the next digit), the modification time set back:
+    the packed rows are not used; the shard's change time and inode say it is not the one
+    packed."""
+    pack_shards(shards, SIZE)
+    shard = sorted((shards / "train").glob("*.tar"))[0]
+    before = shard.stat()
+    with tarfile.open(shard) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    relabelled = [  # each class the next digit: same lengths, so the same tar size
+        (n, d[:-1] + str((int(d[-1:]) + 1) % 10).encode() if n.endswith(".cls") else d)
+        for n, d in members
+    ]
+    assert relabelled != members
+    _write(shard, relabelled)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert shard.stat().st_size == before.st_size
+    info = open_dataset(str(shards), SIZE)
+    assert info.kind == "image-folders" and _content(info) == _content(
+        open_dataset(str(shards), SIZE, use_shards=False)
+    )
+
+
+def test_the_scorer_reads_what_is_left_when_a_packed_split_is_gone(shards: Path) -> None:
+    pack_shards(shards, SIZE)
+    shutil.rmtree(shards / "train")
+    info = open_dataset(str(shards), SIZE, required_splits=("test",))
+    assert info.kind == "image-folders" and list(info.splits) == ["test"]
