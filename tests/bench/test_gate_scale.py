@@ -72,5 +72,7 @@ def test_report_section_shows_each_measured_step_and_what_was_not_run() -> None:
     assert "`class_counts` alone: 40.0 s" in text
     assert "not run: 1,234 s predicted" in text
     assert "(150 reads/s)" in text and "8,874 s (148 min)" in text
-    assert "took 25 s together (0.1x the goal)" in text
+    assert "took 25 s together (0.08x the goal)" in text
     assert "at the full 1,331,167 rows, linearly, about 166 s" in text
+    # 25 s of listing and manifest plus 166 s of expectations, against 300 s.
+    assert "the nightly gate as a whole about 191 s (0.64x the goal)" in text
