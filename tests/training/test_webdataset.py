@@ -280,3 +280,20 @@ def test_the_scorer_reads_what_is_left_when_a_packed_split_is_gone(shards: Path)
     shutil.rmtree(shards / "train")
     info = open_dataset(str(shards), SIZE, required_splits=("test",))
     assert info.kind == "image-folders" and list(info.splits) == ["test"]
+
+
+def test_a_sparse_member_is_refused_naming_it(shards: Path, tmp_path: Path) -> None:
+    """GNU tar's --sparse stores a file's holes as a map: the bytes at the member's offset are
+    not the file. The gate's reader rebuilds them, the trainer's reads at the offset: refused
+    by both, rather than passed by one and garbage to the other."""
+    import subprocess
+
+    work = tmp_path / "sparse"
+    work.mkdir()
+    (work / "x.png").write_bytes(b"")
+    os.truncate(work / "x.png", 100_000)  # a hole, the whole file
+    (work / "x.cls").write_text("digit_0")
+    shard = shards / "train" / "999999.tar"
+    subprocess.run(["tar", "--sparse", "-cf", str(shard), "x.png", "x.cls"], cwd=work, check=True)
+    with pytest.raises(DatasetError, match=r"member 'x\.png' is not stored as a plain file"):
+        open_dataset(str(shards), SIZE, use_shards=False)
