@@ -31,8 +31,7 @@ from core.config import BlobLocation
 from core.data_versions import MARKER
 from staging.blob import list_pinned
 from staging.listing import PinnedBlob
-from staging.transfer import b64md5
-from training.atomic import atomic_write, read_json_object
+from training.atomic import atomic_write, b64md5, read_json_object
 from training.images import SPLITS, is_image_name, open_image, to_rgb
 from training.webdataset import ShardError, is_tar_name, open_shard, read_samples
 
@@ -64,11 +63,6 @@ def _path_fields(rel: str, size: int) -> dict[str, Any]:
         "bytes": int(size),
         "problem": None,
     }
-
-
-def _describe_image(container: Any, blob: PinnedBlob, prefix: str) -> dict[str, Any]:
-    rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
-    return {**_path_fields(rel, blob.size), **_content(container, blob, rel)}
 
 
 def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
@@ -218,10 +212,6 @@ def _flag_leaks(rows: list[dict[str, Any]]) -> None:
         row["leak"] = bool(row["md5"]) and row["md5"] in train and row["md5"] in test
 
 
-# A blob's rows, what the cache keeps of its content, and whether that came from the cache.
-Described = tuple[list[dict[str, Any]], dict[str, Any], bool]
-
-
 def build_manifest(
     location: BlobLocation,
     cache_dir: Path,
@@ -237,56 +227,51 @@ def build_manifest(
     cache = read_json_object(cache_file) or {}  # none usable: every image is read again
 
     prefix = location.prefix
+    rels = [blob.name[len(prefix) + 1 :] if prefix else blob.name for blob in blobs]
+    # What each blob is read as: a tar shard, an image, or nothing (empty, or another kind).
+    shards = [is_tar_name(rel) for rel in rels]
+    read_as = [
+        bool(blob.size) and (tar or is_image_name(rel))
+        for blob, rel, tar in zip(blobs, rels, shards, strict=True)
+    ]
 
-    def described(blob: PinnedBlob, cached: Any) -> Described | None:
-        """The blob's rows (one, or a tar shard's samples), what the cache keeps of its
-        content, and whether that came from the cache; None when it must be read."""
-        rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
-        shard = is_tar_name(rel)
-        if blob.size == 0 or not (shard or is_image_name(rel)):  # nothing to read or keep
-            row = _describe_image(container, blob, prefix)
-            return [row], {k: row[k] for k in CONTENT_FIELDS}, False
-        if not _cached(cached, shard):
-            return None
-        if shard:
-            return _shard_rows(rel, blob.size, cached), cached, True
-        return [{**_path_fields(rel, blob.size), **cached}], cached, True
+    def rows_of(i: int, content: dict[str, Any]) -> list[dict[str, Any]]:
+        if shards[i] and read_as[i]:
+            return _shard_rows(rels[i], blobs[i].size, content)
+        return [{**_path_fields(rels[i], blobs[i].size), **content}]
 
-    def read(blob: PinnedBlob) -> Described:
-        rel = blob.name[len(prefix) + 1 :] if prefix else blob.name
-        if is_tar_name(rel):
-            content = _shard_samples(container, blob)
-            return _shard_rows(rel, blob.size, content), content, False
-        content = _content(container, blob, rel)
-        return [{**_path_fields(rel, blob.size), **content}], content, False
+    def read(i: int) -> dict[str, Any]:
+        if shards[i]:
+            return _shard_samples(container, blobs[i])
+        return _content(container, blobs[i], rels[i])
 
     # Cache hits in this thread (a nightly gate over unchanged data is all hits: 1.33 M futures
     # through a thread pool cost more than the rows); only what must be read goes to the pool.
     keys = [_content_key(blob) for blob in blobs]
-    found = [described(blob, cache.get(key)) for blob, key in zip(blobs, keys, strict=True)]
-    misses = [i for i, d in enumerate(found) if d is None]
+    contents: list[dict[str, Any] | None] = []
+    for i, key in enumerate(keys):
+        cached = cache.get(key)
+        if not read_as[i]:  # nothing to read, nothing kept: never from the cache
+            contents.append(_content(container, blobs[i], rels[i]))
+        else:
+            contents.append(cached if _cached(cached, shards[i]) else None)
+    reused = sum(1 for i, c in enumerate(contents) if read_as[i] and c is not None)
+    misses = [i for i, c in enumerate(contents) if c is None]
     with ThreadPoolExecutor(max_workers=16) as pool:
-        for i, fresh in zip(misses, pool.map(read, [blobs[i] for i in misses]), strict=True):
-            found[i] = fresh
-    described_all = [d for d in found if d is not None]
-    rows = [row for got, _, _ in described_all for row in got]
-    shard = [is_tar_name(blob.name) for blob in blobs]
+        for i, fresh in zip(misses, pool.map(read, misses), strict=True):
+            contents[i] = fresh
+    described = [rows_of(i, c) for i, c in enumerate(contents) if c is not None]
+    rows = [row for got in described for row in got]
     _flag_mixed_splits(
-        [row for (got, _, _), tar in zip(described_all, shard, strict=True) if tar for row in got],
-        [
-            row
-            for (got, _, _), tar in zip(described_all, shard, strict=True)
-            if not tar
-            for row in got
-        ],
+        [row for got, tar in zip(described, shards, strict=True) if tar for row in got],
+        [row for got, tar in zip(described, shards, strict=True) if not tar for row in got],
     )
-    reused = sum(1 for _, _, from_cache in described_all if from_cache)
     # Only what was read as an image or a shard: a blob of another kind (`a.png.bak`, the
     # same bytes) has the same content key, and its unread row must not stand for the image.
     entries = {
-        key: kept
-        for blob, key, (_, kept, _) in zip(blobs, keys, described_all, strict=True)
-        if blob.size and (is_image_name(blob.name) or is_tar_name(blob.name))
+        key: content
+        for key, content, kept in zip(keys, contents, read_as, strict=True)
+        if kept and content is not None
     }
     if not (reused == len(blobs) and len(entries) == len(cache)):  # else: the same cache
         atomic_write(

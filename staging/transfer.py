@@ -41,7 +41,6 @@ What each download guarantees:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import ctypes
 import ctypes.util
@@ -60,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from staging.blob import Retry
 from staging.listing import ChangedSinceGateError, PinnedBlob
+from training.atomic import b64md5
 from training.staged_folder import TEMP_PREFIX
 
 if TYPE_CHECKING:
@@ -96,10 +96,6 @@ def redact(text: str) -> str:
     """``text`` without SAS fields; only its first line (the store's messages go on with
     debugging detail of the request)."""
     return SECRET.sub(r"\1=REDACTED", text.strip().splitlines()[0] if text.strip() else "")
-
-
-def b64md5(digest: Any) -> str:
-    return base64.b64encode(digest.digest()).decode()
 
 
 def _verify(blob: PinnedBlob, received: int, md5: str) -> None:

@@ -31,13 +31,18 @@ def atomic_write(path: Path, write: Any) -> None:
         raise
 
 
+def b64md5(digest: Any) -> str:
+    """A finished MD5 (a hashlib object) base64-encoded, as Blob storage writes Content-MD5."""
+    return base64.b64encode(digest.digest()).decode()
+
+
 def file_md5(path: Path) -> str:
     """The MD5 of a file's bytes, base64-encoded as Blob storage writes its Content-MD5."""
     digest = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
-    return base64.b64encode(digest.digest()).decode()
+    return b64md5(digest)
 
 
 def atomic_write_json(obj: object, path: Path) -> None:
