@@ -64,6 +64,19 @@ def progress_text(record: dict[str, Any], seen: list[dict[str, Any]]) -> str:
     )
 
 
+def progress_record(line: str) -> dict[str, Any] | None:
+    """The record of a trainer's ``PROGRESS {json}`` line, or None where it cannot be read.
+
+    Text either side of the object is ignored: the line is a log line, and a line glued to it
+    by another writer on the same pipe (an older trainer wrote its newline apart) must not fail
+    a training that is going well."""
+    try:
+        record, _ = json.JSONDecoder().raw_decode(line.split("PROGRESS ", 1)[1])
+    except (IndexError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 @step("run-training")
 def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -> Done[None]:
     logger = get_run_logger()
@@ -81,18 +94,22 @@ def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -
     def on_line(line: str) -> None:
         tail.append(line)
         logger.info(line)
-        if "PROGRESS " in line:
-            record = json.loads(line.split("PROGRESS ", 1)[1])
-            if record.get("resumed_from") is not None:
-                resumed.append(record["resumed_from"])
-            if "epoch" not in record:
-                return  # an attempt that resumed after the last epoch: nothing trained
-            epochs.append(record)
-            update_progress_artifact(
-                progress_id,
-                100.0 * record["epoch"] / record["epochs"],
-                description=progress_text(record, epochs),
-            )
+        if "PROGRESS " not in line:
+            return
+        record = progress_record(line)
+        if record is None:
+            logger.warning("training: a PROGRESS line that is not a JSON object: %r", line)
+            return
+        if record.get("resumed_from") is not None:
+            resumed.append(record["resumed_from"])
+        if "epoch" not in record:
+            return  # an attempt that resumed after the last epoch: nothing trained
+        epochs.append(record)
+        update_progress_artifact(
+            progress_id,
+            100.0 * record["epoch"] / record["epochs"],
+            description=progress_text(record, epochs),
+        )
 
     result = cluster.run_task(spec, on_line)
     if result.exit_code != 0:

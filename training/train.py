@@ -555,14 +555,14 @@ def _train(job: Job, writer: Any) -> None:
         job.history.append(record)
         _save_checkpoint(job, epoch)
         if world.is_root:
-            _progress({**record, "resumed_from": job.resumed_from})
+            emit_progress({**record, "resumed_from": job.resumed_from})
             _add_scalars(writer, record, epoch)
     if args.timeline:
         dist.stop_timeline()
     if job.start_epoch > args.epochs and world.is_root:
         # Resumed after the last epoch (a job killed after its last checkpoint): nothing is
         # trained, but orchestrators still learn where this attempt started.
-        _progress({"epochs": args.epochs, "resumed_from": job.resumed_from})
+        emit_progress({"epochs": args.epochs, "resumed_from": job.resumed_from})
 
 
 def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
@@ -638,8 +638,12 @@ def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
     )
 
 
-def _progress(record: dict[str, Any]) -> None:
-    print("PROGRESS " + json.dumps(record), flush=True)
+def emit_progress(record: dict[str, Any]) -> None:
+    """Writes the line in one call: the task runs Python unbuffered (live logs), where print()
+    writes the text and its newline separately, and a line the checkpoint writer's thread logs
+    to the same pipe could land between the two, gluing itself to the JSON."""
+    sys.stdout.write("PROGRESS " + json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 def _add_scalars(writer: Any, record: dict[str, Any], epoch: int) -> None:

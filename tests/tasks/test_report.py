@@ -120,3 +120,23 @@ def test_each_picture_is_an_artifact_of_its_own() -> None:
     (embedded,) = artifacts(pictures(None))
     assert (embedded.key, embedded.type) == ("chart-confusion", "markdown")
     assert embedded.data.startswith("![confusion matrix on the test split](data:image/png;base64,")
+
+
+def test_a_progress_line_with_another_line_glued_to_it_still_counts_its_epoch() -> None:
+    """The line a CI run saw: the checkpoint writer's thread logged between the JSON and its
+    newline; the training went on well, and its step must not fail on the log line."""
+    from tasks.train_and_score import progress_record
+
+    glued = (
+        'PROGRESS {"epoch": 1, "epochs": 1, "train_loss": 2.18, "resumed_from": null}'
+        "[rank 0] checkpoint-1.pt written in 0.00 s, in the background"
+    )
+    assert progress_record(glued) == {
+        "epoch": 1,
+        "epochs": 1,
+        "train_loss": 2.18,
+        "resumed_from": None,
+    }
+    assert progress_record('[rank 0] x PROGRESS {"epochs": 2}') == {"epochs": 2}
+    assert progress_record("PROGRESS {cut") is None
+    assert progress_record("PROGRESS [1, 2]") is None
