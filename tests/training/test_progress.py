@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from typing import Any, cast
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_a_progress_line_reaches_the_pipe_in_one_write(monkeypatch: pytest.Monke
     """PYTHONUNBUFFERED (the task spec sets it) gives stdout a text layer that writes through to
     the file: any second write of one line lets another thread's log line in between."""
     pipe = _Writes()
-    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(pipe, write_through=True))
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(cast(Any, pipe), write_through=True))
     record = {"epoch": 1, "epochs": 3, "train_loss": 0.5}
     emit_progress(record)
     assert pipe.calls == [b"PROGRESS " + json.dumps(record).encode() + b"\n"]
