@@ -122,13 +122,43 @@ def gpu_benchmark(args: argparse.Namespace) -> dict[str, object] | None:
     """Horovod's synthetic benchmark method, through the trainer's own engine layer (so
     ``--engine ddp`` under torchrun measures the same step); only rank 0 returns the report."""
     from training import distributed as dist
-    from training.models import build_model
 
     world = dist.init(args.engine)
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         raise SystemExit("--gpu: no CUDA device here (pass --allow-cpu for a smoke run)")
     device = world.device
+    rates = _timed_rates(args, device, world.size, cuda)
+    mean = statistics.mean(rates)
+    spread = 1.96 * statistics.stdev(rates) if len(rates) > 1 else 0.0
+    all_means = [float(m) for m in dist.gather_objects(mean)]  # type: ignore[arg-type]
+    # The wrapped model is gone by now (it lived in _timed_rates): a DDP model still alive when
+    # the group is destroyed keeps Gloo's threads until the interpreter's teardown, where they
+    # can hang or abort a finished run (the trainer's run() ends before its shutdown likewise).
+    dist.shutdown(together=True)
+    if world.rank != 0:
+        return None
+    return {
+        "benchmark": "train_throughput --gpu",
+        "machine": torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.machine()})",
+        "method": f"{args.model} {args.image_size}x{args.image_size}, batch {args.batch_size}/GPU, "
+        f"AMP={cuda}, channels_last, {args.iters}x{args.batches_per_iter} batches "
+        f"after {args.warmup_batches} warm-up, engine {args.engine}",
+        "engine": args.engine,
+        "gpus": world.size,
+        "images_per_sec_per_gpu": mean,
+        "images_per_sec_per_gpu_ci95": spread,
+        "images_per_sec_total": sum(all_means),
+    }
+
+
+def _timed_rates(
+    args: argparse.Namespace, device: torch.device, world_size: int, cuda: bool
+) -> list[float]:
+    """Images/s of each timed iteration on this rank; the model and its wrapper live only here."""
+    from training import distributed as dist
+    from training.models import build_model
+
     if cuda:
         torch.backends.cudnn.benchmark = True
     model = build_model(args.model, 1000).to(device)  # channels_last on inputs: see trainer
@@ -138,7 +168,7 @@ def gpu_benchmark(args: argparse.Namespace) -> dict[str, object] | None:
         adasum=False,
         sync_batchnorm=False,
     )
-    base = torch.optim.SGD(model.parameters(), lr=0.01 * world.size)
+    base = torch.optim.SGD(model.parameters(), lr=0.01 * world_size)
     net, optimizer = dist.wrap(model, base, options)
     dist.broadcast_state(model, optimizer)
     scaler = torch.amp.GradScaler("cuda", enabled=cuda)
@@ -169,24 +199,7 @@ def gpu_benchmark(args: argparse.Namespace) -> dict[str, object] | None:
         if cuda:
             torch.cuda.synchronize()
         rates.append(args.batch_size * args.batches_per_iter / (time.perf_counter() - started))
-    mean = statistics.mean(rates)
-    spread = 1.96 * statistics.stdev(rates) if len(rates) > 1 else 0.0
-    all_means = [float(m) for m in dist.gather_objects(mean)]  # type: ignore[arg-type]
-    dist.shutdown(together=True)
-    if world.rank != 0:
-        return None
-    return {
-        "benchmark": "train_throughput --gpu",
-        "machine": torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.machine()})",
-        "method": f"{args.model} {args.image_size}x{args.image_size}, batch {args.batch_size}/GPU, "
-        f"AMP={cuda}, channels_last, {args.iters}x{args.batches_per_iter} batches "
-        f"after {args.warmup_batches} warm-up, engine {args.engine}",
-        "engine": args.engine,
-        "gpus": world.size,
-        "images_per_sec_per_gpu": mean,
-        "images_per_sec_per_gpu_ci95": spread,
-        "images_per_sec_total": sum(all_means),
-    }
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
