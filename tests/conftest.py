@@ -15,6 +15,13 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_BATCH_INTERVAL"] = "0.3"
 os.environ["GX_ANALYTICS_ENABLED"] = "false"
+# Prefect's waits, shortened for the test servers and workers (what is checked stays the same):
+# a run refused a deployment's concurrency slot is scheduled again after 2 s instead of 30 (the
+# tests' deployments allow one run at a time and several tests queue three runs), and a worker
+# asks for runs every 2 s instead of 10. A test's runs otherwise wait on those clocks while
+# the machine idles.
+os.environ["PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS"] = "2"
+os.environ["PREFECT_WORKER_QUERY_SECONDS"] = "2"
 import shutil
 import socket
 import subprocess

@@ -26,7 +26,11 @@ def _image_builder() -> list[str]:
 
 
 def make_config(tmp_path: Path, *overrides: str) -> PipelineConfig:
-    """configs/local.yaml on containers of its own and directories under tmp_path."""
+    """configs/local.yaml on containers of its own and directories under tmp_path, training
+    one rank: a flow test is about the steps around the training, and every rank is a process
+    that starts torch (about 3 CPU-seconds before it trains). The tests of what two ranks change
+    ask for them (``pool.processes_per_node=2``): the end-to-end flow here, the trainer's and
+    the nodes' own tests under tests/training/ and tests/reliability/."""
     suffix = uuid.uuid4().hex[:10]
     return load_config(
         ROOT / "configs" / "local.yaml",
@@ -39,6 +43,7 @@ def make_config(tmp_path: Path, *overrides: str) -> PipelineConfig:
             f"pool.id=pool-{suffix}",
             "training.epochs=3",
             "training.batch_size=16",
+            "pool.processes_per_node=1",
             *_image_builder(),
             *overrides,
         ],

@@ -53,7 +53,10 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    config = make_config(tmp_path, f"output.links_url=http://127.0.0.1:{port}")
+    # Two ranks, as configs/local.yaml trains: the one flow test of the distributed job itself.
+    config = make_config(
+        tmp_path, f"output.links_url=http://127.0.0.1:{port}", "pool.processes_per_node=2"
+    )
     seed(config, digits_source)
     # The outputs gateway, as `python -m flows.models serve` runs it: the run's links open.
     gateway = serve(container_client(config.output, create=True), "", "127.0.0.1", port)
