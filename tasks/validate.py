@@ -23,7 +23,7 @@ from core.run import Run
 from gate.docs_assets import DocsAssetError, localize
 from gate.manifest import build_manifest, list_dataset
 from gate.report import failure, gate_markdown
-from gate.suites import run_expectations
+from gate.verdicts import judge
 from registry.gateway import output_link
 from staging.listing import listing_blob, listing_json, listing_version
 from tasks.steps import Done, step
@@ -55,7 +55,10 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
     blobs = list_dataset(dataset, retries)
     rows, cached = build_manifest(dataset, gate_cache_dir(config), retries, blobs)
     docs = run.work_dir / "data_docs"
-    success, records = run_expectations(rows, config.validation, docs)
+    verdict = judge(rows, config.validation, docs, gate_cache_dir(config) / "verdicts")
+    success, records = verdict.success, verdict.records
+    if verdict.reused:
+        logger.info("the same manifest and rules were judged before: that verdict stands")
     try:  # readable offline: the pages' styles and scripts go with them (gate/docs_assets.py)
         localize(docs)
     except DocsAssetError as exc:
@@ -89,6 +92,7 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
             "data_prefix": dataset.prefix,
             "images": len(rows),
             "read_from_cache": cached,
+            "verdict_reused": verdict.reused,
             "listing": pinned,
             "classes": len({r["label"] for r in rows}),
             "data_docs": docs_url,

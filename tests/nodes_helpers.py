@@ -141,3 +141,85 @@ def listen_on(node: Node, port: int) -> subprocess.Popen[str]:
     proc = node.popen([sys.executable, "-c", _LISTEN, str(port)], {}, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
     return proc
+
+
+def push_with_file_deleted(reference: str, path: str, suffix: str) -> str:
+    """``reference``'s image with one layer more that deletes ``path`` (an OCI whiteout, what
+    a Dockerfile's ``RUN rm`` adds), pushed beside it as ``<tag><suffix>`` through the
+    registry's HTTP API; the new reference. Nothing is rebuilt or copied: the base layers are
+    the registry's already (a buildah container of a 2 GB image copies every layer first)."""
+    import gzip
+    import io
+    import tarfile
+    import urllib.request
+
+    from tests.fakes.container import MANIFEST_TYPES, WHITEOUT, split_reference
+
+    host, repository, tag = split_reference(reference)
+    base = f"http://{host}/v2/{repository}"
+
+    def call(url: str, method: str = "GET", data: bytes | None = None, **headers: str) -> Any:
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.headers, response.read()
+
+    def push_blob(data: bytes) -> str:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        headers, _ = call(f"{base}/blobs/uploads/", "POST", b"")
+        location = headers["Location"]
+        if location.startswith("/"):
+            location = f"http://{host}{location}"
+        sep = "&" if "?" in location else "?"
+        call(
+            f"{location}{sep}digest={digest}",
+            "PUT",
+            data,
+            **{"Content-Type": "application/octet-stream"},
+        )
+        return digest
+
+    _, raw = call(f"{base}/manifests/{tag}", Accept=MANIFEST_TYPES)
+    manifest = json.loads(raw)
+    _, config_raw = call(f"{base}/blobs/{manifest['config']['digest']}")
+    config = json.loads(config_raw)
+
+    folder, name = os.path.split(path.strip("/"))
+    layer_tar = io.BytesIO()
+    with tarfile.open(fileobj=layer_tar, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        parts = folder.split("/")
+        for depth in range(1, len(parts) + 1):  # the folders above it, as a layer lists them
+            entry = tarfile.TarInfo("/".join(parts[:depth]))
+            entry.type, entry.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(entry)
+        tar.addfile(tarfile.TarInfo(f"{folder}/{WHITEOUT}{name}"))
+    plain = layer_tar.getvalue()
+    layer = gzip.compress(plain, mtime=0)
+    oci = manifest.get("mediaType", "").startswith("application/vnd.oci")
+    manifest["layers"].append(
+        {
+            "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip"
+            if oci
+            else "application/vnd.docker.image.rootfs.diff.tar.gzip",
+            "digest": push_blob(layer),
+            "size": len(layer),
+        }
+    )
+    config["rootfs"]["diff_ids"].append("sha256:" + hashlib.sha256(plain).hexdigest())
+    config.setdefault("history", []).append({"created_by": f"rm {path}"})
+    config_bytes = json.dumps(config).encode()
+    manifest["config"] = {
+        **manifest["config"],
+        "digest": push_blob(config_bytes),
+        "size": len(config_bytes),
+    }
+    new_tag = f"{tag}{suffix}"
+    call(
+        f"{base}/manifests/{new_tag}",
+        "PUT",
+        json.dumps(manifest).encode(),
+        **{
+            "Content-Type": manifest.get("mediaType")
+            or "application/vnd.oci.image.manifest.v1+json"
+        },
+    )
+    return f"{host}/{repository}:{new_tag}"

@@ -184,9 +184,13 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert steps["stage-data"]["status"] == "skipped"
     assert steps["stage-data"]["details"]["downloaded"] == 0
     assert steps["stage-data"]["details"]["shards"]["action"] == "unchanged"
-    # The gate read no image again: every blob's description came from its cache.
+    # The gate read no image again: every blob's description came from its cache, and the
+    # verdict on the same manifest and rules came from the first run's (the suites ran once).
     gate = steps["validate-data"]["details"]
     assert gate["read_from_cache"] == gate["images"] > 0
+    assert gate["verdict_reused"] is True
+    first_gate = {s["step"]: s for s in result["steps"]}["validate-data"]["details"]
+    assert first_gate["verdict_reused"] is False
     assert steps["build-image"]["status"] == "skipped"
     assert state2.result()["promoted"] is False
     assert f"against the champion's {result['accuracy']:.4f}" in state2.result()["reason"]

@@ -30,6 +30,7 @@ from tests.nodes_helpers import (
     copy_scripts,
     listen_on,
     metrics,
+    push_with_file_deleted,
     require_emulated_nodes,
     run_task,
     training_spec,
@@ -223,26 +224,9 @@ def test_an_image_without_sshd_fails_on_the_node_naming_what_it_lacks(
     pool: PoolNodes, training_image: str
 ) -> None:
     """What the image lacks fails here, as it would on Batch, and says what: an image whose
-    openssh-server is gone (the same image, one layer more, pushed beside it)."""
-    from backends.buildah import Buildah
-    from backends.image_registry import cache_dir
-
-    buildah = Buildah(cache_dir() / "build")
-    lacking = f"{training_image}-no-sshd"
-    # The build left the image in buildah's storage, named for the registry it pushed to then.
-    named = f"/{training_image.split('/', 1)[1]}"
-    stored = [n for n in buildah.output("images", "--format", "{{.Name}}:{{.Tag}}").split()]
-    source = next((n for n in stored if n.endswith(named)), f"docker://{training_image}")
-    container = buildah.output("from", "--tls-verify=false", "--quiet", source).strip()
-    try:
-        buildah.output("run", "--isolation", "chroot", container, "--", "rm", "/usr/sbin/sshd")
-        buildah.output("commit", "--quiet", container, lacking)
-    finally:
-        buildah.output("rm", container)
-    try:
-        buildah.output("push", "--tls-verify=false", "--quiet", lacking, f"docker://{lacking}")
-    finally:
-        buildah.output("rmi", lacking)  # the registry keeps it; the build storage need not
+    openssh-server is gone (the same image, one layer more that deletes /usr/sbin/sshd,
+    pushed beside it)."""
+    lacking = push_with_file_deleted(training_image, "/usr/sbin/sshd", "-no-sshd")
     run = run_task(pool, training_spec(2, 1), image=lacking)
     assert run.exit_code == 1
     failed = next(s for s in run.subtasks if s.node_id == run.failed_node)
