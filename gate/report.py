@@ -29,6 +29,7 @@ def gate_markdown(
     records: list[dict[str, Any]],
     where: str,
     docs_url: str,
+    reused: bool = False,
 ) -> str:
     """The ``data-gate`` artifact: the verdict, the counts, and a row per failed expectation."""
     failed = [r for r in records if not r["success"]]
@@ -40,6 +41,12 @@ def gate_markdown(
         f"[Open the Data Docs]({docs_url}): every expectation and its result.",
         "",
     ]
+    if reused:
+        lines += [
+            "The same manifest under the same rules was judged before: this is that verdict, "
+            "and the Data Docs are that gate's (their run time is its own).",
+            "",
+        ]
     if not failed:  # an empty table renders as a stray dot: a passed gate says so in words
         return "\n".join([*lines, "Every expectation was met."])
     lines += [

@@ -21,18 +21,30 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from core.config import ValidationConfig
-from gate import suites
+from gate import manifest, suites
+from training import images
 from training.atomic import read_json_object
 
 KEEP = 8  # verdicts kept per cache folder, newest first; each is a few hundred KB of Data Docs
 VERDICT = "verdict.json"
 DOCS = "data_docs"
+STALE_SECONDS = 3600  # a half-written verdict's folder older than this is a killed gate's
+
+# The code that turns rows and rules into a verdict, whole files (a change anywhere in them
+# runs the suites again: one Great Expectations run, never a stale verdict): the suites, the
+# class counts they read (gate.manifest), the split names (training.images), and the libraries
+# that build the tables and run the expectations.
+DECIDING_SOURCES: tuple[Path, ...] = tuple(
+    Path(m.__file__ or "") for m in (suites, manifest, images)
+)
+DECIDING_PACKAGES = ("great_expectations", "pandas", "numpy")
 
 
 @dataclass(frozen=True)
@@ -42,16 +54,24 @@ class Verdict:
     reused: bool  # taken from an earlier gate of the same manifest and rules
 
 
+def _part(digest: Any, data: bytes) -> None:
+    """One length-prefixed part: no two different sequences of parts hash alike."""
+    digest.update(len(data).to_bytes(8, "big"))
+    digest.update(data)
+
+
 def verdict_key(rows: list[dict[str, Any]], rules: ValidationConfig) -> str:
     """A digest of what decides the verdict: row by row (a large manifest is never one
-    string), then the rules, the suites' source and Great Expectations' version."""
+    string), then the rules, the deciding code and the libraries' versions."""
     digest = hashlib.sha256()
+    _part(digest, str(len(rows)).encode())
     for row in rows:
-        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
-        digest.update(b"\n")
-    digest.update(json.dumps(rules.model_dump(mode="json"), sort_keys=True).encode())
-    digest.update(Path(suites.__file__).read_bytes())
-    digest.update(metadata.version("great_expectations").encode())
+        _part(digest, json.dumps(row, sort_keys=True, default=str).encode())
+    _part(digest, json.dumps(rules.model_dump(mode="json"), sort_keys=True).encode())
+    for source in DECIDING_SOURCES:
+        _part(digest, source.read_bytes())
+    for package in DECIDING_PACKAGES:
+        _part(digest, f"{package}=={metadata.version(package)}".encode())
     return digest.hexdigest()
 
 
@@ -72,29 +92,57 @@ def _stored(folder: Path) -> Verdict | None:
 
 def _store(cache: Path, key: str, verdict: Verdict, docs: Path) -> None:
     """Written whole in a folder beside the cache's, then renamed into place: a gate killed
-    mid-write leaves no half verdict under its key."""
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".verdict-", dir=cache))
-    try:
-        shutil.copytree(docs, work / DOCS)
-        body = {"success": verdict.success, "records": verdict.records}
-        (work / VERDICT).write_text(json.dumps(body))
-        target = cache / key
-        if target.is_file() or target.is_symlink():  # damaged: not a verdict's folder
-            target.unlink()
-        elif target.is_dir() and _stored(target) is None:  # damaged, not another gate's
-            shutil.rmtree(target, ignore_errors=True)
-        with contextlib.suppress(OSError):  # another gate stored the same verdict first
-            work.rename(target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    kept = sorted(
-        (p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
-    for old in kept[KEEP:]:
+    mid-write leaves no half verdict under its key. A cache: a failure to store (a full disk)
+    costs the next gate one run of the suites, never this one its verdict."""
+    with contextlib.suppress(OSError):
+        cache.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".verdict-", dir=cache))
+        try:
+            shutil.copytree(docs, work / DOCS)
+            body = {"success": verdict.success, "records": verdict.records}
+            (work / VERDICT).write_text(json.dumps(body))
+            target = cache / key
+            if target.is_file() or target.is_symlink():  # damaged: not a verdict's folder
+                target.unlink()
+            elif target.is_dir() and _stored(target) is None:  # damaged, not another gate's
+                shutil.rmtree(target, ignore_errors=True)
+            with contextlib.suppress(OSError):  # another gate stored the same verdict first
+                work.rename(target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    _prune(cache)
+
+
+def _prune(cache: Path) -> None:
+    """The newest KEEP verdicts stay; older ones, and what killed gates left half-written, go.
+    Another gate may prune at once: what vanished meanwhile is skipped."""
+    found: list[tuple[float, Path]] = []
+    for entry in cache.iterdir() if cache.is_dir() else ():
+        with contextlib.suppress(OSError):
+            mtime = entry.stat().st_mtime
+            if entry.name.startswith("."):
+                if mtime < time.time() - STALE_SECONDS:
+                    shutil.rmtree(entry, ignore_errors=True)
+            elif entry.is_dir():
+                found.append((mtime, entry))
+    for _, old in sorted(found, reverse=True)[KEEP:]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _reuse(folder: Path, docs: Path) -> Verdict | None:
+    """The stored verdict with its Data Docs copied to ``docs``; None when there is none whole
+    (then ``docs`` is left for the suites to build)."""
+    stored = _stored(folder)
+    if stored is None:
+        return None
+    try:
+        os.utime(folder)  # newest use: kept longest (before the copy, so no prune takes it)
+        shutil.rmtree(docs, ignore_errors=True)
+        shutil.copytree(folder / DOCS, docs)
+    except OSError:  # pruned or damaged meanwhile: judged again
+        shutil.rmtree(docs, ignore_errors=True)
+        return None
+    return stored
 
 
 def judge(rows: list[dict[str, Any]], rules: ValidationConfig, docs: Path, cache: Path) -> Verdict:
@@ -102,12 +150,9 @@ def judge(rows: list[dict[str, Any]], rules: ValidationConfig, docs: Path, cache
     stored one when this manifest and these rules were judged before, else a new one (then
     stored)."""
     key = verdict_key(rows, rules)
-    stored = _stored(cache / key)
-    if stored is not None:
-        shutil.rmtree(docs, ignore_errors=True)
-        shutil.copytree(cache / key / DOCS, docs)
-        os.utime(cache / key)  # newest use: kept longest
-        return stored
+    reused = _reuse(cache / key, docs)
+    if reused is not None:
+        return reused
     success, records = suites.run_expectations(rows, rules, docs)
     verdict = Verdict(success, records, reused=False)
     _store(cache, key, verdict, docs)

@@ -68,7 +68,7 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
     docs_url = output_link(config.output, outputs, f"{output_prefix}/data_docs/index.html")
     where = f"{dataset.container}/{dataset.prefix}".rstrip("/")
     create_markdown_artifact(
-        gate_markdown(success, rows, records, where, docs_url),
+        gate_markdown(success, rows, records, where, docs_url, verdict.reused),
         key="data-gate",
         description="Great Expectations gate",
     )

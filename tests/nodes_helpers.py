@@ -178,23 +178,24 @@ def push_with_file_deleted(reference: str, path: str, suffix: str) -> str:
         )
         return digest
 
-    _, raw = call(f"{base}/manifests/{tag}", Accept=MANIFEST_TYPES)
+    got, raw = call(f"{base}/manifests/{tag}", Accept=MANIFEST_TYPES)
     manifest = json.loads(raw)
+    media_type = manifest.get("mediaType") or got["Content-Type"]  # optional in OCI's body
     _, config_raw = call(f"{base}/blobs/{manifest['config']['digest']}")
     config = json.loads(config_raw)
 
     folder, name = os.path.split(path.strip("/"))
     layer_tar = io.BytesIO()
     with tarfile.open(fileobj=layer_tar, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        parts = folder.split("/")
+        parts = folder.split("/") if folder else []
         for depth in range(1, len(parts) + 1):  # the folders above it, as a layer lists them
             entry = tarfile.TarInfo("/".join(parts[:depth]))
             entry.type, entry.mode = tarfile.DIRTYPE, 0o755
             tar.addfile(entry)
-        tar.addfile(tarfile.TarInfo(f"{folder}/{WHITEOUT}{name}"))
+        tar.addfile(tarfile.TarInfo("/".join([*parts, f"{WHITEOUT}{name}"])))
     plain = layer_tar.getvalue()
     layer = gzip.compress(plain, mtime=0)
-    oci = manifest.get("mediaType", "").startswith("application/vnd.oci")
+    oci = media_type.startswith("application/vnd.oci")
     manifest["layers"].append(
         {
             "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -217,9 +218,6 @@ def push_with_file_deleted(reference: str, path: str, suffix: str) -> str:
         f"{base}/manifests/{new_tag}",
         "PUT",
         json.dumps(manifest).encode(),
-        **{
-            "Content-Type": manifest.get("mediaType")
-            or "application/vnd.oci.image.manifest.v1+json"
-        },
+        **{"Content-Type": media_type},
     )
     return f"{host}/{repository}:{new_tag}"

@@ -191,6 +191,9 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert gate["verdict_reused"] is True
     first_gate = {s["step"]: s for s in result["steps"]}["validate-data"]["details"]
     assert first_gate["verdict_reused"] is False
+    reused_report = next(a for a in artifacts2 if a.key == "data-gate").data
+    assert "was judged before: this is that verdict" in reused_report
+    assert "judged before" not in gate_report
     assert steps["build-image"]["status"] == "skipped"
     assert state2.result()["promoted"] is False
     assert f"against the champion's {result['accuracy']:.4f}" in state2.result()["reason"]
