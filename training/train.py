@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TextIO, cast
 
 import numpy as np
 import torch
@@ -638,12 +638,16 @@ def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
     )
 
 
+def write_line(stream: TextIO, text: str) -> None:
+    """One line in one call: the task runs Python unbuffered (live logs), where print() writes
+    the text and its newline separately, and a line the checkpoint writer's thread logs to the
+    same pipe could land between the two, gluing itself to this one."""
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def emit_progress(record: dict[str, Any]) -> None:
-    """Writes the line in one call: the task runs Python unbuffered (live logs), where print()
-    writes the text and its newline separately, and a line the checkpoint writer's thread logs
-    to the same pipe could land between the two, gluing itself to the JSON."""
-    sys.stdout.write("PROGRESS " + json.dumps(record) + "\n")
-    sys.stdout.flush()
+    write_line(sys.stdout, "PROGRESS " + json.dumps(record))
 
 
 def _add_scalars(writer: Any, record: dict[str, Any], epoch: int) -> None:
@@ -673,14 +677,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = start_world(args)
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        write_line(sys.stderr, f"error: {exc}")
         return 2
     if world.is_root:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         run(args, world)
     except (DatasetError, NonFiniteLossError, UsageError) as exc:
-        print(f"[rank {world.rank}] error: {exc}", file=sys.stderr, flush=True)
+        write_line(sys.stderr, f"[rank {world.rank}] error: {exc}")
         dist.shutdown(together=False)
         return 2
     dist.shutdown(together=True)
