@@ -1,12 +1,12 @@
-"""The gate's verdict, kept by what it judged: the manifest's rows, the rules, the suites' code
-and Great Expectations' version.
+"""The gate's verdict, kept by what decided it: the manifest's rows, the rules, the code the
+suites run (``DECIDING_SOURCES``) and the libraries' versions (``DECIDING_PACKAGES``).
 
 A nightly run over unchanged data builds the same manifest from the read cache
 (``gate.manifest``) and would run the same suites on it to the same verdict: importing Great
 Expectations alone costs a flow process seconds of CPU, and the suites over a large manifest
 more. So a verdict is stored with its Data Docs under a digest of everything that decides it,
 and a gate whose digest is known takes both from there. Any change in what decides it (one
-image's row, one rule, the suites' code, a Great Expectations upgrade) is another digest, and
+image's row, one rule, the deciding code, a library upgrade) is another digest, and
 the suites run again. A stored verdict that cannot be read is run again too, never trusted.
 
 The Data Docs of a reused verdict are the ones built when it was first reached: they show that
