@@ -14,8 +14,9 @@ Properties a training run relies on:
   ``verify_every`` (by a hash of the path), so every file is read again at least once every
   ``verify_every`` syncs;
 * atomic: each file is written under a temporary name and renamed, so a reader (or a resumed
-  sync) never sees a partial file under its final name; the manifest is written only after
-  the files are flushed to storage;
+  sync) never sees a partial file under its final name; the manifest vouches for a file only
+  when a crash cannot have lost its bytes since (on NFS once it is closed, on a local disk
+  under the boot that wrote it, anywhere else after a flush: ``staging.durability``);
 * verified: size, and MD5 whenever the service stored one, are checked before the rename;
 * path-safe: every blob name is checked before anything is written; a name that would land
   outside the destination, needs a path segment longer than the filesystem allows, or would be
@@ -40,8 +41,9 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from staging.blob import Retry, list_pinned, object_store
+from staging.durability import boot_id, settle
 from staging.listing import PinnedBlob
-from staging.transfer import Download, download_all, flush_filesystem
+from staging.transfer import Download, download_all
 from training.atomic import file_md5
 from training.staged_folder import (
     MANIFEST,
@@ -229,8 +231,10 @@ def sync_to_directory(
     planned = _plan(listing, prefix)  # every name checked before anything is written
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
-    previous, syncs = previous_sync(dest)
+    previous, syncs, previous_boot = previous_sync(dest)
     syncs += 1
+    boot = boot_id()
+    same_boot = boot is not None and previous_boot == boot
     turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
     # Stale is decided on destination paths, not blob names: a new version under a new prefix
     # renames every blob but lands on the same paths, which must stay.
@@ -241,6 +245,7 @@ def sync_to_directory(
     todo: list[Download] = []
     entries: dict[str, dict[str, Any]] = {}
     files: dict[str, dict[str, Any]] = {}
+    fresh: list[str] = []  # files whose bytes this boot may hold only in memory
     inside: dict[Path, bool] = {}  # per folder: resolving each file's path costs a stat per part
     for name, (blob, rel) in planned.items():
         target = dest / rel
@@ -271,16 +276,27 @@ def sync_to_directory(
             assert st is not None
             md5 = old.get("md5") or blob.md5
             recorded = old.get("stat")
-            if recorded == _status(st) and zlib.crc32(path.encode()) % verify_every != turn:
+            # Written unflushed under another boot: the machine has restarted since, maybe
+            # crashed with the bytes still in its memory. Read back, they are the disk's.
+            kept = {"unflushed": True} if old.get("unflushed") and same_boot else {}
+            survived = same_boot or not old.get("unflushed")
+            if (
+                recorded == _status(st)
+                and survived
+                and zlib.crc32(path.encode()) % verify_every != turn
+            ):
                 report.skipped += 1  # trusted: not read
-                files[name] = {**entry, "md5": md5, "stat": recorded}
+                files[name] = {**entry, "md5": md5, "stat": recorded, **kept}
                 continue
-            # Its turn to be read, or its status is not the one staging left (changed behind
-            # the manifest's back, or a manifest older than the status record).
+            # Its turn to be read, its status is not the one staging left (changed behind
+            # the manifest's back, or a manifest older than the status record), or it may
+            # have been lost in a crash.
             report.verified += 1
             if file_md5(target) == md5:
                 report.skipped += 1
-                files[name] = {**entry, "md5": md5, "stat": _status(st)}
+                files[name] = {**entry, "md5": md5, "stat": _status(st), **kept}
+                if recorded != _status(st):  # rewritten since: maybe not on the disk yet
+                    fresh.append(name)
                 continue
             report.repaired.append(name)
         elif old is None and same_size and blob.md5:
@@ -293,6 +309,7 @@ def sync_to_directory(
             if file_md5(target) == blob.md5:
                 report.skipped += 1
                 files[name] = {**entry, "stat": _status(st)}
+                fresh.append(name)  # written by a sync cut short: maybe not on the disk yet
                 continue
         todo.append(Download(blob, target))
         entries[name] = entry
@@ -300,6 +317,7 @@ def sync_to_directory(
     def landed(job: Download, md5: str, st: os.stat_result) -> None:
         files[job.blob.name] = {**entries[job.blob.name], "md5": md5, "stat": _status(st)}
         report.downloaded.append(job.blob.name)
+        fresh.append(job.blob.name)
         report.bytes_downloaded += job.blob.size
 
     try:
@@ -307,18 +325,28 @@ def sync_to_directory(
             download_all(object_store(container, retry), todo, pinned, workers, landed, retry)
     finally:
         # What did arrive is recorded; files finished but unrecorded are recognised by their
-        # MD5 next time. One flush of everything written, before the manifest vouches for it,
-        # instead of an fsync per file (a COMMIT round trip each on NFS). A file lost to a
-        # crash before this point is not in the manifest and is checked again next time.
-        if report.downloaded:
-            flush_filesystem(dest)
+        # MD5 next time. Before the manifest vouches for what was written, it is made safe
+        # from a crash, or marked as trusted under this boot only (staging.durability). A file
+        # lost to a crash before this point is not in the manifest and is checked again.
+        if fresh and settle(dest, boot):
+            for name in fresh:
+                files[name]["unflushed"] = True
         # Stale files are still recorded as such, so a sync cut short deletes them next time.
-        pending = {n: previous[n] for n in stale.values()}
-        _write_manifest(dest, prefix, files, report, pending, syncs)
+        pending = {n: _carried(previous[n], same_boot) for n in stale.values()}
+        _write_manifest(dest, prefix, files, report, pending, syncs, boot)
     report.deleted += _remove_stale(dest, root, stale)
     if stale:
-        _write_manifest(dest, prefix, files, report, None, syncs)
+        _write_manifest(dest, prefix, files, report, None, syncs, boot)
     return report
+
+
+def _carried(entry: dict[str, Any], same_boot: bool) -> dict[str, Any]:
+    """A stale entry kept for a later sync to delete: one written unflushed under another
+    boot loses its status, so that if a blob lands on its path again it is read, not trusted
+    under the boot this manifest names."""
+    if entry.get("unflushed") and not same_boot:
+        return {k: v for k, v in entry.items() if k not in ("stat", "unflushed")}
+    return entry
 
 
 def stage(
@@ -352,6 +380,7 @@ def _write_manifest(
     report: SyncReport,
     stale: dict[str, dict[str, Any]] | None,
     syncs: int,
+    boot: str | None,
 ) -> None:
-    report.data_version = write_manifest(dest, prefix, files, stale, syncs)
+    report.data_version = write_manifest(dest, prefix, files, stale, syncs, boot)
     report.manifest = str(dest / MANIFEST)

@@ -14,11 +14,13 @@ only fetch; the file work (MD5 check, temp file, write, rename) is queued to one
 a second and more being started only when the queue grows (on NFS each create and rename is a
 round trip), so that most file system calls release the lock without another thread waiting
 for it. A large blob (over :data:`PIECE`) is read as parallel ranged reads, each pinned with
-If-Match to the same ETag, written in place with ``pwrite`` and hashed in order as the pieces
-arrive: one blob of 64 MB is then as many requests in flight as the engine has workers. Pieces
-that arrive ahead of their turn are held in memory up to :data:`HOLD_BYTES` per blob; beyond
-that they are read back from the file when their turn comes, so a slow first piece of a blob of
-many GB does not hold the rest of it in memory.
+If-Match to the same ETag: one blob of 64 MB is then as many requests in flight as the engine
+has workers. Each range's body is streamed a :data:`CHUNK` at a time, written in place with
+``pwrite`` and hashed in order while the chunk is still in the processor's cache (a range
+received whole is written and hashed from memory: about twice the CPU per byte, measured in
+docs/performance.md). Chunks that arrive ahead of their turn are held in memory up to
+:data:`HOLD_BYTES` per blob; beyond that they are read back from the file when their turn
+comes, so a slow first range of a blob of many GB does not hold the rest of it in memory.
 
 What each download guarantees:
 
@@ -42,8 +44,6 @@ What each download guarantees:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import hashlib
 import itertools
 import os
@@ -55,7 +55,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from staging.blob import Retry
 from staging.listing import ChangedSinceGateError, PinnedBlob
@@ -66,8 +66,13 @@ if TYPE_CHECKING:
     from obstore.store import AzureStore
 
 PIECE = 8 << 20  # a blob larger than this is read as ranges of this size, in parallel
-HOLD_BYTES = 64 << 20  # per large blob, pieces kept in memory until their turn to be hashed
+CHUNK = 1 << 20  # a range's body is written and hashed this much at a time
+HOLD_BYTES = 64 << 20  # per large blob, chunks kept in memory until their turn to be hashed
 QUEUE_BYTES = 64 << 20  # bytes waiting for the writer before fetch threads write themselves
+# Ranges of large blobs in flight, per usable core (at least 4 in all): more only switch
+# threads, each woken for a little of its body, where a core moves hundreds of MB/s
+# (docs/performance.md).
+RANGES_PER_CORE = 4
 SPAWN_AT = 32  # files waiting per writer thread before another writer starts
 MAX_WRITERS = 8
 SECRET = re.compile(r"(sig|se|sv|sp|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|st|sr)=[^&\s\"']+")
@@ -75,6 +80,8 @@ SECRET = re.compile(r"(sig|se|sv|sp|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|st|sr
 # What :func:`download_all` reports for each file it lands: the download, its MD5 (base64) and
 # the file's status after the rename (size, modification and change times, inode), which the
 # manifest records so that a later sync can trust the file without reading it.
+T = TypeVar("T")
+
 Done = Callable[["Download", str, os.stat_result], None]
 
 
@@ -127,24 +134,6 @@ def _read_all(fd: int, size: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def flush_filesystem(path: Path) -> None:
-    """Flush what was written to the file system holding ``path`` (``syncfs``), before the
-    manifest vouches for it: one flush for all files instead of an fsync per file (a COMMIT
-    round trip each on NFS), and only this file system, not every disk of the machine as
-    ``sync`` would."""
-    libc_name = ctypes.util.find_library("c")
-    syncfs = getattr(ctypes.CDLL(libc_name, use_errno=True), "syncfs", None) if libc_name else None
-    if syncfs is None:
-        os.sync()
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-
-
 @dataclass(eq=False)
 class _Large:
     """A blob read as ranges: its temp file, and the pieces hashed so far (in order)."""
@@ -154,8 +143,9 @@ class _Large:
     fd: int
     pieces: int
     lock: threading.Lock = field(default_factory=threading.Lock)
-    waiting: dict[int, Any] = field(default_factory=dict)  # arrived, not yet hashed
-    hashed: int = 0
+    # Chunks arrived, not yet hashed, by offset: (length, bytes, or None when read back).
+    waiting: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    hashed: int = 0  # bytes hashed, from the first
     hashing: bool = False
     received: int = 0
     digest: Any = field(default_factory=lambda: hashlib.md5(usedforsecurity=False))
@@ -167,9 +157,10 @@ class _Large:
 
 class _Engine:
     def __init__(
-        self, store: AzureStore, pinned: bool, done: Done, retry: Retry, piece: int
+        self, store: AzureStore, pinned: bool, done: Done, retry: Retry, piece: int, ranges: int
     ) -> None:
         self.store, self.pinned, self.retry, self.piece = store, pinned, retry, piece
+        self.ranges = threading.BoundedSemaphore(ranges)
         self._done = done
         self._done_lock = threading.Lock()
         self.failures: list[BaseException] = []
@@ -219,47 +210,55 @@ class _Engine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def _get(self, blob: PinnedBlob, span: tuple[int, int] | None) -> Any:
-        """The blob's bytes (a range of them), retried when the body breaks off; refusals
-        (a changed blob, no permission) raise at once, named. A range always carries If-Match:
-        the pieces of one file must come from one version of the blob."""
-        import obstore
-        from obstore.exceptions import BaseError, GenericError, NotFoundError, PreconditionError
+    def _refusal(self, blob: PinnedBlob, exc: Exception) -> Exception:
+        """What a request refused for good (not worth trying again) means, naming the blob."""
+        from obstore.exceptions import NotFoundError, PreconditionError
 
-        options: dict[str, Any] = {}
-        if self.pinned or span is not None:
-            options["if_match"] = blob.etag
-        if span is not None:
-            options["range"] = span
+        if isinstance(exc, PreconditionError | NotFoundError):
+            if self.pinned:  # a condition on a deleted blob is answered 412 or 404
+                return ChangedSinceGateError(
+                    f"blob {blob.name!r} changed or was deleted after the data gate "
+                    f"validated it (its ETag is no longer {blob.etag}): it is not staged "
+                    "unvalidated; run again to validate it"
+                )
+            if isinstance(exc, PreconditionError):
+                return TransferError(
+                    f"blob {blob.name!r} changed while it was being downloaded (its ETag is "
+                    f"no longer {blob.etag}); run again to stage the new version"
+                )
+            return TransferError(f"blob {blob.name!r} vanished during the sync: {redact(str(exc))}")
+        # the store's other refusals: permissions, authentication
+        return TransferError(f"blob {blob.name!r}: {redact(str(exc))}")
+
+    def _retried(self, blob: PinnedBlob, request: Callable[[], T]) -> T:
+        """``request()`` until it succeeds, again after a failure on the way (a reset, a body
+        that breaks off); a refusal (a changed blob, no permission) raises at once, named."""
+        from obstore.exceptions import BaseError, GenericError
+
         wait = self.retry.first_wait
         for attempt in range(1, self.retry.blob_attempts + 1):
             try:
-                return obstore.get(self.store, blob.name, options=options or None).bytes()  # type: ignore[arg-type]
-            except (PreconditionError, NotFoundError) as exc:
-                if self.pinned:  # a condition on a deleted blob is answered 412 or 404
-                    raise ChangedSinceGateError(
-                        f"blob {blob.name!r} changed or was deleted after the data gate "
-                        f"validated it (its ETag is no longer {blob.etag}): it is not staged "
-                        "unvalidated; run again to validate it"
-                    ) from None
-                if isinstance(exc, PreconditionError):
-                    raise TransferError(
-                        f"blob {blob.name!r} changed while it was being downloaded (its ETag is "
-                        f"no longer {blob.etag}); run again to stage the new version"
-                    ) from None
-                raise TransferError(
-                    f"blob {blob.name!r} vanished during the sync: {redact(str(exc))}"
-                ) from None
+                return request()
             except GenericError as exc:
                 if attempt == self.retry.blob_attempts:
                     raise TransferError(
                         f"blob {blob.name!r}: {redact(str(exc))} (after {attempt} attempts)"
                     ) from None
-            except BaseError as exc:  # the store's other refusals: permissions, authentication
-                raise TransferError(f"blob {blob.name!r}: {redact(str(exc))}") from None
+            except BaseError as exc:
+                raise self._refusal(blob, exc) from None
             time.sleep(wait)
             wait = min(self.retry.max_wait, wait * 2)
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _get(self, blob: PinnedBlob) -> Any:
+        """A whole blob's bytes (pinned to its ETag when ``pinned``)."""
+        import obstore
+
+        options = {"if_match": blob.etag} if self.pinned else None
+        return self._retried(
+            blob,
+            lambda: obstore.get(self.store, blob.name, options=options).bytes(),  # type: ignore[arg-type]
+        )
 
     # -- large blobs ----------------------------------------------------------------------
 
@@ -278,37 +277,60 @@ class _Engine:
         return start, min(large.job.blob.size, start + self.piece)
 
     def piece_of(self, large: _Large, k: int) -> None:
+        """One range of a large blob, streamed: each chunk is written in place and, when it is
+        next in order, hashed while it is still in the processor's cache (a range received
+        whole, 8 MB, is out of the cache by the time it is written and hashed). A body that
+        breaks off is asked for again from the first byte not received, with If-Match always:
+        the pieces of one file must come from one version of the blob."""
+        import obstore
+
+        blob = large.job.blob
         start, end = self._span(large, k)
-        data = self._get(large.job.blob, (start, end))
-        if len(data) != end - start:
-            raise IntegrityError(
-                f"blob {large.job.blob.name!r}: range {start}-{end} gave {len(data)} bytes"
-            )
-        _write_all(large.fd, data, start)
-        # Hash in order: whoever finds the next piece waiting hashes it and those after it;
-        # the others leave theirs and go on fetching. A piece ahead of its turn is kept only
-        # while the blob holds less than HOLD_BYTES; otherwise it is read back from the file.
+        at = start
+
+        def rest() -> None:
+            nonlocal at
+            options = {"if_match": blob.etag, "range": (at, end)}
+            result = obstore.get(self.store, blob.name, options=options)  # type: ignore[arg-type]
+            for chunk in result.stream(min_chunk_size=CHUNK):
+                if at + len(chunk) > end:
+                    raise IntegrityError(
+                        f"blob {blob.name!r}: range {start}-{end} gave more than "
+                        f"{end - start} bytes"
+                    )
+                _write_all(large.fd, chunk, at)
+                self._hash_in_order(large, at, chunk)
+                at += len(chunk)
+
+        self._retried(blob, rest)
+        if at != end:
+            raise IntegrityError(f"blob {blob.name!r}: range {start}-{end} gave {at - start} bytes")
+
+    def _hash_in_order(self, large: _Large, offset: int, chunk: Any) -> None:
+        """Hash in order: whoever finds the next bytes waiting hashes them and those after
+        them; the others leave theirs and go on fetching. A chunk ahead of its turn is kept
+        only while the blob holds less than HOLD_BYTES; otherwise it is read back from the
+        file when its turn comes."""
         with large.lock:
-            keep = k == large.hashed or large.held + len(data) <= HOLD_BYTES
-            large.waiting[k] = data if keep else None
-            large.held += len(data) if keep else 0
-            large.received += len(data)
+            keep = offset == large.hashed or large.held + len(chunk) <= HOLD_BYTES
+            large.waiting[offset] = (len(chunk), chunk if keep else None)
+            large.held += len(chunk) if keep else 0
+            large.received += len(chunk)
             if large.hashing:
                 return
             large.hashing = True
         while True:
             with large.lock:
-                if large.hashed not in large.waiting:
+                item = large.waiting.pop(large.hashed, None)
+                if item is None:
                     large.hashing = False
-                    finished = large.hashed == large.pieces
+                    finished = large.hashed == large.job.blob.size
                     break
-                k = large.hashed
-                held = large.waiting.pop(k)
-                large.held -= len(held) if held is not None else 0
-                large.hashed += 1
+                at, (length, held) = large.hashed, item
+                large.held -= length if held is not None else 0
+                large.hashed += length
             if held is None:
-                start, end = self._span(large, k)
-                held = _read_all(large.fd, end - start, start)
+                held = _read_all(large.fd, length, at)
             large.digest.update(held)  # hashlib releases the lock on large buffers
         if finished:
             self._finish_large(large)
@@ -385,7 +407,7 @@ class _Engine:
                 if isinstance(what, _Large):
                     self.large_piece(what, k)
                 else:
-                    self.deliver(what, self._get(what.blob, None))
+                    self.deliver(what, self._get(what.blob))
             except BaseException as exc:
                 self.failures.append(exc)
                 return
@@ -399,7 +421,8 @@ class _Engine:
                 return  # its blob failed: its other pieces are not fetched
             large.active += 1
         try:
-            self.piece_of(large, k)
+            with self.ranges:
+                self.piece_of(large, k)
         except BaseException:
             with large.lock:
                 large.failed = True
@@ -436,14 +459,19 @@ def download_all(
     done: Done,
     retry: Retry | None = None,
     piece: int = PIECE,
+    ranges: int | None = None,
 ) -> None:
     """Download every job, ``workers`` requests in flight, calling ``done(job, md5, stat)`` as
     each file lands; raises the first hard failure once the requests in flight have ended.
+    ``ranges``: ranges of large blobs in flight at most (by default :data:`RANGES_PER_CORE`
+    per usable core), within the ``workers``.
 
     Plain threads, no event loop: a caller that already runs one (a Prefect task, a notebook)
     calls this as a plain function.
     """
-    engine = _Engine(store, pinned, done, retry or Retry(), piece)
+    if ranges is None:
+        ranges = max(4, RANGES_PER_CORE * len(os.sched_getaffinity(0)))
+    engine = _Engine(store, pinned, done, retry or Retry(), piece, ranges)
     engine.start_writer()
     tasks, lock = engine.tasks(jobs), threading.Lock()
     fetchers = [

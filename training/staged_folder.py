@@ -4,9 +4,9 @@ the shard packer and the trainer read it.
 
 The manifest (``.staging-manifest.json``) maps each staged blob to the file it became::
 
-    {"prefix": "images/v2", "data_version": "<16 hex>", "syncs": 12,
+    {"prefix": "images/v2", "data_version": "<16 hex>", "syncs": 12, "boot": "<boot id>",
      "files": {"<blob name>": {"path": "<relative path>", "etag": ..., "size": ..., "md5": ...,
-                               "stat": [mtime_ns, ctime_ns, inode]}},
+                               "stat": [mtime_ns, ctime_ns, inode], "unflushed": true}},
      "stale": {...}}   # files a cut-short sync still has to delete (same entry shape)
 
 ``data_version`` names the content, not the time: the same bytes under the same names give the
@@ -14,7 +14,10 @@ same version. ``stat`` is the file's status right after staging renamed it into 
 sync that finds the same size, times and inode trusts the file without reading it (the change
 time cannot be set by a program, so a rewrite that keeps the modification time still shows).
 ``syncs`` counts the syncs, which take turns re-reading a slice of the files (see
-``staging.sync``). Kept free of heavy imports (no torch): the staging task on a node imports it.
+``staging.sync``). ``unflushed`` marks a file written to a local disk and not flushed: its
+status vouches for it only under ``boot``, the boot of the machine that wrote the manifest (see
+``staging.durability``). Kept free of heavy imports (no torch): the staging task on a node
+imports it.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ def _read(dest: Path) -> dict[str, Any] | None:
         return None
 
 
-def previous_sync(dest: Path) -> tuple[dict[str, dict[str, Any]], int]:
+def previous_sync(dest: Path) -> tuple[dict[str, dict[str, Any]], int, str | None]:
     """What the last sync left in ``dest``: blob name -> entry of every file it wrote, stale
     ones it had yet to delete included (a sync deletes them unless a blob lands on their path
-    again), and how many syncs the manifest has seen. One read of the manifest for both (it
-    holds an entry per file). An unusable manifest reads as empty, and one written before the
-    status record and the sync count (no ``stat``, no ``syncs``) as zero syncs whose files have
-    no status to trust: every file is then checked again, nothing is lost."""
+    again), how many syncs the manifest has seen, and the boot it was written under. One read
+    of the manifest for all three (it holds an entry per file). An unusable manifest reads as
+    empty, and one written before the status record and the sync count (no ``stat``, no
+    ``syncs``) as zero syncs whose files have no status to trust: every file is then checked
+    again, nothing is lost."""
     data = _read(dest) or {}
     entries: dict[str, Any] = {}
     for section in ("stale", "files"):  # a live entry wins over a stale one of the same name
@@ -60,7 +64,8 @@ def previous_sync(dest: Path) -> tuple[dict[str, dict[str, Any]], int]:
             entries.update(part)
     count = data.get("syncs")
     syncs = count if type(count) is int and count >= 0 else 0
-    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}, syncs
+    boot = data.get("boot") if isinstance(data.get("boot"), str) else None
+    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}, syncs, boot
 
 
 def write_manifest(
@@ -69,10 +74,11 @@ def write_manifest(
     files: dict[str, dict[str, Any]],
     stale: dict[str, dict[str, Any]] | None = None,
     syncs: int = 0,
+    boot: str | None = None,
 ) -> str:
     """Write the manifest of ``files`` atomically; returns its data version. ``stale`` entries
     (files still to be deleted) are kept apart from the data version, so an interrupted sync
-    can finish the cleanup."""
+    can finish the cleanup. ``boot``: the boot its unflushed files are trusted under."""
     version = data_version(files)
     manifest: dict[str, Any] = {
         "prefix": prefix,
@@ -80,6 +86,8 @@ def write_manifest(
         "syncs": syncs,
         "files": files,
     }
+    if boot:
+        manifest["boot"] = boot
     if stale:
         manifest["stale"] = stale
     text = json.dumps(manifest, separators=(",", ":")).encode()  # compact: one entry per file
