@@ -24,6 +24,7 @@ Everything is in the page cache: these are CPU and protocol costs, not disk read
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import resource
@@ -33,17 +34,21 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from azure.storage.blob import ContainerClient
 
+import staging.sync
+import staging.transfer
 from backends.azurite import running_azurite
 from backends.blob import API_VERSION, upload_directory
 from bench import dataset
 from bench.delay_proxy import delayed
 from bench.output import dataset_main
+from staging.durability import flush_filesystem
 from staging.sync import stage, sync_to_directory
 from training.webdataset import pack_folders
 
@@ -152,6 +157,67 @@ def measure(
     }
 
 
+def _flushed(dest: Path, boot: str | None) -> bool:
+    """What every sync did before staging.durability: flush, then trust under any boot."""
+    flush_filesystem(dest)
+    return False
+
+
+# The large-file choices of staging.transfer and staging.durability, each against what was
+# there before it (or the obvious other choice): the module settings each one changes.
+LARGE_CHOICES: dict[str, list[tuple[Any, str, Any]]] = {
+    "flush before the manifest (the step before)": [(staging.sync, "settle", _flushed)],
+    "each range received whole (chunk = range)": [
+        (staging.transfer, "CHUNK", staging.transfer.PIECE)
+    ],
+    "every fetch thread on a range (ranges = workers)": [
+        (staging.transfer, "RANGES_PER_CORE", 10**6)
+    ],
+}
+
+
+@contextlib.contextmanager
+def _choice(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in changes]
+    try:
+        for module, attr, value in changes:
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+def large_choices(conn: str, name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The large files, no delay, staged as shipped and with each choice undone in turn,
+    alternating (``rounds`` + 1 of each, medians): MB/s, client CPU per file, and the ratio
+    of each alternative's rate to the shipped one measured beside it."""
+    container = ContainerClient.from_connection_string(conn, name, api_version=API_VERSION)
+    source, out = f"{PREFIX}/raw", dict[str, Any]()
+    for label, changes in LARGE_CHOICES.items():
+        runs: dict[str, list[dict[str, float]]] = {"shipped": [], "alternative": []}
+        for rnd, case in _turns(args.rounds + 1, "shipped", "alternative"):
+            dest = work / f"choice-{len(out)}-{case}-{rnd}"
+            with _choice(changes if case == "alternative" else []):
+                wall, cpu = measured(
+                    partial(sync_to_directory, container, source, dest, args.workers)
+                )
+            files, size = dataset.tree_bytes(dest)
+            runs[case].append(_rates(files, size, wall, cpu))
+            shutil.rmtree(dest)
+        med = {
+            case: {
+                k: statistics.median(r[k] for r in rs) for k in ("mb_per_sec", "cpu_ms_per_file")
+            }
+            for case, rs in runs.items()
+        }
+        out[label] = {
+            **med,
+            "ratio": round(med["alternative"]["mb_per_sec"] / med["shipped"]["mb_per_sec"], 2),
+        }
+    return out
+
+
 def copy_ceiling(source: Path, work: Path) -> dict[str, float]:
     target = work / f"cp-{source.name}"
     shutil.rmtree(target, ignore_errors=True)
@@ -221,6 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         large = {
             f"{d:g}": measure(conn, name, port, "raw", work, d, args) for d in args.large_delays_ms
         }
+        choices = large_choices(conn, name, work, args)
         ceiling = {
             "small": copy_ceiling(work / f"step-images-{args.delays_ms[0]:g}ms-0", work),
             "large": copy_ceiling(work / f"step-raw-{args.large_delays_ms[0]:g}ms-0", work),
@@ -250,6 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "small": small,
         "large": large,
         "cp_r": ceiling,
+        "large_choices": choices,
         "first_pack": {**packed["shards"], "step_seconds": round(t_pack, 3)},
         "first_step": {"tar_files": shard_files, "tar_mb": args.tar_mb, "delays": first_step},
         "resync_one_percent": {

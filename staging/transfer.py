@@ -75,13 +75,12 @@ QUEUE_BYTES = 64 << 20  # bytes waiting for the writer before fetch threads writ
 RANGES_PER_CORE = 4
 SPAWN_AT = 32  # files waiting per writer thread before another writer starts
 MAX_WRITERS = 8
+T = TypeVar("T")
 SECRET = re.compile(r"(sig|se|sv|sp|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|st|sr)=[^&\s\"']+")
 
 # What :func:`download_all` reports for each file it lands: the download, its MD5 (base64) and
 # the file's status after the rename (size, modification and change times, inode), which the
 # manifest records so that a later sync can trust the file without reading it.
-T = TypeVar("T")
-
 Done = Callable[["Download", str, os.stat_result], None]
 
 
