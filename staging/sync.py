@@ -41,7 +41,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from staging.blob import Retry, list_pinned, object_store
-from staging.durability import boot_id, settle
+from staging.durability import boot_id, flush_filesystem, settle, written_back
 from staging.listing import PinnedBlob
 from staging.transfer import Download, download_all
 from training.atomic import file_md5
@@ -251,6 +251,10 @@ def sync_to_directory(
     syncs += 1
     boot = boot_id()
     same_boot = boot is not None and previous_boot == boot
+    # Files an earlier sync of this boot left unflushed: once the kernel has had time to write
+    # them back, one flush (which then finds little to write) makes them the disk's.
+    unflushed = same_boot and any(e.get("unflushed") for e in previous.values())
+    flushed = unflushed and written_back(dest / MANIFEST) and flush_filesystem(dest)
     turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
     # Stale is decided on destination paths, not blob names: a new version under a new prefix
     # renames every blob but lands on the same paths, which must stay.
@@ -296,7 +300,7 @@ def sync_to_directory(
             recorded = old.get("stat")
             # Written unflushed under another boot: the machine has restarted since, maybe
             # crashed with the bytes still in its memory. Read back, they are the disk's.
-            kept = {"unflushed": True} if old.get("unflushed") and same_boot else {}
+            kept = {"unflushed": True} if old.get("unflushed") and same_boot and not flushed else {}
             survived = same_boot or not old.get("unflushed")
             if (
                 recorded == _status(st)

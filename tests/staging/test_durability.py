@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -61,6 +62,10 @@ def test_files_written_unflushed_are_read_again_after_a_restart(
     """On a local disk nothing is flushed: the manifest names the boot and marks the files.
     Under the same boot a re-sync reads none of them; under the next one it reads each once
     (then they are the disk's) and trusts them from then on, through later restarts too."""
+    vm = tmp_path / "vm"
+    vm.mkdir()
+    (vm / "dirty_expire_centisecs").write_text("360000\n")  # an hour: no sync here flushes
+    monkeypatch.setattr(durability, "VM", vm)
     _boot(monkeypatch, tmp_path, "boot-a")
     dest = tmp_path / "data"
     first = sync_to_directory(container, "ds", dest, verify_every=10**6)
@@ -83,6 +88,38 @@ def test_files_written_unflushed_are_read_again_after_a_restart(
         _boot(monkeypatch, tmp_path, boot)
         later = sync_to_directory(container, "ds", dest, verify_every=10**6)
         assert (later.verified, later.downloaded) == (0, [])
+
+
+def test_once_written_back_the_next_sync_flushes_and_a_restart_reads_nothing(
+    container: ContainerClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel writes dirty pages back within its expiry (set here as Linux's defaults,
+    30 s plus a 5 s flusher pass). A sync soon after keeps the marks; one after that window
+    flushes, which then finds little to write, and drops them: a restart then reads none of
+    the files."""
+    vm = tmp_path / "vm"
+    vm.mkdir()
+    (vm / "dirty_expire_centisecs").write_text("3000\n")
+    (vm / "dirty_writeback_centisecs").write_text("500\n")
+    monkeypatch.setattr(durability, "VM", vm)
+    _boot(monkeypatch, tmp_path, "boot-a")
+    dest = tmp_path / "data"
+    sync_to_directory(container, "ds", dest, verify_every=10**6)
+    soon = sync_to_directory(container, "ds", dest, verify_every=10**6)
+    assert soon.verified == 0
+    files = _manifest(dest)["files"]
+    assert isinstance(files, dict) and all(e.get("unflushed") is True for e in files.values())
+
+    an_hour_ago = time.time() - 3600
+    os.utime(dest / MANIFEST, (an_hour_ago, an_hour_ago))
+    later = sync_to_directory(container, "ds", dest, verify_every=10**6)
+    assert (later.verified, later.downloaded) == (0, [])
+    files = _manifest(dest)["files"]
+    assert isinstance(files, dict) and not any("unflushed" in e for e in files.values())
+
+    _boot(monkeypatch, tmp_path, "boot-b")
+    restarted = sync_to_directory(container, "ds", dest, verify_every=10**6)
+    assert (restarted.verified, restarted.downloaded) == (0, [])
 
 
 def test_bytes_lost_behind_a_recorded_status_are_found_after_a_restart(
