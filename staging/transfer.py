@@ -14,13 +14,14 @@ only fetch; the file work (MD5 check, temp file, write, rename) is queued to one
 a second and more being started only when the queue grows (on NFS each create and rename is a
 round trip), so that most file system calls release the lock without another thread waiting
 for it. A large blob (over :data:`PIECE`) is read as parallel ranged reads, each pinned with
-If-Match to the same ETag: one blob of 64 MB is then as many requests in flight as the engine
-has workers. Each range's body is streamed a :data:`CHUNK` at a time, written in place with
-``pwrite`` and hashed in order while the chunk is still in the processor's cache (a range
-received whole is written and hashed from memory: about twice the CPU per byte, measured in
-docs/performance.md). Chunks that arrive ahead of their turn are held in memory up to
-:data:`HOLD_BYTES` per blob; beyond that they are read back from the file when their turn
-comes, so a slow first range of a blob of many GB does not hold the rest of it in memory.
+If-Match to the same ETag: one blob of 64 MB is then up to 8 requests in flight (at most
+:data:`RANGES_PER_CORE` ranges per core in all). Each range's body is streamed a
+:data:`CHUNK` at a time, written in place with ``pwrite`` and hashed in order while the chunk
+is still in the processor's cache (a range received whole is written and hashed from memory:
+about 1.6 times the CPU, measured in docs/performance.md). Chunks that arrive ahead of their
+turn are held in memory up to :data:`HOLD_BYTES` per blob; beyond that they are read back from
+the file when their turn comes, so a slow first range of a blob of many GB does not hold the
+rest of it in memory.
 
 What each download guarantees:
 
