@@ -7,7 +7,7 @@ write and its flush to the disk can leave a file of the right size (and times) w
 is lost. Three cases, by the destination's file system:
 
 * NFS: the client flushes a file to the server and commits it when the file is closed (close-
-  to-open consistency), so every staged file is on the server's storage once it has its name;
+  to-open consistency), and the manifest is written after every staged file is closed;
   nothing more to wait for, and other nodes may trust the manifest.
 * a local disk (ext4, XFS, Btrfs, ...): the bytes sit in this machine's page cache until the
   kernel writes them back (within ``vm.dirty_expire_centisecs``, 30 s by default). A
@@ -23,10 +23,16 @@ is lost. Three cases, by the destination's file system:
 * anything else (SMB, FUSE mounts, an unknown type, no boot id): one ``syncfs`` before the
   manifest, as every sync did before.
 
-What a flush at once would add on a local disk and this does not: a write-back error
-reported by the disk before the manifest is written (the page stays in the cache, so reads
-see the staged bytes until it is evicted; the deferred flush reports it and the marks stay).
-The by-turns re-read of ``staging.sync`` reads every file again within ``verify_every`` syncs.
+A flush that reports a write error (the disk failed to store a page, which stays in the
+cache, so reads under this boot still see the staged bytes) keeps the marks, and the manifest
+records the failure for the rest of the boot: the kernel reports such an error once, so a
+later flush that succeeds does not mean the failed pages were stored.
+
+Limits: "a crash is a reboot" does not hold for a file system lost while the machine runs (a
+disk detached, a file system shut down or remounted read-only after an I/O error): its marked
+files are trusted under the same boot. A folder staged both on the machine that exports it
+and through NFS by another within the write-back window is read back from the exporter's
+cache, not its disk. Neither is how the pipeline stages (Batch nodes write through NFS).
 """
 
 from __future__ import annotations
@@ -64,23 +70,29 @@ def _unescape(field: str) -> str:
 
 def filesystem_type(path: Path) -> str | None:
     """The type of the file system ``path`` is on (``ext4``, ``nfs4``...), from the mount
-    table: the mount point that holds it, the last one mounted when several do."""
-    target = os.path.realpath(path)
+    table: of the mounts whose point holds it, those of its device (a mount hidden by one over
+    a parent folder has another), the innermost, the last one mounted when several are; None
+    when the table cannot be read (the caller then flushes)."""
     try:
-        lines = MOUNTINFO.read_text().splitlines()
-    except OSError:
+        target = os.path.realpath(path)
+        dev = os.stat(target).st_dev
+        device = f"{os.major(dev)}:{os.minor(dev)}"
+        lines = os.fsdecode(MOUNTINFO.read_bytes()).splitlines()
+    except (OSError, ValueError):
         return None
-    best, kind = -1, None
+    holding: list[tuple[int, bool, str]] = []  # (mount point length, same device, type)
     for line in lines:
         fields, sep, rest = line.partition(" - ")
         parts = fields.split()
         if not sep or len(parts) < 5 or not rest.split():
             continue
         point = _unescape(parts[4])
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= best:
-            best, kind = len(point), rest.split()[0]
-    return kind
+        if target == point or target.startswith(point.rstrip("/") + "/"):
+            holding.append((len(point), parts[2] == device, rest.split()[0]))
+    same = [h for h in holding if h[1]] or holding  # no device matches: btrfs subvolumes
+    best = max((h[0] for h in same), default=-1)
+    kinds = [h[2] for h in same if h[0] == best]
+    return kinds[-1] if kinds else None
 
 
 def flush_filesystem(path: Path) -> bool:
@@ -123,13 +135,13 @@ def written_back(path: Path) -> bool:
     return age * 100 > window
 
 
-def settle(dest: Path, boot: str | None) -> bool:
-    """Make the files just written under ``dest`` safe for the manifest to vouch for; whether
-    they are left unflushed, to be trusted only under ``boot`` (this boot's id)."""
+def settle(dest: Path, boot: str | None) -> str:
+    """Make the files just written under ``dest`` safe for the manifest to vouch for. Returns
+    ``committed`` (NFS: closed is stored), ``unflushed`` (a local disk: trusted under ``boot``
+    only), ``flushed``, or ``failed`` (the flush reported a write error)."""
     kind = filesystem_type(dest)
     if kind in COMMITTED_AT_CLOSE:
-        return False
+        return "committed"
     if kind in LOCAL_DISKS and boot:
-        return True
-    flush_filesystem(dest)
-    return False
+        return "unflushed"
+    return "flushed" if flush_filesystem(dest) else "failed"

@@ -33,6 +33,7 @@ Properties a training run relies on:
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import zlib
@@ -55,6 +56,8 @@ from training.staged_folder import (
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
+
+log = logging.getLogger(__name__)
 
 MAX_NAME = 1024  # Azure's own limit on blob names
 MAX_SEGMENT_BYTES = 255  # NAME_MAX of ext4, XFS and NFS exports: one path segment, in bytes
@@ -247,14 +250,20 @@ def sync_to_directory(
     planned = _plan(listing, prefix)  # every name checked before anything is written
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
-    previous, syncs, previous_boot = previous_sync(dest)
+    previous, syncs, previous_boot, failed_before = previous_sync(dest)
     syncs += 1
     boot = boot_id()
     same_boot = boot is not None and previous_boot == boot
     # Files an earlier sync of this boot left unflushed: once the kernel has had time to write
-    # them back, one flush (which then finds little to write) makes them the disk's.
+    # them back, one flush (which then finds little to write) makes them the disk's. Not after
+    # a flush of this boot reported a write error: the kernel reports it once, so a later
+    # flush that succeeds does not mean those pages were stored.
+    flush_failed = same_boot and failed_before
     unflushed = same_boot and any(e.get("unflushed") for e in previous.values())
-    flushed = unflushed and written_back(dest / MANIFEST) and flush_filesystem(dest)
+    flushed = False
+    if unflushed and not flush_failed and written_back(dest / MANIFEST):
+        flushed = flush_filesystem(dest)
+        flush_failed = not flushed
     turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
     # Stale is decided on destination paths, not blob names: a new version under a new prefix
     # renames every blob but lands on the same paths, which must stay.
@@ -267,14 +276,14 @@ def sync_to_directory(
     files: dict[str, dict[str, Any]] = {}
     fresh: list[str] = []  # files whose bytes this boot may hold only in memory
     inside: dict[str, bool] = {}  # per folder: resolving each file's path costs a stat per part
-    base, real_root = os.fspath(dest), os.fspath(root)
+    base, real_root = os.fspath(dest), os.fspath(root).rstrip("/")
     for name, (blob, path) in planned.items():
         target = f"{base}/{path}"
         folder = target.rpartition("/")[0]
         first = folder not in inside
         if first:
             real = os.path.realpath(folder)
-            inside[folder] = real == real_root or real.startswith(f"{real_root}/")
+            inside[folder] = real == (real_root or "/") or real.startswith(f"{real_root}/")
         try:
             st: os.stat_result | None = os.lstat(target)  # one call answers every question
         except (FileNotFoundError, NotADirectoryError):
@@ -350,15 +359,23 @@ def sync_to_directory(
         # MD5 next time. Before the manifest vouches for what was written, it is made safe
         # from a crash, or marked as trusted under this boot only (staging.durability). A file
         # lost to a crash before this point is not in the manifest and is checked again.
-        if fresh and settle(dest, boot):
+        settled = settle(dest, boot) if fresh else "committed"
+        if settled in ("unflushed", "failed"):
             for name in fresh:
                 files[name]["unflushed"] = True
+        if settled == "failed" or (flush_failed and not flushed):
+            flush_failed = True
+            log.warning(
+                "staging: the file system holding %s reported a write error while flushing "
+                "staged files; they are read again after the next restart",
+                dest,
+            )
         # Stale files are still recorded as such, so a sync cut short deletes them next time.
         pending = {n: _carried(previous[n], same_boot) for n in stale.values()}
-        _write_manifest(dest, prefix, files, report, pending, syncs, boot)
+        _write_manifest(dest, prefix, files, report, pending, syncs, boot, flush_failed)
     report.deleted += _remove_stale(dest, root, stale)
     if stale:
-        _write_manifest(dest, prefix, files, report, None, syncs, boot)
+        _write_manifest(dest, prefix, files, report, None, syncs, boot, flush_failed)
     return report
 
 
@@ -403,6 +420,7 @@ def _write_manifest(
     stale: dict[str, dict[str, Any]] | None,
     syncs: int,
     boot: str | None,
+    flush_failed: bool,
 ) -> None:
-    report.data_version = write_manifest(dest, prefix, files, stale, syncs, boot)
+    report.data_version = write_manifest(dest, prefix, files, stale, syncs, boot, flush_failed)
     report.manifest = str(dest / MANIFEST)

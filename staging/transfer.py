@@ -290,6 +290,8 @@ class _Engine:
 
         def rest() -> None:
             nonlocal at
+            if at == end:  # all of it arrived before the failure: nothing left to ask for
+                return
             options = {"if_match": blob.etag, "range": (at, end)}
             result = obstore.get(self.store, blob.name, options=options)  # type: ignore[arg-type]
             for chunk in result.stream(min_chunk_size=CHUNK):
@@ -422,6 +424,8 @@ class _Engine:
             large.active += 1
         try:
             with self.ranges:
+                if large.failed:  # failed while this range waited for its turn
+                    return
                 self.piece_of(large, k)
         except BaseException:
             with large.lock:

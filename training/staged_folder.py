@@ -5,6 +5,7 @@ the shard packer and the trainer read it.
 The manifest (``.staging-manifest.json``) maps each staged blob to the file it became::
 
     {"prefix": "images/v2", "data_version": "<16 hex>", "syncs": 12, "boot": "<boot id>",
+     "flush_failed": true,   # a flush under ``boot`` reported a write error: marks stay
      "files": {"<blob name>": {"path": "<relative path>", "etag": ..., "size": ..., "md5": ...,
                                "stat": [mtime_ns, ctime_ns, inode], "unflushed": true}},
      "stale": {...}}   # files a cut-short sync still has to delete (same entry shape)
@@ -25,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from training.atomic import atomic_write, read_json_object
 
@@ -48,11 +49,21 @@ def _read(dest: Path) -> dict[str, Any] | None:
         return None
 
 
-def previous_sync(dest: Path) -> tuple[dict[str, dict[str, Any]], int, str | None]:
+class PreviousSync(NamedTuple):
+    """What the last sync left: blob name -> entry, the sync count, the boot the manifest was
+    written under, and whether a flush under that boot reported a write error."""
+
+    entries: dict[str, dict[str, Any]]
+    syncs: int
+    boot: str | None
+    flush_failed: bool
+
+
+def previous_sync(dest: Path) -> PreviousSync:
     """What the last sync left in ``dest``: blob name -> entry of every file it wrote, stale
     ones it had yet to delete included (a sync deletes them unless a blob lands on their path
     again), how many syncs the manifest has seen, and the boot it was written under. One read
-    of the manifest for all three (it holds an entry per file). An unusable manifest reads as
+    of the manifest for all of them (it holds an entry per file). An unusable manifest reads as
     empty, and one written before the status record and the sync count (no ``stat``, no
     ``syncs``) as zero syncs whose files have no status to trust: every file is then checked
     again, nothing is lost."""
@@ -65,7 +76,8 @@ def previous_sync(dest: Path) -> tuple[dict[str, dict[str, Any]], int, str | Non
     count = data.get("syncs")
     syncs = count if type(count) is int and count >= 0 else 0
     boot = data.get("boot") if isinstance(data.get("boot"), str) else None
-    return {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}, syncs, boot
+    live = {n: e for n, e in entries.items() if isinstance(e, dict) and "path" in e}
+    return PreviousSync(live, syncs, boot, data.get("flush_failed") is True)
 
 
 def write_manifest(
@@ -75,10 +87,12 @@ def write_manifest(
     stale: dict[str, dict[str, Any]] | None = None,
     syncs: int = 0,
     boot: str | None = None,
+    flush_failed: bool = False,
 ) -> str:
     """Write the manifest of ``files`` atomically; returns its data version. ``stale`` entries
     (files still to be deleted) are kept apart from the data version, so an interrupted sync
-    can finish the cleanup. ``boot``: the boot its unflushed files are trusted under."""
+    can finish the cleanup. ``boot``: the boot its unflushed files are trusted under;
+    ``flush_failed``: a flush under that boot reported a write error."""
     version = data_version(files)
     manifest: dict[str, Any] = {
         "prefix": prefix,
@@ -88,6 +102,8 @@ def write_manifest(
     }
     if boot:
         manifest["boot"] = boot
+    if flush_failed:
+        manifest["flush_failed"] = True
     if stale:
         manifest["stale"] = stale
     text = json.dumps(manifest, separators=(",", ":")).encode()  # compact: one entry per file

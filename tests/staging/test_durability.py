@@ -46,7 +46,9 @@ def _mounted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: Path, kind:
     table = tmp_path / f"mountinfo-{kind}"
     own = Path("/proc/self/mountinfo").read_text()
     point = str(where.resolve()).replace(" ", "\\040")
-    table.write_text(f"{own}999 1 0:99 / {point} rw,relatime - {kind} server:/export rw\n")
+    dev = os.stat(where).st_dev  # a mounted folder is on its mount's device
+    device = f"{os.major(dev)}:{os.minor(dev)}"
+    table.write_text(f"{own}999 1 {device} / {point} rw,relatime - {kind} server:/export rw\n")
     monkeypatch.setattr(durability, "MOUNTINFO", table)
 
 
@@ -209,18 +211,49 @@ def test_the_innermost_and_last_mount_holds_the_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Nested mounts, a mount point with a space (written escaped, as the kernel does), a
-    mount over another at the same point (the last one shows), and a sibling whose name only
-    starts like the path's."""
+    mount over another at the same point (the last one shows), a sibling whose name only
+    starts like the path's, and a mount hidden by one made later over its parent folder (the
+    path is on the later one's device)."""
+    for folder in ("srv/nfs share/data", "srv/nfs/x", "srv/nfsother", "etc", "hid/a/b/data"):
+        (tmp_path / folder).mkdir(parents=True)
+    dev = os.stat(tmp_path).st_dev
+    here = f"{os.major(dev)}:{os.minor(dev)}"
+    root = str(tmp_path.resolve())
     table = tmp_path / "mountinfo"
+    # Every folder here is on tmp_path's device, as each would be on its mount's: all but the
+    # hidden NFS mount (mounted first, then covered by the mount over its parent) name it.
     table.write_text(
-        "1 0 8:1 / / rw - ext4 /dev/vda rw\n"
-        "2 1 0:40 / /srv rw - xfs /dev/vdb rw\n"
-        "3 2 0:41 / /srv/nfs\\040share rw - nfs4 server:/a rw\n"
-        "4 2 0:42 / /srv/nfs\\040share rw shared:9 - fuse.blobfuse2 blobfuse2 rw\n"
-        "5 2 0:43 / /srv/nfs rw - tmpfs tmpfs rw\n"
+        f"1 0 {here} / / rw - ext4 /dev/vda rw\n"
+        f"2 1 {here} / {root}/srv rw - xfs /dev/vdb rw\n"
+        f"3 2 {here} / {root}/srv/nfs\\040share rw - nfs4 server:/a rw\n"
+        f"4 2 {here} / {root}/srv/nfs\\040share rw shared:9 - fuse.blobfuse2 blobfuse2 rw\n"
+        f"5 2 {here} / {root}/srv/nfs rw - tmpfs tmpfs rw\n"
+        f"6 1 0:44 / {root}/hid/a/b rw - nfs4 server:/b rw\n"
+        f"7 1 {here} / {root}/hid rw - btrfs /dev/vdc rw\n"
     )
     monkeypatch.setattr(durability, "MOUNTINFO", table)
-    assert filesystem_type(Path("/srv/nfs share/data")) == "fuse.blobfuse2"
-    assert filesystem_type(Path("/srv/nfs/x")) == "tmpfs"
-    assert filesystem_type(Path("/srv/nfsother")) == "xfs"
-    assert filesystem_type(Path("/etc")) == "ext4"
+    assert filesystem_type(tmp_path / "srv" / "nfs share" / "data") == "fuse.blobfuse2"
+    assert filesystem_type(tmp_path / "srv" / "nfs" / "x") == "tmpfs"
+    assert filesystem_type(tmp_path / "srv" / "nfsother") == "xfs"
+    assert filesystem_type(tmp_path / "etc") == "ext4"
+    assert filesystem_type(tmp_path / "hid" / "a" / "b" / "data") == "btrfs"
+
+
+def test_an_unreadable_mount_table_means_a_flush(
+    container: ContainerClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mount point that is not UTF-8 in the table is read as the file system names it; a
+    table that cannot be read at all gives no type, and the sync flushes and marks nothing."""
+    table = tmp_path / "mountinfo"
+    own = Path("/proc/self/mountinfo").read_bytes()
+    table.write_bytes(own + b"998 1 0:98 / /mnt/caf\xe9 rw - ext4 /dev/vdz rw\n")
+    expected = filesystem_type(tmp_path)
+    monkeypatch.setattr(durability, "MOUNTINFO", table)
+    assert expected is not None and filesystem_type(tmp_path) == expected
+    monkeypatch.setattr(durability, "MOUNTINFO", tmp_path / "no-such-table")
+    assert filesystem_type(tmp_path) is None
+    _boot(monkeypatch, tmp_path, "boot-a")
+    dest = tmp_path / "data"
+    sync_to_directory(container, "ds", dest, verify_every=10**6)
+    files = _manifest(dest)["files"]
+    assert isinstance(files, dict) and not any("unflushed" in e for e in files.values())
