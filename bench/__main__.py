@@ -34,7 +34,10 @@ FULL: dict[str, list[str]] = {
     "sharded_state": [],
 }
 QUICK: dict[str, list[str]] = {
-    "staging": ["--small", "300", "--large", "2", "--large-mb", "12", "--delays-ms", "0", "2"],
+    "staging": [
+        *("--small", "300", "--large", "2", "--large-mb", "12"),
+        *("--delays-ms", "0", "2", "--large-rounds", "2"),
+    ],
     "loading": ["--images", "600"],
     "trainer": ["--images", "600", "--epochs", "1"],
     "pipeline": ["--repeats", "1"],

@@ -129,14 +129,18 @@ def measure(
     conn: str, name: str, port: int, part: str, work: Path, delay: float, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One part of the dataset at one delay: the step and rclone, each into a fresh folder and
-    then again (the re-sync), ``rounds`` times, the order reversed every other round; medians."""
+    then again (the re-sync), ``rounds`` times (``large_rounds`` for the large files, a second
+    or two each), the order reversed every other round; medians. Only the first round's
+    folders are kept (the ``cp -r`` ceiling copies one): the others go once measured, so
+    later rounds do not share the disk with the write-back of earlier ones."""
     runs: dict[str, list[dict[str, float]]] = {"step": [], "rclone": []}
     who = {"step": resource.RUSAGE_SELF, "rclone": resource.RUSAGE_CHILDREN}
     source, workers = f"{PREFIX}/{part}", args.workers
     trees = set()
     with delayed(port, delay) as via:
         container = _through(conn, via, name)
-        for rnd, tool in _turns(args.rounds, "step", "rclone"):
+        rounds = args.large_rounds if part == "raw" else args.rounds
+        for rnd, tool in _turns(rounds, "step", "rclone"):
             dest = work / f"{tool}-{part}-{delay:g}ms-{rnd}"
             call = {
                 "step": lambda d=dest: sync_to_directory(container, source, d, workers),
@@ -150,6 +154,8 @@ def measure(
             rates["resync_seconds"] = round(again, 3)
             rates["resync_cpu_seconds"] = round(again_cpu, 3)
             runs[tool].append(rates)
+            if rnd:
+                shutil.rmtree(dest)
     if len(trees) != 1:
         raise RuntimeError(f"{part}: the step and rclone staged different trees: {trees}")
     return {
@@ -190,13 +196,13 @@ def _choice(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
 
 def large_choices(conn: str, name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The large files, no delay, staged as shipped and with each choice undone in turn,
-    alternating (``rounds`` + 1 of each, medians): MB/s, client CPU per file, and the ratio
+    alternating (``large_rounds`` of each, medians): MB/s, client CPU per file, and the ratio
     of each alternative's rate to the shipped one measured beside it."""
     container = ContainerClient.from_connection_string(conn, name, api_version=API_VERSION)
     source, out = f"{PREFIX}/raw", dict[str, Any]()
     for label, changes in LARGE_CHOICES.items():
         runs: dict[str, list[dict[str, float]]] = {"shipped": [], "alternative": []}
-        for rnd, case in _turns(args.rounds + 1, "shipped", "alternative"):
+        for rnd, case in _turns(args.large_rounds, "shipped", "alternative"):
             dest = work / f"choice-{len(out)}-{case}-{rnd}"
             with _choice(changes if case == "alternative" else []):
                 wall, cpu = measured(
@@ -313,7 +319,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "method": f"{args.small:,} images of ~{args.small_kb:g} KB and {args.large} x "
         f"{args.large_mb} MB in Azurite on loopback; the step with {args.workers} downloads in "
         f"flight, rclone with --transfers {args.workers} --checkers {args.workers}; "
-        f"per delay, {args.rounds} rounds (medians), page cache warm",
+        f"per delay, {args.rounds} rounds of the small files and {args.large_rounds} of the "
+        "large ones (medians), page cache warm",
         "small": small,
         "large": large,
         "cp_r": ceiling,
@@ -346,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0, 2, 10])
     p.add_argument("--tar-mb", type=int, default=16, help="tar shard size, the packed case")
     p.add_argument("--large-delays-ms", type=float, nargs="+", default=[0, 10])
+    p.add_argument("--large-rounds", type=int, default=5, help="per large-file case")
     return dataset_main(p, "staging", run, argv)
 
 
