@@ -359,7 +359,7 @@ def sync_to_directory(
         # MD5 next time. Before the manifest vouches for what was written, it is made safe
         # from a crash, or marked as trusted under this boot only (staging.durability). A file
         # lost to a crash before this point is not in the manifest and is checked again.
-        settled = settle(dest, boot) if fresh else "committed"
+        settled = settle(dest, boot) if fresh else None
         if settled in ("unflushed", "failed"):
             for name in fresh:
                 files[name]["unflushed"] = True
