@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 from urllib.parse import urlsplit
 
 from azure.storage.blob import ContainerClient
@@ -48,7 +49,7 @@ from backends.blob import API_VERSION, upload_directory
 from bench import dataset
 from bench.delay_proxy import delayed
 from bench.output import dataset_main
-from staging.durability import flush_filesystem
+from staging.durability import Settled, flush_filesystem
 from staging.sync import stage, sync_to_directory
 from training.webdataset import pack_folders
 
@@ -163,10 +164,9 @@ def measure(
     }
 
 
-def _flushed(dest: Path, boot: str | None) -> bool:
+def _flushed(dest: Path, boot: str | None) -> Settled:
     """What every sync did before staging.durability: flush, then trust under any boot."""
-    flush_filesystem(dest)
-    return False
+    return "flushed" if flush_filesystem(dest) else "failed"
 
 
 # The large-file choices of staging.transfer and staging.durability, each against what was
@@ -182,16 +182,12 @@ LARGE_CHOICES: dict[str, list[tuple[Any, str, Any]]] = {
 }
 
 
-@contextlib.contextmanager
-def _choice(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in changes]
-    try:
-        for module, attr, value in changes:
-            setattr(module, attr, value)
-        yield
-    finally:
-        for module, attr, value in saved:
-            setattr(module, attr, value)
+def _choice(changes: list[tuple[Any, str, Any]]) -> contextlib.ExitStack:
+    """The module settings of one choice, changed until the block ends."""
+    stack = contextlib.ExitStack()
+    for module, attr, value in changes:
+        stack.enter_context(mock.patch.object(module, attr, value))
+    return stack
 
 
 def large_choices(conn: str, name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:

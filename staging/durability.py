@@ -42,11 +42,14 @@ import ctypes.util
 import os
 import time
 from pathlib import Path
+from typing import Literal
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # a new random id at every boot
 MOUNTINFO = Path("/proc/self/mountinfo")
 VM = Path("/proc/sys/vm")  # the kernel's write-back timing: dirty_expire_centisecs and others
 COMMITTED_AT_CLOSE = frozenset({"nfs", "nfs4"})
+# What :func:`settle` did with the files just written.
+Settled = Literal["committed", "unflushed", "flushed", "failed"]
 LOCAL_DISKS = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "jfs", "tmpfs", "overlay"}
 )
@@ -135,7 +138,7 @@ def written_back(path: Path) -> bool:
     return age * 100 > window
 
 
-def settle(dest: Path, boot: str | None) -> str:
+def settle(dest: Path, boot: str | None) -> Settled:
     """Make the files just written under ``dest`` safe for the manifest to vouch for. Returns
     ``committed`` (NFS: closed is stored), ``unflushed`` (a local disk: trusted under ``boot``
     only), ``flushed``, or ``failed`` (the flush reported a write error)."""

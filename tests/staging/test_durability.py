@@ -41,6 +41,14 @@ def _boot(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, boot: str) -> None:
     monkeypatch.setattr(durability, "BOOT_ID", path)
 
 
+def _no_flush_for_an_hour(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Kernel write-back times under which no sync of a test counts as written back."""
+    vm = tmp_path / "vm"
+    vm.mkdir()
+    (vm / "dirty_expire_centisecs").write_text("360000\n")
+    monkeypatch.setattr(durability, "VM", vm)
+
+
 def _mounted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: Path, kind: str) -> None:
     """A mount table where ``where`` is a mount of type ``kind``, over this machine's own."""
     table = tmp_path / f"mountinfo-{kind}"
@@ -64,10 +72,7 @@ def test_files_written_unflushed_are_read_again_after_a_restart(
     """On a local disk nothing is flushed: the manifest names the boot and marks the files.
     Under the same boot a re-sync reads none of them; under the next one it reads each once
     (then they are the disk's) and trusts them from then on, through later restarts too."""
-    vm = tmp_path / "vm"
-    vm.mkdir()
-    (vm / "dirty_expire_centisecs").write_text("360000\n")  # an hour: no sync here flushes
-    monkeypatch.setattr(durability, "VM", vm)
+    _no_flush_for_an_hour(monkeypatch, tmp_path)
     _boot(monkeypatch, tmp_path, "boot-a")
     dest = tmp_path / "data"
     first = sync_to_directory(container, "ds", dest, verify_every=10**6)
@@ -122,6 +127,36 @@ def test_once_written_back_the_next_sync_flushes_and_a_restart_reads_nothing(
     _boot(monkeypatch, tmp_path, "boot-b")
     restarted = sync_to_directory(container, "ds", dest, verify_every=10**6)
     assert (restarted.verified, restarted.downloaded) == (0, [])
+
+
+def test_files_adopted_or_rewritten_without_a_flush_are_marked_too(
+    container: ContainerClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files a sync did not download may still be in memory only: those a cut-short sync
+    wrote before any manifest (adopted by their MD5), and one rewritten with the same bytes
+    behind the manifest's back. Each is marked, and read again after a restart."""
+    _no_flush_for_an_hour(monkeypatch, tmp_path)
+    _boot(monkeypatch, tmp_path, "boot-a")
+    dest = tmp_path / "data"
+    sync_to_directory(container, "ds", dest, verify_every=10**6)
+    (dest / MANIFEST).unlink()  # as if cut short before its first manifest
+    adopted = sync_to_directory(container, "ds", dest, verify_every=10**6)
+    assert (adopted.verified, adopted.downloaded) == (FILES, [])
+    files = _manifest(dest)["files"]
+    assert isinstance(files, dict) and all(e.get("unflushed") is True for e in files.values())
+
+    _boot(monkeypatch, tmp_path, "boot-b")
+    assert sync_to_directory(container, "ds", dest, verify_every=10**6).verified == FILES
+    rewritten = dest / "train" / "c2" / "5.png"
+    rewritten.write_bytes(rewritten.read_bytes())
+    report = sync_to_directory(container, "ds", dest, verify_every=10**6)
+    assert (report.verified, report.downloaded) == (1, [])
+    files = _manifest(dest)["files"]
+    assert isinstance(files, dict)
+    assert [n for n, e in files.items() if e.get("unflushed")] == ["ds/train/c2/5.png"]
+
+    _boot(monkeypatch, tmp_path, "boot-c")
+    assert sync_to_directory(container, "ds", dest, verify_every=10**6).verified == 1
 
 
 def test_bytes_lost_behind_a_recorded_status_are_found_after_a_restart(
