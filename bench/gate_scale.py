@@ -6,10 +6,11 @@ is the size its users train on; generating such a container in Azurite takes hou
 
 Method. A synthetic container is served by a small HTTP server in a process of its own (so its
 CPU is not charged to the gate): it answers the Blob service's List Blobs request
-(``GET /<account>/<container>?restype=container&comp=list&prefix=&marker=&maxresults=``) with
-pages shaped as the REST reference documents them (``EnumerationResults`` / ``Blobs`` /
-``Blob`` with ``Name`` and ``Properties``: ``Etag``, ``Content-Length``, ``Content-MD5``,
-``Last-Modified``, ``BlobType``; ``NextMarker``). Each page is made on demand from its marker:
+(``GET /<account>/<container>?restype=container&comp=list`` with ``prefix``, ``delimiter``,
+``marker`` and ``maxresults``) with pages shaped as the REST reference documents them
+(``EnumerationResults`` / ``Blobs`` / ``Blob`` with ``Name`` and ``Properties``: ``Etag``,
+``Content-Length``, ``Content-MD5``, ``Last-Modified``, ``BlobType``; ``BlobPrefix`` for a
+folder under a delimiter; ``NextMarker``). Each page is made on demand from its marker:
 names in ImageNet's layout (``imagenet/train/n01440764/n01440764_10026.JPEG``, 1,000 classes,
 ImageNet's 1,281,167 train images and a 50,000-image test split) in the service's order, sizes
 of about 110 KB and MD5s derived from the blob's index. The gate reaches it through a real
@@ -100,20 +101,51 @@ class SyntheticContainer:
     def etag_of(index: int) -> str:
         return f'"0x8DD{index:013X}"'
 
-    def page(self, endpoint: str, prefix: str, marker: str, max_results: int) -> bytes:
-        """One List Blobs response body: up to ``max_results`` blobs from ``marker``."""
-        first = int(marker[1:]) if marker.startswith("i") else 0
-        last = min(self.size, first + max_results) if prefix in ("", f"{self.prefix}/") else 0
+    def _first_at_or_after(self, key: str) -> int:
+        """The index of the first blob whose name is ``key`` or sorts after it."""
+        low, high = 0, self.size
+        while low < high:
+            mid = (low + high) // 2
+            if self.name(mid) < key:
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
+    def _after_all_starting_with(self, prefix: str) -> int:
+        """The index just past the blobs whose names start with ``prefix`` ("" : all)."""
+        if not prefix:
+            return self.size
+        return self._first_at_or_after(prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+    def page(
+        self, endpoint: str, prefix: str, marker: str, max_results: int, delimiter: str = ""
+    ) -> bytes:
+        """One List Blobs response body: up to ``max_results`` entries from ``marker``. With a
+        ``delimiter``, names with one past the prefix are rolled up into a ``BlobPrefix``
+        each, which counts as one entry, as the REST reference describes."""
+        start = int(marker[1:]) if marker.startswith("i") else self._first_at_or_after(prefix)
+        end = self._after_all_starting_with(prefix)
         parts = [
             '<?xml version="1.0" encoding="utf-8"?>',
             f'<EnumerationResults ServiceEndpoint="{escape(endpoint)}/" '
             f'ContainerName="{CONTAINER}">',
             f"<Prefix>{escape(prefix)}</Prefix><Marker>{escape(marker)}</Marker>",
-            f"<MaxResults>{max_results}</MaxResults><Blobs>",
+            f"<MaxResults>{max_results}</MaxResults>",
+            f"<Delimiter>{escape(delimiter)}</Delimiter><Blobs>" if delimiter else "<Blobs>",
         ]
-        for i in range(first, last):
+        i, entries = start, 0
+        while i < end and entries < max_results:
+            name = self.name(i)
+            cut = name.find(delimiter, len(prefix)) if delimiter else -1
+            entries += 1
+            if cut >= 0:
+                rolled = name[: cut + len(delimiter)]
+                parts.append(f"<BlobPrefix><Name>{escape(rolled)}</Name></BlobPrefix>")
+                i = self._after_all_starting_with(rolled)
+                continue
             parts.append(
-                f"<Blob><Name>{escape(self.name(i))}</Name><Properties>"
+                f"<Blob><Name>{escape(name)}</Name><Properties>"
                 f"<Creation-Time>{LAST_MODIFIED}</Creation-Time>"
                 f"<Last-Modified>{LAST_MODIFIED}</Last-Modified><Etag>{self.etag_of(i)}</Etag>"
                 f"<Content-Length>{self.bytes_of(i)}</Content-Length>"
@@ -124,10 +156,9 @@ class SyntheticContainer:
                 "<LeaseState>available</LeaseState><ServerEncrypted>true</ServerEncrypted>"
                 "</Properties><OrMetadata /></Blob>"
             )
+            i += 1
         parts.append("</Blobs>")
-        parts.append(
-            f"<NextMarker>i{last}</NextMarker>" if 0 < last < self.size else "<NextMarker />"
-        )
+        parts.append(f"<NextMarker>i{i}</NextMarker>" if i < end else "<NextMarker />")
         parts.append("</EnumerationResults>")
         return "".join(parts).encode()
 
@@ -148,6 +179,7 @@ def _handler(blobs: SyntheticContainer, endpoint: list[str]) -> type[BaseHTTPReq
                 query.get("prefix", ""),
                 query.get("marker", ""),
                 min(PAGE, int(query.get("maxresults", PAGE))),
+                query.get("delimiter", ""),
             )
             self._send(200, body, "application/xml")
 

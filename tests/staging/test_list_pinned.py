@@ -71,3 +71,157 @@ def test_a_page_cut_off_on_the_way_is_asked_for_again(cut_once: tuple[int, list[
         PinnedBlob("p/a.png", '"0x1"', 3, "rL0Y20zC+Fzt72VPzMSk2A==")
     ]
     assert len(calls) == 2 and all("comp=list" in c and "prefix=p%2F" in c for c in calls)
+
+
+# Names a folder walk could get wrong: a blob and a folder of one name, a name ending in "/"
+# (a folder marker, as Storage Explorer and ADLS tools write), an empty segment, characters
+# URLs and XML escape, non-ASCII and deep nesting; and names beside the prefix, not below it.
+HOSTILE = [
+    "p/a.png",
+    "p/x",
+    "p/x/y.png",
+    "p/marker/",
+    "p/marker/inside.png",
+    "p//double.png",
+    "p/sp ace/+plus%2Fslash&amp;.png",
+    "p/ü/ß 猫.png",
+    "p/d1/d2/d3/d4/deep.png",
+    *[f"p/wide/c{k:02d}/i{j}.png" for k in range(12) for j in range(3)],
+    "p0/beside.png",
+    "pp/beside.png",
+    "q/elsewhere.png",
+]
+
+
+@pytest.fixture(scope="module")
+def hostile(azurite: str) -> ContainerClient:
+    from tests.pipeline_helpers import new_container
+
+    container = new_container(azurite, "walk")
+    for k, name in enumerate(HOSTILE):
+        container.upload_blob(name, name.encode() * (k + 1))
+    return container
+
+
+def _requests(azurite: str, name: str) -> tuple[ContainerClient, list[str]]:
+    """The container as a client that records each request's query."""
+    from urllib.parse import unquote, urlsplit
+
+    seen: list[str] = []
+    client = ContainerClient.from_connection_string(
+        azurite,
+        name,
+        api_version=API_VERSION,
+        raw_request_hook=lambda r: seen.append(unquote(urlsplit(r.http_request.url).query)),
+    )
+    return client, seen
+
+
+def _folders(names: list[str], start: str) -> set[str]:
+    """Every folder a walk from ``start`` lists: each name's prefixes up to a "/"."""
+    return {start} | {
+        name[: i + 1]
+        for name in names
+        if name.startswith(start)
+        for i in range(len(start), len(name))
+        if name[i] == "/"
+    }
+
+
+@pytest.mark.parametrize(
+    ("page_size", "walk_folders", "flat"),
+    [
+        (5000, 5000, {"p": 0, "": 0}),  # every folder on its own page
+        (10, 5000, {"p": 1, "": 1}),  # p/wide/ holds more than a page: it is listed flat
+        # p/ has 7 subfolders: then the next folder with subfolders (p/d1/, p/wide/) goes
+        # flat; from the container's root, p/ itself is past the share (4 + 7 folders)
+        (5000, 7, {"p": 2, "": 1}),
+    ],
+)
+@pytest.mark.parametrize("prefix", ["p", ""])
+def test_the_folder_walk_lists_what_the_sdk_lists(
+    hostile: ContainerClient,
+    azurite: str,
+    monkeypatch: pytest.MonkeyPatch,
+    prefix: str,
+    page_size: int,
+    walk_folders: int,
+    flat: dict[str, int],
+) -> None:
+    """Ground truth: the SDK's own flat iterator, each blob pinned as the gate pins it; and
+    the requests say which way each folder was listed."""
+    import staging.blob
+    from staging.listing import pin
+
+    monkeypatch.setattr(staging.blob, "PAGE_SIZE", page_size)
+    monkeypatch.setattr(staging.blob, "WALK_FOLDERS", walk_folders)
+    client, queries = _requests(azurite, hostile.container_name)
+    listed = list_pinned(client, prefix)
+    start = f"{prefix}/" if prefix else ""
+    expected = sorted(
+        (pin(b) for b in hostile.list_blobs(name_starts_with=start or None)),
+        key=lambda b: b.name,
+    )
+    assert listed == expected
+    assert len(listed) == (len(HOSTILE) - 3 if prefix else len(HOSTILE))
+    walked = [q for q in queries if "delimiter=/" in q]
+    flat_listings = [q for q in queries if "delimiter" not in q and "marker=" not in q]
+    assert len(flat_listings) == flat[prefix]
+    if not flat[prefix]:
+        assert len(walked) == len(_folders(HOSTILE, start)) == len(queries)
+
+
+@pytest.fixture
+def one_folder_refused() -> Iterator[int]:
+    """A List Blobs endpoint whose top folder holds two subfolders; the second is refused."""
+
+    def blobs(body: str) -> bytes:
+        return (
+            '<?xml version="1.0" encoding="utf-8"?><EnumerationResults><Blobs>'
+            f"{body}</Blobs><NextMarker /></EnumerationResults>"
+        ).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            if "prefix=p%2Fb%2F" in self.path:
+                self.send_response(403)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if "prefix=p%2Fa%2F" in self.path:
+                body = blobs(PAGE.decode().split("<Blobs>")[1].split("</Blobs>")[0])
+            else:
+                body = blobs(
+                    "<BlobPrefix><Name>p/a/</Name></BlobPrefix>"
+                    "<BlobPrefix><Name>p/b/</Name></BlobPrefix>"
+                )
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_folder_refused_fails_the_listing_naming_it(one_folder_refused: int) -> None:
+    container = ContainerClient.from_connection_string(
+        "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+        f"AccountKey={KEY};BlobEndpoint=http://127.0.0.1:{one_folder_refused}/devstoreaccount1;",
+        "data",
+        api_version=API_VERSION,
+    )
+    with pytest.raises(Exception, match="403") as refused:
+        list_pinned(container, "p")
+    assert "data" in str(refused.value)
