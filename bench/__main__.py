@@ -46,6 +46,7 @@ QUICK: dict[str, list[str]] = {
     "gate_scale": [
         *("--train", "20000", "--test", "1000", "--classes", "100"),
         *("--expect-rows", "5000", "--sample", "100"),
+        *("--ahead-blobs", "12000", "--page-delay-ms", "20", "--ahead-rounds", "1"),
     ],
     "image": [],  # one build from nothing, then one after a code change: no smaller size
     "feed": ["--images", "300", "--batch-size", "32"],

@@ -6,11 +6,10 @@ is the size its users train on; generating such a container in Azurite takes hou
 
 Method. A synthetic container is served by a small HTTP server in a process of its own (so its
 CPU is not charged to the gate): it answers the Blob service's List Blobs request
-(``GET /<account>/<container>?restype=container&comp=list`` with ``prefix``, ``delimiter``,
-``marker`` and ``maxresults``) with pages shaped as the REST reference documents them
-(``EnumerationResults`` / ``Blobs`` / ``Blob`` with ``Name`` and ``Properties``: ``Etag``,
-``Content-Length``, ``Content-MD5``, ``Last-Modified``, ``BlobType``; ``BlobPrefix`` for a
-folder under a delimiter; ``NextMarker``). Each page is made on demand from its marker:
+(``GET /<account>/<container>?restype=container&comp=list&prefix=&marker=&maxresults=``) with
+pages shaped as the REST reference documents them (``EnumerationResults`` / ``Blobs`` /
+``Blob`` with ``Name`` and ``Properties``: ``Etag``, ``Content-Length``, ``Content-MD5``,
+``Last-Modified``, ``BlobType``; ``NextMarker``). Each page is made on demand from its marker:
 names in ImageNet's layout (``imagenet/train/n01440764/n01440764_10026.JPEG``, 1,000 classes,
 ImageNet's 1,281,167 train images and a 50,000-image test split) in the service's order, sizes
 of about 110 KB and MD5s derived from the blob's index. The gate reaches it through a real
@@ -34,6 +33,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -101,51 +101,20 @@ class SyntheticContainer:
     def etag_of(index: int) -> str:
         return f'"0x8DD{index:013X}"'
 
-    def _first_at_or_after(self, key: str) -> int:
-        """The index of the first blob whose name is ``key`` or sorts after it."""
-        low, high = 0, self.size
-        while low < high:
-            mid = (low + high) // 2
-            if self.name(mid) < key:
-                low = mid + 1
-            else:
-                high = mid
-        return low
-
-    def _after_all_starting_with(self, prefix: str) -> int:
-        """The index just past the blobs whose names start with ``prefix`` ("" : all)."""
-        if not prefix:
-            return self.size
-        return self._first_at_or_after(prefix[:-1] + chr(ord(prefix[-1]) + 1))
-
-    def page(
-        self, endpoint: str, prefix: str, marker: str, max_results: int, delimiter: str = ""
-    ) -> bytes:
-        """One List Blobs response body: up to ``max_results`` entries from ``marker``. With a
-        ``delimiter``, names with one past the prefix are rolled up into a ``BlobPrefix``
-        each, which counts as one entry, as the REST reference describes."""
-        start = int(marker[1:]) if marker.startswith("i") else self._first_at_or_after(prefix)
-        end = self._after_all_starting_with(prefix)
+    def page(self, endpoint: str, prefix: str, marker: str, max_results: int) -> bytes:
+        """One List Blobs response body: up to ``max_results`` blobs from ``marker``."""
+        first = int(marker[1:]) if marker.startswith("i") else 0
+        last = min(self.size, first + max_results) if prefix in ("", f"{self.prefix}/") else 0
         parts = [
             '<?xml version="1.0" encoding="utf-8"?>',
             f'<EnumerationResults ServiceEndpoint="{escape(endpoint)}/" '
             f'ContainerName="{CONTAINER}">',
             f"<Prefix>{escape(prefix)}</Prefix><Marker>{escape(marker)}</Marker>",
-            f"<MaxResults>{max_results}</MaxResults>",
-            f"<Delimiter>{escape(delimiter)}</Delimiter><Blobs>" if delimiter else "<Blobs>",
+            f"<MaxResults>{max_results}</MaxResults><Blobs>",
         ]
-        i, entries = start, 0
-        while i < end and entries < max_results:
-            name = self.name(i)
-            cut = name.find(delimiter, len(prefix)) if delimiter else -1
-            entries += 1
-            if cut >= 0:
-                rolled = name[: cut + len(delimiter)]
-                parts.append(f"<BlobPrefix><Name>{escape(rolled)}</Name></BlobPrefix>")
-                i = self._after_all_starting_with(rolled)
-                continue
+        for i in range(first, last):
             parts.append(
-                f"<Blob><Name>{escape(name)}</Name><Properties>"
+                f"<Blob><Name>{escape(self.name(i))}</Name><Properties>"
                 f"<Creation-Time>{LAST_MODIFIED}</Creation-Time>"
                 f"<Last-Modified>{LAST_MODIFIED}</Last-Modified><Etag>{self.etag_of(i)}</Etag>"
                 f"<Content-Length>{self.bytes_of(i)}</Content-Length>"
@@ -156,14 +125,17 @@ class SyntheticContainer:
                 "<LeaseState>available</LeaseState><ServerEncrypted>true</ServerEncrypted>"
                 "</Properties><OrMetadata /></Blob>"
             )
-            i += 1
         parts.append("</Blobs>")
-        parts.append(f"<NextMarker>i{i}</NextMarker>" if i < end else "<NextMarker />")
+        parts.append(
+            f"<NextMarker>i{last}</NextMarker>" if 0 < last < self.size else "<NextMarker />"
+        )
         parts.append("</EnumerationResults>")
         return "".join(parts).encode()
 
 
-def _handler(blobs: SyntheticContainer, endpoint: list[str]) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    blobs: SyntheticContainer, endpoint: list[str], delay: float
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the SDK's pool expects
 
@@ -174,12 +146,12 @@ def _handler(blobs: SyntheticContainer, endpoint: list[str]) -> type[BaseHTTPReq
             if url.path.rstrip("/") != f"/{ACCOUNT}/{CONTAINER}" or not listing:
                 self._send(404, b"", "text/plain")
                 return
+            time.sleep(delay)  # the service's time to answer, on top of making the page
             body = blobs.page(
                 endpoint[0],
                 query.get("prefix", ""),
                 query.get("marker", ""),
                 min(PAGE, int(query.get("maxresults", PAGE))),
-                query.get("delimiter", ""),
             )
             self._send(200, body, "application/xml")
 
@@ -198,11 +170,11 @@ def _handler(blobs: SyntheticContainer, endpoint: list[str]) -> type[BaseHTTPReq
     return Handler
 
 
-def _serve(train: int, test: int, classes: int, ready: Any) -> None:
+def _serve(train: int, test: int, classes: int, ready: Any, delay: float) -> None:
     """The server process: answers List Blobs until terminated; sends its port first."""
     blobs = SyntheticContainer(train, test, classes)
     endpoint = [""]
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(blobs, endpoint))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(blobs, endpoint, delay))
     port = int(server.server_address[1])
     endpoint[0] = f"http://127.0.0.1:{port}/{ACCOUNT}"
     ready.send(port)
@@ -210,11 +182,14 @@ def _serve(train: int, test: int, classes: int, ready: Any) -> None:
 
 
 @contextmanager
-def synthetic_container(train: int, test: int, classes: int) -> Iterator[str]:
-    """Serve the synthetic container from another process; yields its connection string."""
+def synthetic_container(train: int, test: int, classes: int, delay: float = 0.0) -> Iterator[str]:
+    """Serve the synthetic container from another process, each page ``delay`` seconds after
+    it is asked for; yields its connection string."""
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    process = context.Process(target=_serve, args=(train, test, classes, theirs), daemon=True)
+    process = context.Process(
+        target=_serve, args=(train, test, classes, theirs, delay), daemon=True
+    )
     process.start()
     try:
         if not ours.poll(60):
@@ -337,6 +312,40 @@ def _header_reads(count: int, work: Path) -> dict[str, Any]:
     }
 
 
+def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
+    """The listing with each page ``--page-delay-ms`` after it is asked for (a stand-in for the
+    service's time to answer, which this server does not have): the next page asked for
+    before this one is parsed (shipped) and one page after another, alternating, medians."""
+    from unittest import mock
+
+    import staging.blob
+    from staging.blob import list_pinned
+
+    classes = max(1, min(args.classes, args.ahead_blobs // 1_000))
+    delay = args.page_delay_ms / 1000
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    with synthetic_container(args.ahead_blobs, 0, classes, delay) as conn:
+        from azure.storage.blob import ContainerClient
+
+        container = ContainerClient.from_connection_string(conn, CONTAINER)
+        for rnd in range(args.ahead_rounds):
+            for ahead in (True, False) if rnd % 2 == 0 else (False, True):
+                with mock.patch.object(staging.blob, "LIST_AHEAD", ahead):
+                    listed, timing = _timed(lambda: list_pinned(container, PREFIX))
+                runs[ahead].append({"blobs": len(listed), **timing})
+    medians = {
+        ahead: {k: statistics.median(r[k] for r in rs) for k in ("blobs", "wall_s", "cpu_s")}
+        for ahead, rs in runs.items()
+    }
+    return {
+        "page_delay_ms": args.page_delay_ms,
+        "pages": -(-int(medians[True]["blobs"]) // PAGE),
+        "rounds": args.ahead_rounds,
+        "ahead": medians[True],
+        "one_after_another": medians[False],
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from core.config import BlobLocation
     from gate.manifest import build_manifest, cache_path, list_dataset
@@ -360,6 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "blobs_per_s": round(len(blobs) / max(listing["wall_s"], 1e-9)),
         **listing,
     }
+    result["listing_ahead"] = _listing_ahead(args)
     with tempfile.TemporaryDirectory(dir=work) as cache_dir:
         _prefill(cache_path(location, Path(cache_dir)), blobs)
         (rows, reused), manifest = _timed(
@@ -397,6 +407,16 @@ def main(argv: list[str] | None = None) -> int:
         "--budget", type=float, default=300, help="seconds a run_expectations size may take"
     )
     p.add_argument("--sample", type=int, default=2_000, help="PNGs for the first gate's read rate")
+    p.add_argument(
+        "--ahead-blobs", type=int, default=200_000, help="blobs for the listing-ahead comparison"
+    )
+    p.add_argument(
+        "--page-delay-ms",
+        type=float,
+        default=100,
+        help="for that comparison: each page's answer this long after it is asked for",
+    )
+    p.add_argument("--ahead-rounds", type=int, default=3, help="rounds of that comparison")
     p.add_argument("--work", type=Path, default=ROOT / ".bench" / "gate_scale", help="scratch")
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)

@@ -76,3 +76,21 @@ def test_report_section_shows_each_measured_step_and_what_was_not_run() -> None:
     assert "at the full 1,331,167 rows, linearly, about 166 s" in text
     # 25 s of listing and manifest plus 166 s of expectations, against 300 s.
     assert "the nightly gate as a whole about 191 s (0.64x the goal)" in text
+
+
+@pytest.mark.processes
+def test_listing_ahead_is_measured_against_one_page_after_another() -> None:
+    """Both ways list the same blobs from the same server; the report says which was faster."""
+    import argparse
+
+    from bench.gate_scale import _listing_ahead
+    from bench.report import _listing_ahead as paragraph
+
+    args = argparse.Namespace(ahead_blobs=12_000, page_delay_ms=5, ahead_rounds=2, classes=10)
+    measured = _listing_ahead(args)
+    assert measured["pages"] == 3 and measured["rounds"] == 2
+    assert measured["ahead"]["blobs"] == measured["one_after_another"]["blobs"] == 12_001
+    assert measured["ahead"]["wall_s"] > 0 < measured["one_after_another"]["wall_s"]
+    text = "\n".join(paragraph(measured))
+    assert "12,001 blobs (3 pages) answered 5 ms after each request" in text
+    assert paragraph(None) == []

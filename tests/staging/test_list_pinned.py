@@ -4,6 +4,7 @@ as streams, so the pipeline does not parse each one into an element tree it neve
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -117,86 +118,52 @@ def _requests(azurite: str, name: str) -> tuple[ContainerClient, list[str]]:
     return client, seen
 
 
-def _folders(names: list[str], start: str) -> set[str]:
-    """Every folder a walk from ``start`` lists: each name's prefixes up to a "/"."""
-    return {start} | {
-        name[: i + 1]
-        for name in names
-        if name.startswith(start)
-        for i in range(len(start), len(name))
-        if name[i] == "/"
-    }
-
-
-@pytest.mark.parametrize(
-    ("page_size", "walk_folders", "flat"),
-    [
-        (5000, 5000, {"p": 0, "": 0}),  # every folder on its own page
-        (10, 5000, {"p": 1, "": 1}),  # p/wide/ holds more than a page: it is listed flat
-        # p/ has 7 subfolders: then the next folder with subfolders (p/d1/, p/wide/) goes
-        # flat; from the container's root, p/ itself is past the share (4 + 7 folders)
-        (5000, 7, {"p": 2, "": 1}),
-    ],
-)
+@pytest.mark.parametrize("page_size", [5000, 3])
 @pytest.mark.parametrize("prefix", ["p", ""])
-def test_the_folder_walk_lists_what_the_sdk_lists(
+def test_the_listing_is_what_the_sdk_lists_page_after_page(
     hostile: ContainerClient,
     azurite: str,
     monkeypatch: pytest.MonkeyPatch,
     prefix: str,
     page_size: int,
-    walk_folders: int,
-    flat: dict[str, int],
 ) -> None:
-    """Ground truth: the SDK's own flat iterator, each blob pinned as the gate pins it; and
-    the requests say which way each folder was listed."""
+    """Ground truth: the SDK's own iterator, each blob pinned as the gate pins it. With three
+    blobs a page, each page's marker (taken from the end of its body, escaped names and all)
+    asks for the next while the page is parsed."""
+    import math
+
     import staging.blob
     from staging.listing import pin
 
     monkeypatch.setattr(staging.blob, "PAGE_SIZE", page_size)
-    monkeypatch.setattr(staging.blob, "WALK_FOLDERS", walk_folders)
     client, queries = _requests(azurite, hostile.container_name)
     listed = list_pinned(client, prefix)
-    start = f"{prefix}/" if prefix else ""
-    expected = sorted(
-        (pin(b) for b in hostile.list_blobs(name_starts_with=start or None)),
-        key=lambda b: b.name,
-    )
+    expected = [
+        pin(b) for b in hostile.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
+    ]
     assert listed == expected
     assert len(listed) == (len(HOSTILE) - 3 if prefix else len(HOSTILE))
-    walked = [q for q in queries if "delimiter=/" in q]
-    flat_listings = [q for q in queries if "delimiter" not in q and "marker=" not in q]
-    assert len(flat_listings) == flat[prefix]
-    if not flat[prefix]:
-        assert len(walked) == len(_folders(HOSTILE, start)) == len(queries)
+    assert len(queries) == math.ceil(len(listed) / page_size)
+    assert sum("marker=" in q for q in queries) == len(queries) - 1
 
 
-@pytest.fixture
-def one_folder_refused() -> Iterator[int]:
-    """A List Blobs endpoint whose top folder holds two subfolders; the second is refused."""
-
-    def blobs(body: str) -> bytes:
-        return (
-            '<?xml version="1.0" encoding="utf-8"?><EnumerationResults><Blobs>'
-            f"{body}</Blobs><NextMarker /></EnumerationResults>"
-        ).encode()
+@contextlib.contextmanager
+def _two_pages(first: bytes) -> Iterator[tuple[int, list[str]]]:
+    """A List Blobs endpoint whose first page is ``first`` and names a next one, which it
+    refuses; yields its port and the paths asked for."""
+    calls: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
-            if "prefix=p%2Fb%2F" in self.path:
+            calls.append(self.path)
+            if "marker=" in self.path:
                 self.send_response(403)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            if "prefix=p%2Fa%2F" in self.path:
-                body = blobs(PAGE.decode().split("<Blobs>")[1].split("</Blobs>")[0])
-            else:
-                body = blobs(
-                    "<BlobPrefix><Name>p/a/</Name></BlobPrefix>"
-                    "<BlobPrefix><Name>p/b/</Name></BlobPrefix>"
-                )
+            body = first.replace(b"<NextMarker />", b"<NextMarker>p/a.png&amp;1</NextMarker>")
             self.send_response(200)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
@@ -209,19 +176,33 @@ def one_folder_refused() -> Iterator[int]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield server.server_port
+        yield server.server_port, calls
     finally:
         server.shutdown()
         server.server_close()
 
 
-def test_a_folder_refused_fails_the_listing_naming_it(one_folder_refused: int) -> None:
-    container = ContainerClient.from_connection_string(
+def _data(port: int) -> ContainerClient:
+    return ContainerClient.from_connection_string(
         "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
-        f"AccountKey={KEY};BlobEndpoint=http://127.0.0.1:{one_folder_refused}/devstoreaccount1;",
+        f"AccountKey={KEY};BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;",
         "data",
         api_version=API_VERSION,
     )
-    with pytest.raises(Exception, match="403") as refused:
-        list_pinned(container, "p")
-    assert "data" in str(refused.value)
+
+
+def test_a_next_page_refused_fails_the_listing_naming_the_container() -> None:
+    with _two_pages(PAGE) as (port, calls):
+        with pytest.raises(ValueError, match=r"container 'data': listing .* refused with HTTP 403"):
+            list_pinned(_data(port), "p")
+        assert calls[1].endswith("&marker=p%2Fa.png%261")  # the marker, unescaped and quoted
+
+
+def test_the_next_page_is_asked_for_before_this_one_is_parsed() -> None:
+    """A first page whose blobs cannot be parsed, with a good marker at its end: the next
+    page was asked for before parsing found the damage."""
+    damaged = PAGE.replace(b"<Content-Length>3</Content-Length>", b"<Content-Length>3</Con")
+    with _two_pages(damaged) as (port, calls):
+        with pytest.raises(SyntaxError):
+            list_pinned(_data(port), "p")
+        assert len(calls) == 2 and "marker=" in calls[1]
