@@ -36,7 +36,7 @@ FULL: dict[str, list[str]] = {
 QUICK: dict[str, list[str]] = {
     "staging": [
         *("--small", "300", "--large", "2", "--large-mb", "12"),
-        *("--delays-ms", "0", "2", "--large-rounds", "2"),
+        *("--delays-ms", "0", "2", "--large-rounds", "2", "--resyncs", "1"),
     ],
     "loading": ["--images", "600"],
     "trainer": ["--images", "600", "--epochs", "1"],
