@@ -259,10 +259,10 @@ def _listing_ahead(a: dict[str, Any] | None) -> list[str]:
         f"page after another, on {int(ahead['blobs']):,} blobs ({a['pages']} pages) answered "
         f"{a['page_delay_ms']:g} ms after each request (a stand-in for the service's own time, "
         f"which this server lacks), medians of {a['rounds']} alternating rounds: "
-        f"{ahead['wall_s']:.1f} s against {plain['wall_s']:.1f} s "
-        f"({plain['wall_s'] / max(ahead['wall_s'], 1e-9):.2f}x faster), with the same CPU "
-        f"({ahead['cpu_s']:.1f} s and {plain['cpu_s']:.1f} s). What it saves per page is the "
-        "smaller of the page's parsing and the wait for the next one.",
+        f"{ahead['wall_s']:.1f} s against {plain['wall_s']:.1f} s (one after another takes "
+        f"{plain['wall_s'] / max(ahead['wall_s'], 1e-9):.2f}x the time), with "
+        f"{ahead['cpu_s']:.1f} s and {plain['cpu_s']:.1f} s of CPU. What it saves per page is "
+        "the smaller of the page's parsing and the wait for the next one.",
         "",
     ]
 
