@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -26,9 +26,12 @@ PAGE = (
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
-@pytest.fixture
-def cut_once() -> Iterator[tuple[int, list[str]]]:
-    """A List Blobs endpoint whose first answer stops 50 bytes into the page."""
+@contextlib.contextmanager
+def _serving(
+    answer: Callable[[BaseHTTPRequestHandler, int], None],
+) -> Iterator[tuple[int, list[str]]]:
+    """A List Blobs endpoint on loopback: ``answer(handler, call)`` writes the reply to each
+    request (``call`` counts from 1); yields its port and the paths asked for."""
     calls: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -36,17 +39,7 @@ def cut_once() -> Iterator[tuple[int, list[str]]]:
 
         def do_GET(self) -> None:
             calls.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(PAGE)))
-            self.end_headers()
-            if len(calls) == 1:
-                self.wfile.write(PAGE[:50])
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_RDWR)
-                self.close_connection = True
-                return
-            self.wfile.write(PAGE)
+            answer(self, len(calls))
 
         def log_message(self, *args: object) -> None:
             pass
@@ -60,15 +53,44 @@ def cut_once() -> Iterator[tuple[int, list[str]]]:
         server.server_close()
 
 
-def test_a_page_cut_off_on_the_way_is_asked_for_again(cut_once: tuple[int, list[str]]) -> None:
-    port, calls = cut_once
-    container = ContainerClient.from_connection_string(
+def _headers(handler: BaseHTTPRequestHandler, status: int, body: bytes = b"") -> None:
+    """The status line and headers of a reply whose body is ``body``."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/xml")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+
+
+def _data(port: int) -> ContainerClient:
+    return ContainerClient.from_connection_string(
         "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
         f"AccountKey={KEY};BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;",
         "data",
         api_version=API_VERSION,
     )
-    assert list_pinned(container, "p") == [
+
+
+@pytest.fixture
+def cut_once() -> Iterator[tuple[int, list[str]]]:
+    """A List Blobs endpoint whose first answer stops 50 bytes into the page."""
+
+    def answer(handler: BaseHTTPRequestHandler, call: int) -> None:
+        _headers(handler, 200, PAGE)
+        if call == 1:
+            handler.wfile.write(PAGE[:50])
+            handler.wfile.flush()
+            handler.connection.shutdown(socket.SHUT_RDWR)
+            handler.close_connection = True
+            return
+        handler.wfile.write(PAGE)
+
+    with _serving(answer) as served:
+        yield served
+
+
+def test_a_page_cut_off_on_the_way_is_asked_for_again(cut_once: tuple[int, list[str]]) -> None:
+    port, calls = cut_once
+    assert list_pinned(_data(port), "p") == [
         PinnedBlob("p/a.png", '"0x1"', 3, "rL0Y20zC+Fzt72VPzMSk2A==")
     ]
     assert len(calls) == 2 and all("comp=list" in c and "prefix=p%2F" in c for c in calls)
@@ -151,44 +173,17 @@ def test_the_listing_is_what_the_sdk_lists_page_after_page(
 def _two_pages(first: bytes) -> Iterator[tuple[int, list[str]]]:
     """A List Blobs endpoint whose first page is ``first`` and names a next one, which it
     refuses; yields its port and the paths asked for."""
-    calls: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def answer(handler: BaseHTTPRequestHandler, call: int) -> None:
+        if "marker=" in handler.path:
+            _headers(handler, 403)
+            return
+        body = first.replace(b"<NextMarker />", b"<NextMarker>p/a.png&amp;1</NextMarker>")
+        _headers(handler, 200, body)
+        handler.wfile.write(body)
 
-        def do_GET(self) -> None:
-            calls.append(self.path)
-            if "marker=" in self.path:
-                self.send_response(403)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            body = first.replace(b"<NextMarker />", b"<NextMarker>p/a.png&amp;1</NextMarker>")
-            self.send_response(200)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_port, calls
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _data(port: int) -> ContainerClient:
-    return ContainerClient.from_connection_string(
-        "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
-        f"AccountKey={KEY};BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;",
-        "data",
-        api_version=API_VERSION,
-    )
+    with _serving(answer) as served:
+        yield served
 
 
 def test_a_next_page_refused_fails_the_listing_naming_the_container() -> None:
