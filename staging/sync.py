@@ -28,7 +28,10 @@ Properties a training run relies on:
   any more, so a new data version under a new prefix (``images/v2`` after ``images/v1``, the
   same relative paths under new blob names) keeps every file it staged;
 * parallel: downloads run in :mod:`staging.transfer`, many in flight, outside the
-  interpreter lock (see there for why, and for each download's own guarantees).
+  interpreter lock (see there for why, and for each download's own guarantees); a sync
+  that lists the container itself asks for the listing first and reads the manifest, each
+  recorded file's status and the files whose turn it is while the service answers: a
+  re-sync's own work is a fraction of that wait.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ import logging
 import os
 import stat
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from staging.blob import Retry, list_pinned, object_store
+from staging.blob import Retry, list_pinned, object_store, paused_gc
 from staging.durability import boot_id, flush_filesystem, settle, written_back
 from staging.listing import PinnedBlob
 from staging.transfer import Download, download_all
@@ -225,6 +229,66 @@ def _status(st: os.stat_result) -> list[int]:
     return [st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def _lstat(target: str) -> os.stat_result | None:
+    try:
+        return os.lstat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class _Survey:
+    """The status of every file the last sync recorded and, for those whose turn it is to be
+    read and whose status is the one recorded, their MD5: a re-sync's reads, taken before
+    the listing arrives instead of after it. Only reads (an ``lstat``, and an MD5 of a regular
+    file of the recorded size inside the destination); what could not be read is left for
+    the sync to read again, which raises what it must. A file changed after its survey
+    keeps the status surveyed in the manifest, so the next sync reads it."""
+
+    def __init__(
+        self, dest: Path, previous: dict[str, dict[str, Any]], verify_every: int, turn: int
+    ) -> None:
+        self._status: dict[str, os.stat_result | None] = {}
+        self._md5: dict[str, str] = {}
+        base = os.fspath(dest)
+        root = os.path.realpath(base).rstrip("/")
+        inside: dict[str, bool] = {}
+        for old in previous.values():
+            path = old["path"]
+            if not isinstance(path, str) or path in self._status:
+                continue
+            target = f"{base}/{path}"
+            try:
+                st = self._status[path] = _lstat(target)
+            except OSError:
+                continue  # the sync's own lstat raises it
+            if (
+                st is None
+                or not stat.S_ISREG(st.st_mode)
+                or st.st_size != old.get("size")
+                or old.get("stat") != _status(st)
+                or zlib.crc32(path.encode()) % verify_every != turn
+            ):
+                continue
+            folder = target.rpartition("/")[0]
+            if folder not in inside:
+                real = os.path.realpath(folder)
+                inside[folder] = real == (root or "/") or real.startswith(f"{root}/")
+            if inside[folder]:
+                try:
+                    self._md5[path] = file_md5(Path(target))
+                except OSError:
+                    continue  # read again by the sync, which raises it
+
+    def status(self, path: str, target: str) -> os.stat_result | None:
+        if path in self._status:
+            return self._status[path]
+        return _lstat(target)
+
+    def md5(self, path: str, target: str) -> str:
+        """The file's MD5, surveyed (at the status the sync goes by) or read now."""
+        return self._md5.get(path) or file_md5(Path(target))
+
+
 def sync_to_directory(
     container: ContainerClient,
     prefix: str,
@@ -245,105 +309,119 @@ def sync_to_directory(
         raise ValueError(f"verify_every must be 1 or more, not {verify_every}")
     prefix = prefix.strip("/")
     pinned = listing is not None
-    if listing is None:
-        listing = list_pinned(container, prefix)
-    planned = _plan(listing, prefix)  # every name checked before anything is written
-    dest.mkdir(parents=True, exist_ok=True)
-    root = dest.resolve()
-    previous, syncs, previous_boot, failed_before = previous_sync(dest)
-    syncs += 1
-    boot = boot_id()
-    same_boot = boot is not None and previous_boot == boot
-    # Files an earlier sync of this boot left unflushed: once the kernel has had time to write
-    # them back, one flush (which then finds little to write) makes them the disk's. Not after
-    # a flush of this boot reported a write error: the kernel reports it once, so a later
-    # flush that succeeds does not mean those pages were stored.
-    flush_failed = same_boot and failed_before
-    unflushed = same_boot and any(e.get("unflushed") for e in previous.values())
-    flushed = False
-    if unflushed and not flush_failed and written_back(dest / MANIFEST):
-        flushed = flush_filesystem(dest)
-        flush_failed = not flushed
-    turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
-    # Stale is decided on destination paths, not blob names: a new version under a new prefix
-    # renames every blob but lands on the same paths, which must stay.
-    by_path = {str(old["path"]): (n, old) for n, old in previous.items()}
-    new_paths = {rel for _, rel in planned.values()}
-    stale = {path: n for path, (n, _) in by_path.items() if path not in new_paths}
-    report = SyncReport(total_files=len(planned))
-    todo: list[Download] = []
-    entries: dict[str, dict[str, Any]] = {}
-    files: dict[str, dict[str, Any]] = {}
-    fresh: list[str] = []  # files whose bytes this boot may hold only in memory
-    inside: dict[str, bool] = {}  # per folder: resolving each file's path costs a stat per part
-    base, real_root = os.fspath(dest), os.fspath(root).rstrip("/")
-    for name, (blob, path) in planned.items():
-        target = f"{base}/{path}"
-        folder = target.rpartition("/")[0]
-        first = folder not in inside
-        if first:
-            real = os.path.realpath(folder)
-            inside[folder] = real == (real_root or "/") or real.startswith(f"{real_root}/")
-        try:
-            st: os.stat_result | None = os.lstat(target)  # one call answers every question
-        except (FileNotFoundError, NotADirectoryError):
-            st = None
-        if not inside[folder] or (st and stat.S_ISLNK(st.st_mode)):
-            raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
-        if first or (st and stat.S_ISDIR(st.st_mode)):
-            report.deleted += _clear_way(dest, name, PurePosixPath(path), stale)
-            st = None if st and stat.S_ISDIR(st.st_mode) else st
-        entry: dict[str, Any] = {
-            "path": path,
-            "etag": blob.etag,
-            "size": blob.size,
-            "md5": blob.md5,
-        }
-        # What the last sync wrote on this path: this blob, or an earlier version's blob of
-        # another name whose content may well be the same.
-        old_name, old = by_path.get(path, (None, None))
-        same_size = st is not None and stat.S_ISREG(st.st_mode) and st.st_size == blob.size
-        if same_size and old_name and old is not None and _same_content(name, blob, old_name, old):
-            assert st is not None
-            md5 = old.get("md5") or blob.md5
-            recorded = old.get("stat")
-            # Written unflushed under another boot: the machine has restarted since, maybe
-            # crashed with the bytes still in its memory. Read back, they are the disk's.
-            kept = {"unflushed": True} if old.get("unflushed") and same_boot and not flushed else {}
-            survived = same_boot or not old.get("unflushed")
+    # The listing's parse and the plan below allocate an entry per file, none of them in a
+    # cycle: without the collector walking the whole process each time (staging.blob).
+    with paused_gc():
+        with ThreadPoolExecutor(1, thread_name_prefix="listing") as listing_pool:
+            listed = None if pinned else listing_pool.submit(list_pinned, container, prefix)
+            # While the listing is on its way (a re-sync's own work is a fraction of its wait):
+            # what the last sync left, and each recorded file's status.
+            previous, syncs, previous_boot, failed_before = previous_sync(dest)
+            syncs += 1
+            turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
+            ahead = _Survey(dest, previous, verify_every, turn)
+            listing = listed.result() if listed else listing
+        assert listing is not None
+        planned = _plan(listing, prefix)  # every name checked before anything is written
+        dest.mkdir(parents=True, exist_ok=True)
+        root = dest.resolve()
+        boot = boot_id()
+        same_boot = boot is not None and previous_boot == boot
+        # Files an earlier sync of this boot left unflushed: once the kernel has had time to write
+        # them back, one flush (which then finds little to write) makes them the disk's. Not after
+        # a flush of this boot reported a write error: the kernel reports it once, so a later
+        # flush that succeeds does not mean those pages were stored.
+        flush_failed = same_boot and failed_before
+        unflushed = same_boot and any(e.get("unflushed") for e in previous.values())
+        flushed = False
+        if unflushed and not flush_failed and written_back(dest / MANIFEST):
+            flushed = flush_filesystem(dest)
+            flush_failed = not flushed
+        # Stale is decided on destination paths, not blob names: a new version under a new prefix
+        # renames every blob but lands on the same paths, which must stay.
+        by_path = {str(old["path"]): (n, old) for n, old in previous.items()}
+        new_paths = {rel for _, rel in planned.values()}
+        stale = {path: n for path, (n, _) in by_path.items() if path not in new_paths}
+        report = SyncReport(total_files=len(planned))
+        todo: list[Download] = []
+        entries: dict[str, dict[str, Any]] = {}
+        files: dict[str, dict[str, Any]] = {}
+        fresh: list[str] = []  # files whose bytes this boot may hold only in memory
+        inside: dict[str, bool] = {}  # per folder: resolving each file's path costs a stat per part
+        base, real_root = os.fspath(dest), os.fspath(root).rstrip("/")
+        for name, (blob, path) in planned.items():
+            target = f"{base}/{path}"
+            folder = target.rpartition("/")[0]
+            first = folder not in inside
+            if first:
+                real = os.path.realpath(folder)
+                inside[folder] = real == (real_root or "/") or real.startswith(f"{real_root}/")
+            st = ahead.status(path, target)  # one call answers every question
+            if not inside[folder] or (st and stat.S_ISLNK(st.st_mode)):
+                raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
+            if first or (st and stat.S_ISDIR(st.st_mode)):
+                report.deleted += _clear_way(dest, name, PurePosixPath(path), stale)
+                st = None if st and stat.S_ISDIR(st.st_mode) else st
+            entry: dict[str, Any] = {
+                "path": path,
+                "etag": blob.etag,
+                "size": blob.size,
+                "md5": blob.md5,
+            }
+            # What the last sync wrote on this path: this blob, or an earlier version's blob of
+            # another name whose content may well be the same.
+            old_name, old = by_path.get(path, (None, None))
+            same_size = st is not None and stat.S_ISREG(st.st_mode) and st.st_size == blob.size
             if (
-                recorded == _status(st)
-                and survived
-                and zlib.crc32(path.encode()) % verify_every != turn
+                same_size
+                and old_name
+                and old is not None
+                and _same_content(name, blob, old_name, old)
             ):
-                report.skipped += 1  # trusted: not read
-                files[name] = {**entry, "md5": md5, "stat": recorded, **kept}
-                continue
-            # Its turn to be read, its status is not the one staging left (changed behind
-            # the manifest's back, or a manifest older than the status record), or it may
-            # have been lost in a crash.
-            report.verified += 1
-            if file_md5(Path(target)) == md5:
-                report.skipped += 1
-                files[name] = {**entry, "md5": md5, "stat": _status(st), **kept}
-                if recorded != _status(st):  # rewritten since: maybe not on the disk yet
-                    fresh.append(name)
-                continue
-            report.repaired.append(name)
-        elif old is None and same_size and blob.md5:
-            # Not in the manifest, yet maybe the blob's bytes: written by a sync cut short
-            # before its first manifest (or the manifest lost). A path the manifest holds at
-            # another ETag is downloaded again, whatever its MD5: a blob rewritten with its old
-            # Content-MD5 kept (Put Block List stores it unchecked) would match the old bytes.
-            assert st is not None
-            report.verified += 1
-            if file_md5(Path(target)) == blob.md5:
-                report.skipped += 1
-                files[name] = {**entry, "stat": _status(st)}
-                fresh.append(name)  # written by a sync cut short: maybe not on the disk yet
-                continue
-        todo.append(Download(blob, Path(target)))
-        entries[name] = entry
+                assert st is not None
+                md5 = old.get("md5") or blob.md5
+                recorded = old.get("stat")
+                # Written unflushed under another boot: the machine has restarted since, maybe
+                # crashed with the bytes still in its memory. Read back, they are the disk's.
+                kept = (
+                    {"unflushed": True}
+                    if old.get("unflushed") and same_boot and not flushed
+                    else {}
+                )
+                survived = same_boot or not old.get("unflushed")
+                if (
+                    recorded == _status(st)
+                    and survived
+                    and zlib.crc32(path.encode()) % verify_every != turn
+                ):
+                    report.skipped += 1  # trusted: not read
+                    files[name] = {**entry, "md5": md5, "stat": recorded, **kept}
+                    continue
+                # Its turn to be read, its status is not the one staging left (changed behind
+                # the manifest's back, or a manifest older than the status record), or it may
+                # have been lost in a crash.
+                report.verified += 1
+                if ahead.md5(path, target) == md5:
+                    report.skipped += 1
+                    files[name] = {**entry, "md5": md5, "stat": _status(st), **kept}
+                    if recorded != _status(st):  # rewritten since: maybe not on the disk yet
+                        fresh.append(name)
+                    continue
+                report.repaired.append(name)
+            elif old is None and same_size and blob.md5:
+                # Not in the manifest, yet maybe the blob's bytes: written by a sync cut short
+                # before its first manifest (or the manifest lost). A path the manifest holds at
+                # another ETag is downloaded again, whatever its MD5: a blob rewritten with its old
+                # Content-MD5 kept (Put Block List stores it unchecked) would match the old bytes.
+                assert st is not None
+                report.verified += 1
+                if file_md5(Path(target)) == blob.md5:
+                    report.skipped += 1
+                    files[name] = {**entry, "stat": _status(st)}
+                    fresh.append(name)  # written by a sync cut short: maybe not on the disk yet
+                    continue
+            todo.append(Download(blob, Path(target)))
+            entries[name] = entry
 
     def landed(job: Download, md5: str, st: os.stat_result) -> None:
         files[job.blob.name] = {**entries[job.blob.name], "md5": md5, "stat": _status(st)}

@@ -300,3 +300,70 @@ def test_a_manifest_of_the_earlier_format_is_read_and_checked(
     assert rewritten["syncs"] == 1
     assert all(len(e["stat"]) == 3 for e in rewritten["files"].values())
     assert sync_to_directory(container, "ds", dest, verify_every=1 << 20).verified == 0
+
+
+def test_a_resync_reads_its_files_while_the_listing_is_on_its_way(
+    container: ContainerClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-sync's own reads (the manifest, each file's status, the files whose turn it is)
+    need no listing: they are made while the service answers, not after. The listing below
+    is held back until a staged file has been read (10 s at most) and records whether one
+    was."""
+    import threading
+
+    import staging.sync
+    from staging.blob import list_pinned
+    from tests.staging.list_server import data_client, page, reply_headers, serving
+
+    dest = tmp_path / "data"
+    sync_to_directory(container, "ds", dest)
+    body = page(list_pinned(container, "ds"))
+    read, real_md5 = threading.Event(), staging.sync.file_md5
+    read_before_answer: list[bool] = []
+
+    def reading(path: Path) -> str:
+        read.set()
+        return real_md5(path)
+
+    def answer(handler: Any, call: int) -> None:
+        read_before_answer.append(read.wait(timeout=10))
+        reply_headers(handler, 200, body)
+        handler.wfile.write(body)
+
+    monkeypatch.setattr(staging.sync, "file_md5", reading)
+    with serving(answer) as (port, _):
+        again = sync_to_directory(data_client(port), "ds", dest, verify_every=1)
+    assert read_before_answer == [True]
+    assert (again.verified, again.skipped, again.downloaded, again.repaired) == (30, 30, [], [])
+
+
+def test_a_folder_swapped_for_a_link_outside_is_refused_and_nothing_there_is_read(
+    container: ContainerClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class folder moved outside the destination and linked back in: its files keep their
+    status (inode, times), so the manifest would vouch for them. The sync refuses the first
+    blob that resolves there, reads no file outside (not even ahead of the listing, on its
+    turn) and writes nothing there."""
+    import staging.sync
+
+    dest, outside = tmp_path / "data", tmp_path / "elsewhere"
+    sync_to_directory(container, "ds", dest)
+    outside.mkdir()
+    (dest / "train" / "c1").rename(outside / "c1")
+    (dest / "train" / "c1").symlink_to(outside / "c1", target_is_directory=True)
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (outside / "c1").iterdir()}
+    read: list[Path] = []
+    real_md5 = staging.sync.file_md5
+
+    def reading(path: Path) -> str:
+        read.append(path)
+        return real_md5(path)
+
+    monkeypatch.setattr(staging.sync, "file_md5", reading)
+    with pytest.raises(
+        UnsafeBlobNameError, match=r"blob 'ds/train/c1/.*' rejected: resolves outside"
+    ):
+        sync_to_directory(container, "ds", dest, verify_every=1)
+    assert read and all("/c1/" not in str(p) for p in read)  # the other folders were read
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (outside / "c1").iterdir()}
+    assert after == before
