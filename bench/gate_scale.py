@@ -313,36 +313,50 @@ def _header_reads(count: int, work: Path) -> dict[str, Any]:
 
 
 def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
-    """The listing with each page ``--page-delay-ms`` after it is asked for (a stand-in for the
-    service's time to answer, which this server does not have): the next page asked for
-    before this one is parsed (shipped) and one page after another, alternating, medians."""
+    """The listing's two choices, with each page ``--page-delay-ms`` after it is asked for (a
+    stand-in for the service's time to answer, which this server does not have), alternating,
+    medians: as shipped (the next page asked for before this one is parsed, the collector
+    paused while a page is parsed); one page after another; and the collector running while a
+    page is parsed. Measured with Prefect imported, as in the flow's process: the collector's
+    cost grows with the objects a process holds."""
+    import contextlib
+    import gc
     from unittest import mock
+
+    import prefect  # noqa: F401  # the heap of the process the gate runs in
 
     import staging.blob
     from staging.blob import list_pinned
 
     classes = max(1, min(args.classes, args.ahead_blobs // 1_000))
     delay = args.page_delay_ms / 1000
-    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    ways: dict[str, dict[str, Any]] = {
+        "ahead": {"LIST_AHEAD": True},
+        "one_after_another": {"LIST_AHEAD": False},
+        "collector_running": {"LIST_AHEAD": True, "paused_gc": contextlib.nullcontext},
+    }
+    runs: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     with synthetic_container(args.ahead_blobs, 0, classes, delay) as conn:
         from azure.storage.blob import ContainerClient
 
         container = ContainerClient.from_connection_string(conn, CONTAINER)
+        tracked = len(gc.get_objects())
         for rnd in range(args.ahead_rounds):
-            for ahead in (True, False) if rnd % 2 == 0 else (False, True):
-                with mock.patch.object(staging.blob, "LIST_AHEAD", ahead):
+            for way in list(ways) if rnd % 2 == 0 else list(ways)[::-1]:
+                with mock.patch.multiple(staging.blob, **ways[way]):
                     listed, timing = _timed(lambda: list_pinned(container, PREFIX))
-                runs[ahead].append({"blobs": len(listed), **timing})
+                runs[way].append({"blobs": len(listed), **timing})
+                del listed
     medians = {
-        ahead: {k: statistics.median(r[k] for r in rs) for k in ("blobs", "wall_s", "cpu_s")}
-        for ahead, rs in runs.items()
+        way: {k: statistics.median(r[k] for r in rs) for k in ("blobs", "wall_s", "cpu_s")}
+        for way, rs in runs.items()
     }
     return {
         "page_delay_ms": args.page_delay_ms,
-        "pages": -(-int(medians[True]["blobs"]) // PAGE),
+        "pages": -(-int(medians["ahead"]["blobs"]) // PAGE),
         "rounds": args.ahead_rounds,
-        "ahead": medians[True],
-        "one_after_another": medians[False],
+        "tracked_objects": tracked,
+        **medians,
     }
 
 
@@ -360,6 +374,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "served by a synthetic List Blobs server in its own process; the gate's code through "
         "a real ContainerClient",
     }
+    # First, in a process holding no listing yet: the collector's cost grows with what it holds.
+    result["listing_ahead"] = _listing_ahead(args)
     with synthetic_container(args.train, args.test, args.classes) as conn:
         os.environ[ENV] = conn
         location = BlobLocation(container=CONTAINER, prefix=PREFIX, connection_string_env=ENV)
@@ -369,7 +385,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "blobs_per_s": round(len(blobs) / max(listing["wall_s"], 1e-9)),
         **listing,
     }
-    result["listing_ahead"] = _listing_ahead(args)
     with tempfile.TemporaryDirectory(dir=work) as cache_dir:
         _prefill(cache_path(location, Path(cache_dir)), blobs)
         (rows, reused), manifest = _timed(
