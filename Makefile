@@ -64,13 +64,15 @@ azure-config:
 	@echo "configs/azure.yaml created from configs/azure.example.yaml: fill in your names (docs/azure.md)"
 
 # Everything but the extra trials of the fault tests (marked slow; `make reliability` runs them),
-# in TEST_WORKERS processes (pytest-xdist), a test file per process at a time. Many tests wait
+# in TEST_WORKERS processes (pytest-xdist), a test file per process at a time, the longest
+# files first (tests/durations.py; refresh its table from .work/junit.xml). Many tests wait
 # on servers, launchers and nodes part of the time: on 2 cores, 2 processes left the cores idle
 # 17% of a whole run and 3 left them idle 3% (17:16 against 19:01 of pytest, one run each).
 TEST_WORKERS ?= 3
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow and not gpu" \
-		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --junitxml=.work/junit.xml \
+		$(PYTEST_ARGS)
 
 # The unit tests of every package (no server, emulator, launcher or process of their own):
 # the edit-test loop's command.

@@ -338,6 +338,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         if not fixtures & SYSTEM_FIXTURES and item.get_closest_marker("processes") is None:
             item.add_marker(pytest.mark.quick)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the longest files first
+        from tests import durations
+
+        order = durations.longest_first([i.nodeid.split("::")[0] for i in items], durations.load())
+        items[:] = [items[i] for i in order]
 
 
 @pytest.hookimpl(optionalhook=True)
