@@ -188,8 +188,26 @@ def _next_marker(body: bytes) -> str:
         raise ValueError("a List Blobs page ends in a malformed NextMarker") from None
 
 
+class GcPause:
+    """A pause of the cyclic collector, which work that may take long (reading files) can
+    step out of: ``with pause.resumed():`` runs it with the collector as the caller had it."""
+
+    def __init__(self, paused: bool) -> None:
+        self._paused = paused
+
+    @contextmanager
+    def resumed(self) -> Iterator[None]:
+        if self._paused:
+            gc.enable()
+        try:
+            yield
+        finally:
+            if self._paused:
+                gc.disable()
+
+
 @contextmanager
-def paused_gc() -> Iterator[None]:
+def paused_gc() -> Iterator[GcPause]:
     """The cyclic garbage collector paused through a burst of allocations that form no cycle.
 
     Why: a page of 5,000 blobs parses into about 80,000 objects that live until the page is
@@ -197,11 +215,12 @@ def paused_gc() -> Iterator[None]:
     long-lived objects, the collector walks every one of them; in a process that has imported
     Prefect (about 280,000 tracked objects) that took 145 ms of a page's 183 ms. Nothing made
     here forms a cycle, so a pause leaves no garbage a collection would have freed; a
-    collector a caller had paused stays paused."""
+    collector a caller had paused stays paused. The pause is process-wide (other threads'
+    cycles wait for it to end), so it is kept to CPU work: I/O steps out of it."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
+        yield GcPause(was_enabled)
     finally:
         if was_enabled:
             gc.enable()

@@ -29,8 +29,8 @@ Properties a training run relies on:
   same relative paths under new blob names) keeps every file it staged;
 * parallel: downloads run in :mod:`staging.transfer`, many in flight, outside the
   interpreter lock (see there for why, and for each download's own guarantees); a sync
-  that lists the container itself asks for the listing first and reads the manifest, each
-  recorded file's status and the files whose turn it is while the service answers: a
+  that lists the container itself asks for the listing first and reads the manifest and
+  the files whose turn it is while the service answers (until the listing arrives): a
   re-sync's own work is a fraction of that wait.
 """
 
@@ -40,12 +40,13 @@ import logging
 import os
 import stat
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from staging.blob import Retry, list_pinned, object_store, paused_gc
+from staging.blob import GcPause, Retry, list_pinned, object_store, paused_gc
 from staging.durability import boot_id, flush_filesystem, settle, written_back
 from staging.listing import PinnedBlob
 from staging.transfer import Download, download_all
@@ -237,56 +238,59 @@ def _lstat(target: str) -> os.stat_result | None:
 
 
 class _Survey:
-    """The status of every file the last sync recorded and, for those whose turn it is to be
-    read and whose status is the one recorded, their MD5: a re-sync's reads, taken before
-    the listing arrives instead of after it. Only reads (an ``lstat``, and an MD5 of a regular
-    file of the recorded size inside the destination); what could not be read is left for
-    the sync to read again, which raises what it must. A file changed after its survey
-    keeps the status surveyed in the manifest, so the next sync reads it."""
+    """The MD5s of the files whose turn it is to be read, taken while the listing is on its
+    way instead of after it, each with the status it was read at: the sync uses one only for
+    a file whose status it finds the same. It stops when the listing arrives (what is left is
+    read by the sync as before), so it costs no wait, and a listing that fails is not held up.
+    It reads only regular files of the recorded size and status inside the destination, and
+    skips any entry it cannot use (the sync decides about those, and raises what it must)."""
 
     def __init__(
-        self, dest: Path, previous: dict[str, dict[str, Any]], verify_every: int, turn: int
+        self,
+        dest: Path,
+        previous: dict[str, dict[str, Any]],
+        verify_every: int,
+        turn: int,
+        until: Callable[[], bool],
+        pause: GcPause,
     ) -> None:
-        self._status: dict[str, os.stat_result | None] = {}
-        self._md5: dict[str, str] = {}
+        self._md5: dict[str, tuple[int, list[int], str]] = {}
         base = os.fspath(dest)
         root = os.path.realpath(base).rstrip("/")
         inside: dict[str, bool] = {}
         for old in previous.values():
             path = old["path"]
-            if not isinstance(path, str) or path in self._status:
+            if until():
+                return
+            if (
+                not isinstance(path, str)
+                or zlib.crc32(path.encode(errors="replace")) % verify_every != turn
+            ):
                 continue
             target = f"{base}/{path}"
             try:
-                st = self._status[path] = _lstat(target)
-            except OSError:
-                continue  # the sync's own lstat raises it
-            if (
-                st is None
-                or not stat.S_ISREG(st.st_mode)
-                or st.st_size != old.get("size")
-                or old.get("stat") != _status(st)
-                or zlib.crc32(path.encode()) % verify_every != turn
-            ):
+                st = _lstat(target)
+                if (
+                    st is None
+                    or not stat.S_ISREG(st.st_mode)
+                    or st.st_size != old.get("size")
+                    or old.get("stat") != _status(st)
+                ):
+                    continue
+                folder = target.rpartition("/")[0]
+                if folder not in inside:
+                    real = os.path.realpath(folder)
+                    inside[folder] = real == (root or "/") or real.startswith(f"{root}/")
+                if inside[folder]:
+                    with pause.resumed():
+                        self._md5[path] = (st.st_size, _status(st), file_md5(Path(target)))
+            except (OSError, ValueError):  # unreadable, a NUL or an unencodable character
                 continue
-            folder = target.rpartition("/")[0]
-            if folder not in inside:
-                real = os.path.realpath(folder)
-                inside[folder] = real == (root or "/") or real.startswith(f"{root}/")
-            if inside[folder]:
-                try:
-                    self._md5[path] = file_md5(Path(target))
-                except OSError:
-                    continue  # read again by the sync, which raises it
 
-    def status(self, path: str, target: str) -> os.stat_result | None:
-        if path in self._status:
-            return self._status[path]
-        return _lstat(target)
-
-    def md5(self, path: str, target: str) -> str:
-        """The file's MD5, surveyed (at the status the sync goes by) or read now."""
-        return self._md5.get(path) or file_md5(Path(target))
+    def md5(self, path: str, st: os.stat_result) -> str | None:
+        """The file's MD5 if it was surveyed at the status ``st`` shows."""
+        size, status, md5 = self._md5.get(path, (-1, [], ""))
+        return md5 if size == st.st_size and status == _status(st) else None
 
 
 def sync_to_directory(
@@ -310,19 +314,28 @@ def sync_to_directory(
     prefix = prefix.strip("/")
     pinned = listing is not None
     # The listing's parse and the plan below allocate an entry per file, none of them in a
-    # cycle: without the collector walking the whole process each time (staging.blob).
-    with paused_gc():
+    # cycle: without the collector walking the whole process each time (staging.blob). Waits
+    # and file reads step out of the pause.
+    with paused_gc() as pause:
         with ThreadPoolExecutor(1, thread_name_prefix="listing") as listing_pool:
             listed = None if pinned else listing_pool.submit(list_pinned, container, prefix)
             # While the listing is on its way (a re-sync's own work is a fraction of its wait):
-            # what the last sync left, and each recorded file's status.
+            # what the last sync left, and the files whose turn it is to be read.
             previous, syncs, previous_boot, failed_before = previous_sync(dest)
             syncs += 1
             turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
-            ahead = _Survey(dest, previous, verify_every, turn)
-            listing = listed.result() if listed else listing
+            arrived = listed.done if listed else lambda: True  # a given listing: no survey
+            ahead = _Survey(dest, previous, verify_every, turn, arrived, pause)
+            if listed:
+                with pause.resumed():  # the service's wait
+                    listing = listed.result()
         assert listing is not None
         planned = _plan(listing, prefix)  # every name checked before anything is written
+
+        def read(target: str) -> str:
+            with pause.resumed():  # reads can take long: the collector runs meanwhile
+                return file_md5(Path(target))
+
         dest.mkdir(parents=True, exist_ok=True)
         root = dest.resolve()
         boot = boot_id()
@@ -335,7 +348,8 @@ def sync_to_directory(
         unflushed = same_boot and any(e.get("unflushed") for e in previous.values())
         flushed = False
         if unflushed and not flush_failed and written_back(dest / MANIFEST):
-            flushed = flush_filesystem(dest)
+            with pause.resumed():
+                flushed = flush_filesystem(dest)
             flush_failed = not flushed
         # Stale is decided on destination paths, not blob names: a new version under a new prefix
         # renames every blob but lands on the same paths, which must stay.
@@ -356,7 +370,7 @@ def sync_to_directory(
             if first:
                 real = os.path.realpath(folder)
                 inside[folder] = real == (real_root or "/") or real.startswith(f"{real_root}/")
-            st = ahead.status(path, target)  # one call answers every question
+            st = _lstat(target)  # one call answers every question
             if not inside[folder] or (st and stat.S_ISLNK(st.st_mode)):
                 raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
             if first or (st and stat.S_ISDIR(st.st_mode)):
@@ -401,7 +415,7 @@ def sync_to_directory(
                 # the manifest's back, or a manifest older than the status record), or it may
                 # have been lost in a crash.
                 report.verified += 1
-                if ahead.md5(path, target) == md5:
+                if (ahead.md5(path, st) or read(target)) == md5:
                     report.skipped += 1
                     files[name] = {**entry, "md5": md5, "stat": _status(st), **kept}
                     if recorded != _status(st):  # rewritten since: maybe not on the disk yet
@@ -415,7 +429,7 @@ def sync_to_directory(
                 # Content-MD5 kept (Put Block List stores it unchecked) would match the old bytes.
                 assert st is not None
                 report.verified += 1
-                if file_md5(Path(target)) == blob.md5:
+                if read(target) == blob.md5:
                     report.skipped += 1
                     files[name] = {**entry, "stat": _status(st)}
                     fresh.append(name)  # written by a sync cut short: maybe not on the disk yet

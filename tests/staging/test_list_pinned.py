@@ -191,10 +191,18 @@ def test_a_collector_paused_by_the_caller_stays_paused_and_an_error_restarts_it(
 
     from staging.blob import paused_gc
 
+    with paused_gc() as pause:
+        assert not gc.isenabled()
+        with pause.resumed():  # reads step out of the pause
+            assert gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
     gc.disable()
     try:
-        with paused_gc():
+        with paused_gc() as pause:
             assert not gc.isenabled()
+            with pause.resumed():
+                assert not gc.isenabled()  # not the caller's own pause
         assert not gc.isenabled()  # the caller's pause is the caller's to end
     finally:
         gc.enable()

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import replace
@@ -367,3 +368,84 @@ def test_a_folder_swapped_for_a_link_outside_is_refused_and_nothing_there_is_rea
     assert read and all("/c1/" not in str(p) for p in read)  # the other folders were read
     after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (outside / "c1").iterdir()}
     assert after == before
+
+
+def _adoptable(dest: Path, count: int) -> list[PinnedBlob]:
+    """Files already in ``dest`` and the listing of blobs with their bytes: a sync adopts them
+    by MD5 and writes its manifest, with nothing to download."""
+    blobs = []
+    for i in range(count):
+        data = f"file-{i}".encode() * 100
+        (dest / "c").mkdir(parents=True, exist_ok=True)
+        (dest / "c" / f"{i}.bin").write_bytes(data)
+        md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
+        blobs.append(PinnedBlob(f"ds/c/{i}.bin", f'"0x{i}"', len(data), md5))
+    return blobs
+
+
+def _spy_reads(monkeypatch: pytest.MonkeyPatch, seen: list[str]) -> None:
+    """Records the name of each staged file the sync reads (it still reads it)."""
+    import staging.sync
+
+    real = staging.sync.file_md5
+
+    def reading(path: Path) -> str:
+        seen.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(staging.sync, "file_md5", reading)
+
+
+def test_a_given_listing_reads_nothing_ahead_of_the_names_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the gate's listing given (the flow's staging), nothing is read before every name is
+    checked, and a file about to be deleted is not read, even on its turn."""
+    dest = tmp_path / "data"
+    blobs = _adoptable(dest, 4)
+    sync_to_directory(None, "ds", dest, listing=blobs)  # type: ignore[arg-type]  # no download
+    reads: list[str] = []
+    _spy_reads(monkeypatch, reads)
+    hostile = [*blobs, PinnedBlob("ds/../x", '"0x9"', 1, None)]
+    with pytest.raises(UnsafeBlobNameError, match=re.escape("'ds/../x' rejected")):
+        sync_to_directory(None, "ds", dest, listing=hostile, verify_every=1)  # type: ignore[arg-type]
+    assert reads == []
+    report = sync_to_directory(None, "ds", dest, listing=blobs[1:], verify_every=1)  # type: ignore[arg-type]
+    assert report.deleted == ["ds/c/0.bin"] and sorted(reads) == ["1.bin", "2.bin", "3.bin"]
+
+
+@pytest.mark.parametrize("bad", ["c/x\x00y", "c/x\ud800"], ids=["NUL", "lone surrogate"])
+def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    """A manifest entry whose path holds a NUL or an unencodable character (a damaged or
+    hand-edited manifest): the sync, listing the container itself and reading ahead while it
+    waits, passes over it and stages as before. The listing is held back until the survey
+    has read a file listed after the damaged entry."""
+    from tests.staging.list_server import data_client, page, reply_headers, serving
+
+    dest = tmp_path / "data"
+    blobs = _adoptable(dest, 4)
+    sync_to_directory(None, "ds", dest, listing=blobs)  # type: ignore[arg-type]  # no download
+    manifest = json.loads((dest / MANIFEST).read_text())
+    damaged = {"ds/bogus": {"path": bad, "etag": '"0x0"', "size": 1, "md5": "x", "stat": [0]}}
+    manifest["files"] = {**damaged, **manifest["files"]}  # the survey meets it first
+    (dest / MANIFEST).write_text(json.dumps(manifest))
+    reads: list[str] = []
+    _spy_reads(monkeypatch, reads)
+    body = page(blobs)
+    read_before_answer: list[bool] = []
+
+    def answer(handler: Any, call: int) -> None:
+        deadline = time.monotonic() + 10
+        while not reads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        read_before_answer.append(bool(reads))
+        reply_headers(handler, 200, body)
+        handler.wfile.write(body)
+
+    with serving(answer) as (port, _):
+        report = sync_to_directory(data_client(port), "ds", dest, verify_every=1)
+    assert read_before_answer == [True]
+    assert (report.skipped, report.downloaded, report.repaired) == (4, [], [])
+    assert report.deleted == []  # the damaged entry names no file: nothing to delete
