@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from staging.blob import API_VERSION, folder
+from staging.blob import API_VERSION, folder, hide_sas_in_http_logs
 
 if TYPE_CHECKING:
     from azure.storage.blob import BlobServiceClient, ContainerClient
@@ -68,6 +68,7 @@ def _client_kwargs(retries: int) -> dict[str, Any]:
 def service_client(location: BlobLocation, retries: int = 3) -> BlobServiceClient:
     from azure.storage.blob import BlobServiceClient
 
+    hide_sas_in_http_logs()
     kwargs = _client_kwargs(retries)
     if location.connection_string_env and os.environ.get(location.connection_string_env):
         return BlobServiceClient.from_connection_string(

@@ -13,7 +13,9 @@ managed identity. Nothing here logs or returns a credential.
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,12 +57,48 @@ class Retry:
     give_up_after: float = 180.0  # seconds from a request's first try; a SAS must outlive it
 
 
+# The query fields of a SAS: the signature, and what it signs.
+SECRET = re.compile(r"(sig|se|sv|sp|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|st|sr)=[^&\s\"']+")
+
+
+def redact(text: str) -> str:
+    """``text`` without SAS fields; only its first line (the store's messages go on with
+    debugging detail of the request)."""
+    return SECRET.sub(r"\1=REDACTED", text.strip().splitlines()[0] if text.strip() else "")
+
+
+class _HideSas(logging.Filter):
+    """Rewrites a record whose message holds SAS fields, every line of it, before any
+    handler sees it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        hidden = SECRET.sub(r"\1=REDACTED", message)
+        if hidden != message:
+            record.msg, record.args = hidden, None
+        return True
+
+
+_HIDE_SAS = _HideSas()
+
+
+def hide_sas_in_http_logs() -> None:
+    """urllib3, under the storage SDK, logs each request line at DEBUG with its query: with
+    a SAS (in a URL, or a connection string's SharedAccessSignature) that is the signature.
+    The SDK's own logging policy redacts it; urllib3 does not. Called by whatever builds a
+    storage client, so a user who turns DEBUG on for a run logs no signature."""
+    logger = logging.getLogger("urllib3.connectionpool")
+    if _HIDE_SAS not in logger.filters:
+        logger.addFilter(_HIDE_SAS)
+
+
 def data_container(url: str) -> ContainerClient:
     """The container at ``url``: with a SAS in the URL it is used as is; without one the
     node's managed identity (``AZURE_CLIENT_ID`` selects one) or any other credential
     ``DefaultAzureCredential`` finds authenticates."""
     from azure.storage.blob import ContainerClient
 
+    hide_sas_in_http_logs()
     if "sig=" in url:
         return ContainerClient.from_container_url(url, api_version=API_VERSION)
     from azure.identity import DefaultAzureCredential

@@ -49,7 +49,6 @@ import hashlib
 import itertools
 import os
 import queue
-import re
 import threading
 import time
 import uuid
@@ -58,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from staging.blob import Retry
+from staging.blob import Retry, redact
 from staging.listing import ChangedSinceGateError, PinnedBlob
 from training.atomic import b64md5
 from training.staged_folder import TEMP_PREFIX
@@ -77,7 +76,6 @@ RANGES_PER_CORE = 4
 SPAWN_AT = 32  # files waiting per writer thread before another writer starts
 MAX_WRITERS = 8
 T = TypeVar("T")
-SECRET = re.compile(r"(sig|se|sv|sp|skoid|sktid|skt|ske|sks|skv|spr|srt|ss|st|sr)=[^&\s\"']+")
 
 # What :func:`download_all` reports for each file it lands: the download, its MD5 (base64) and
 # the file's status after the rename (size, modification and change times, inode), which the
@@ -97,12 +95,6 @@ class TransferError(IOError):
 class Download:
     blob: PinnedBlob
     target: Path
-
-
-def redact(text: str) -> str:
-    """``text`` without SAS fields; only its first line (the store's messages go on with
-    debugging detail of the request)."""
-    return SECRET.sub(r"\1=REDACTED", text.strip().splitlines()[0] if text.strip() else "")
 
 
 def _verify(blob: PinnedBlob, received: int, md5: str) -> None:

@@ -182,6 +182,44 @@ def test_a_refused_sas_is_reported_without_its_signature(
         assert signature not in text and quote(signature, safe="") not in text
 
 
+def test_http_request_lines_logged_at_debug_carry_no_signature(
+    container: ContainerClient,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user who turns DEBUG on for a run: urllib3, under the storage SDK, logs every
+    request line with its query. Through a SAS URL (the node's staging) and through a
+    connection string holding a SAS (the orchestrator's clients), no signature reaches a log;
+    the request lines are still there."""
+    from backends.blob import container_client
+    from core.config import BlobLocation
+
+    sas = generate_container_sas(
+        container.account_name,
+        container.container_name,
+        account_key=container.credential.account_key,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.now(UTC) + timedelta(hours=1),
+    )
+    signature = parse_qs(sas)["sig"][0]
+    caplog.set_level(logging.DEBUG)
+    report = sync_to_directory(data_container(f"{container.url}?{sas}"), "ds", tmp_path / "d")
+    assert len(report.downloaded) == 30
+    endpoint = container.url.rsplit("/", 1)[0]
+    monkeypatch.setenv(
+        "SAS_ONLY_CONNECTION", f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"
+    )
+    location = BlobLocation(
+        container=container.container_name, prefix="ds", connection_string_env="SAS_ONLY_CONNECTION"
+    )
+    assert len(list(container_client(location).list_blobs())) == 30
+    lines = [r.getMessage() for r in caplog.records if r.name == "urllib3.connectionpool"]
+    assert any("restype=container" in line for line in lines)  # the listings were logged
+    for text in (caplog.text, *lines):
+        assert signature not in text and quote(signature, safe="") not in text
+
+
 def test_redact_keeps_the_message_and_drops_sas_fields() -> None:
     """Defence in depth behind the engine's own redaction: any SAS field in a message that
     reaches an exception is replaced, and only the first line (no request dump) is kept."""
