@@ -230,6 +230,30 @@ def _status(st: os.stat_result) -> list[int]:
     return [st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def _slice(path: str, verify_every: int) -> int:
+    """Which of the ``verify_every`` slices a staged file is re-read with (by its path)."""
+    return zlib.crc32(path.encode(errors="replace")) % verify_every
+
+
+class _Inside:
+    """Whether a folder resolves inside ``root`` (a resolved path), asked once per folder:
+    resolving costs a stat per path part."""
+
+    def __init__(self, root: str) -> None:
+        self._root = root.rstrip("/")
+        self._seen: dict[str, bool] = {}
+
+    def __contains__(self, folder: object) -> bool:
+        return folder in self._seen
+
+    def __call__(self, folder: str) -> bool:
+        if folder not in self._seen:
+            real = os.path.realpath(folder)
+            root = self._root
+            self._seen[folder] = real == (root or "/") or real.startswith(f"{root}/")
+        return self._seen[folder]
+
+
 def _lstat(target: str) -> os.stat_result | None:
     try:
         return os.lstat(target)
@@ -256,16 +280,12 @@ class _Survey:
     ) -> None:
         self._md5: dict[str, tuple[int, list[int], str]] = {}
         base = os.fspath(dest)
-        root = os.path.realpath(base).rstrip("/")
-        inside: dict[str, bool] = {}
+        inside = _Inside(os.path.realpath(base))
         for old in previous.values():
             path = old["path"]
             if until():
                 return
-            if (
-                not isinstance(path, str)
-                or zlib.crc32(path.encode(errors="replace")) % verify_every != turn
-            ):
+            if not isinstance(path, str) or _slice(path, verify_every) != turn:
                 continue
             target = f"{base}/{path}"
             try:
@@ -277,11 +297,7 @@ class _Survey:
                     or old.get("stat") != _status(st)
                 ):
                     continue
-                folder = target.rpartition("/")[0]
-                if folder not in inside:
-                    real = os.path.realpath(folder)
-                    inside[folder] = real == (root or "/") or real.startswith(f"{root}/")
-                if inside[folder]:
+                if inside(target.rpartition("/")[0]):
                     with pause.resumed():
                         self._md5[path] = (st.st_size, _status(st), file_md5(Path(target)))
             except (OSError, ValueError):  # unreadable, a NUL or an unencodable character
@@ -361,17 +377,14 @@ def sync_to_directory(
         entries: dict[str, dict[str, Any]] = {}
         files: dict[str, dict[str, Any]] = {}
         fresh: list[str] = []  # files whose bytes this boot may hold only in memory
-        inside: dict[str, bool] = {}  # per folder: resolving each file's path costs a stat per part
-        base, real_root = os.fspath(dest), os.fspath(root).rstrip("/")
+        inside = _Inside(os.fspath(root))
+        base = os.fspath(dest)
         for name, (blob, path) in planned.items():
             target = f"{base}/{path}"
             folder = target.rpartition("/")[0]
             first = folder not in inside
-            if first:
-                real = os.path.realpath(folder)
-                inside[folder] = real == (real_root or "/") or real.startswith(f"{real_root}/")
             st = _lstat(target)  # one call answers every question
-            if not inside[folder] or (st and stat.S_ISLNK(st.st_mode)):
+            if not inside(folder) or (st and stat.S_ISLNK(st.st_mode)):
                 raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
             if first or (st and stat.S_ISDIR(st.st_mode)):
                 report.deleted += _clear_way(dest, name, PurePosixPath(path), stale)
@@ -403,11 +416,7 @@ def sync_to_directory(
                     else {}
                 )
                 survived = same_boot or not old.get("unflushed")
-                if (
-                    recorded == _status(st)
-                    and survived
-                    and zlib.crc32(path.encode()) % verify_every != turn
-                ):
+                if recorded == _status(st) and survived and _slice(path, verify_every) != turn:
                     report.skipped += 1  # trusted: not read
                     files[name] = {**entry, "md5": md5, "stat": recorded, **kept}
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -10,6 +11,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -344,34 +346,22 @@ def test_a_manifest_of_the_earlier_format_is_read_and_checked(
 def test_a_resync_reads_its_files_while_the_listing_is_on_its_way(
     container: ContainerClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A re-sync's own reads (the manifest, each file's status, the files whose turn it is)
+    """A re-sync's own reads (the manifest, the files whose turn it is to be read)
     need no listing: they are made while the service answers, not after. The listing below
     is held back until a staged file has been read (10 s at most) and records whether one
     was."""
-    import threading
-
-    import staging.sync
     from staging.blob import list_pinned
-    from tests.staging.list_server import data_client, page, reply_headers, serving
+    from tests.staging.list_server import page
 
     dest = tmp_path / "data"
     sync_to_directory(container, "ds", dest)
-    body = page(list_pinned(container, "ds"))
-    read, real_md5 = threading.Event(), staging.sync.file_md5
-    read_before_answer: list[bool] = []
-
-    def reading(path: Path) -> str:
-        read.set()
-        return real_md5(path)
-
-    def answer(handler: Any, call: int) -> None:
-        read_before_answer.append(read.wait(timeout=10))
-        reply_headers(handler, 200, body)
-        handler.wfile.write(body)
-
-    monkeypatch.setattr(staging.sync, "file_md5", reading)
-    with serving(answer) as (port, _):
-        again = sync_to_directory(data_client(port), "ds", dest, verify_every=1)
+    reads: list[Path] = []
+    _spy_reads(monkeypatch, reads)
+    with _held_until_read(page(list_pinned(container, "ds")), reads) as (
+        client,
+        read_before_answer,
+    ):
+        again = sync_to_directory(client, "ds", dest, verify_every=1)
     assert read_before_answer == [True]
     assert (again.verified, again.skipped, again.downloaded, again.repaired) == (30, 30, [], [])
 
@@ -383,8 +373,6 @@ def test_a_folder_swapped_for_a_link_outside_is_refused_and_nothing_there_is_rea
     status (inode, times), so the manifest would vouch for them. The sync refuses the first
     blob that resolves there, reads no file outside (not even ahead of the listing, on its
     turn) and writes nothing there."""
-    import staging.sync
-
     dest, outside = tmp_path / "data", tmp_path / "elsewhere"
     sync_to_directory(container, "ds", dest)
     outside.mkdir()
@@ -392,13 +380,7 @@ def test_a_folder_swapped_for_a_link_outside_is_refused_and_nothing_there_is_rea
     (dest / "train" / "c1").symlink_to(outside / "c1", target_is_directory=True)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (outside / "c1").iterdir()}
     read: list[Path] = []
-    real_md5 = staging.sync.file_md5
-
-    def reading(path: Path) -> str:
-        read.append(path)
-        return real_md5(path)
-
-    monkeypatch.setattr(staging.sync, "file_md5", reading)
+    _spy_reads(monkeypatch, read)
     with pytest.raises(
         UnsafeBlobNameError, match=r"blob 'ds/train/c1/.*' rejected: resolves outside"
     ):
@@ -421,57 +403,28 @@ def _adoptable(dest: Path, count: int) -> list[PinnedBlob]:
     return blobs
 
 
-def _spy_reads(monkeypatch: pytest.MonkeyPatch, seen: list[str]) -> None:
-    """Records the name of each staged file the sync reads (it still reads it)."""
+def _spy_reads(monkeypatch: pytest.MonkeyPatch, seen: list[Path]) -> None:
+    """Records each staged file the sync reads (it still reads it)."""
     import staging.sync
 
     real = staging.sync.file_md5
 
     def reading(path: Path) -> str:
-        seen.append(path.name)
+        seen.append(path)
         return real(path)
 
     monkeypatch.setattr(staging.sync, "file_md5", reading)
 
 
-def test_a_given_listing_reads_nothing_ahead_of_the_names_check(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With the gate's listing given (the flow's staging), nothing is read before every name is
-    checked, and a file about to be deleted is not read, even on its turn."""
-    dest = tmp_path / "data"
-    blobs = _adoptable(dest, 4)
-    sync_to_directory(None, "ds", dest, listing=blobs)  # type: ignore[arg-type]  # no download
-    reads: list[str] = []
-    _spy_reads(monkeypatch, reads)
-    hostile = [*blobs, PinnedBlob("ds/../x", '"0x9"', 1, None)]
-    with pytest.raises(UnsafeBlobNameError, match=re.escape("'ds/../x' rejected")):
-        sync_to_directory(None, "ds", dest, listing=hostile, verify_every=1)  # type: ignore[arg-type]
-    assert reads == []
-    report = sync_to_directory(None, "ds", dest, listing=blobs[1:], verify_every=1)  # type: ignore[arg-type]
-    assert report.deleted == ["ds/c/0.bin"] and sorted(reads) == ["1.bin", "2.bin", "3.bin"]
+@contextlib.contextmanager
+def _held_until_read(
+    body: bytes, reads: list[Path]
+) -> Iterator[tuple[ContainerClient, list[bool]]]:
+    """A loopback List Blobs endpoint answering ``body``, each answer held back until a staged
+    file has been read (``reads``, from :func:`_spy_reads`; 10 s at most); yields a client of
+    it and, per answer, whether a file had been read by then."""
+    from tests.staging.list_server import data_client, reply_headers, serving
 
-
-@pytest.mark.parametrize("bad", ["c/x\x00y", "c/x\ud800"], ids=["NUL", "lone surrogate"])
-def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
-) -> None:
-    """A manifest entry whose path holds a NUL or an unencodable character (a damaged or
-    hand-edited manifest): the sync, listing the container itself and reading ahead while it
-    waits, passes over it and stages as before. The listing is held back until the survey
-    has read a file listed after the damaged entry."""
-    from tests.staging.list_server import data_client, page, reply_headers, serving
-
-    dest = tmp_path / "data"
-    blobs = _adoptable(dest, 4)
-    sync_to_directory(None, "ds", dest, listing=blobs)  # type: ignore[arg-type]  # no download
-    manifest = json.loads((dest / MANIFEST).read_text())
-    damaged = {"ds/bogus": {"path": bad, "etag": '"0x0"', "size": 1, "md5": "x", "stat": [0]}}
-    manifest["files"] = {**damaged, **manifest["files"]}  # the survey meets it first
-    (dest / MANIFEST).write_text(json.dumps(manifest))
-    reads: list[str] = []
-    _spy_reads(monkeypatch, reads)
-    body = page(blobs)
     read_before_answer: list[bool] = []
 
     def answer(handler: Any, call: int) -> None:
@@ -483,7 +436,52 @@ def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
         handler.wfile.write(body)
 
     with serving(answer) as (port, _):
-        report = sync_to_directory(data_client(port), "ds", dest, verify_every=1)
+        yield data_client(port), read_before_answer
+
+
+def test_a_given_listing_reads_nothing_ahead_of_the_names_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the gate's listing given (the flow's staging), nothing is read before every name is
+    checked, and a file about to be deleted is not read, even on its turn."""
+    dest = tmp_path / "data"
+    blobs = _adoptable(dest, 4)
+    sync_to_directory(None, "ds", dest, listing=blobs)  # type: ignore[arg-type]  # no download
+    reads: list[Path] = []
+    _spy_reads(monkeypatch, reads)
+    hostile = [*blobs, PinnedBlob("ds/../x", '"0x9"', 1, None)]
+    with pytest.raises(UnsafeBlobNameError, match=re.escape("'ds/../x' rejected")):
+        sync_to_directory(None, "ds", dest, listing=hostile, verify_every=1)  # type: ignore[arg-type]
+    assert reads == []
+    report = sync_to_directory(None, "ds", dest, listing=blobs[1:], verify_every=1)  # type: ignore[arg-type]
+    assert report.deleted == ["ds/c/0.bin"] and sorted(p.name for p in reads) == [
+        "1.bin",
+        "2.bin",
+        "3.bin",
+    ]
+
+
+@pytest.mark.parametrize("bad", ["c/x\x00y", "c/x\ud800"], ids=["NUL", "lone surrogate"])
+def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    """A manifest entry whose path holds a NUL or an unencodable character (a damaged or
+    hand-edited manifest): the sync, listing the container itself and reading ahead while it
+    waits, passes over it and stages as before. The listing is held back until the survey
+    has read a file listed after the damaged entry."""
+    from tests.staging.list_server import page
+
+    dest = tmp_path / "data"
+    blobs = _adoptable(dest, 4)
+    sync_to_directory(None, "ds", dest, listing=blobs)  # type: ignore[arg-type]  # no download
+    manifest = json.loads((dest / MANIFEST).read_text())
+    damaged = {"ds/bogus": {"path": bad, "etag": '"0x0"', "size": 1, "md5": "x", "stat": [0]}}
+    manifest["files"] = {**damaged, **manifest["files"]}  # the survey meets it first
+    (dest / MANIFEST).write_text(json.dumps(manifest))
+    reads: list[Path] = []
+    _spy_reads(monkeypatch, reads)
+    with _held_until_read(page(blobs), reads) as (client, read_before_answer):
+        report = sync_to_directory(client, "ds", dest, verify_every=1)
     assert read_before_answer == [True]
     assert (report.skipped, report.downloaded, report.repaired) == (4, [], [])
     assert report.deleted == []  # the damaged entry names no file: nothing to delete
