@@ -4,15 +4,19 @@ A real OCI registry on loopback, holding its images in a folder of this machine'
 image pushed once is found by every later build (the tag names the content: an existing tag is
 never built again) and by the emulated Batch nodes, which pull from it as Batch nodes pull from
 ACR. Several registry processes may serve the same folder (distribution's filesystem storage
-supports it), so each user of it (a flow's build step, a test session) can run its own for as
-long as it needs one, and uses the one already listening at its address when there is one.
+supports it). At the configured loopback address the registry is shared by every user on
+this machine (a nightly run's build step beside a sensor's, one test worker beside another):
+the first to find none there starts it, and the last to leave stops it, so no user's registry
+vanishes while another is asking it for a tag or pushing to it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.error
@@ -22,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from backends.azurite import free_port
-from backends.processes import stop
+from backends.processes import is_running, read_record, record_of, stop, write_record
 
 BINARY = "docker-registry"
 MANIFESTS = ", ".join(
@@ -88,17 +92,129 @@ def _config(storage: Path, address: str) -> str:
     )
 
 
+def _run_dir() -> Path:
+    run_dir = cache_dir() / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _start(address: str, storage: Path, config: Path, detached: bool) -> subprocess.Popen[bytes]:
+    """``docker-registry`` serving ``storage`` at ``address``, once it answers there."""
+    config.write_text(_config(storage, address))
+    log_path = _run_dir() / "registry.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [BINARY, "serve", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=detached,
+        )
+    registry = ImageRegistry(address)
+    deadline = time.monotonic() + 30
+    while not registry.answers():
+        if proc.poll() is not None:
+            raise RegistryError(
+                f"{BINARY} at {address} exited with {proc.returncode}: see {log_path} "
+                "(is the port taken?)"
+            )
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise RegistryError(f"{BINARY} at {address} did not answer within 30 s")
+        time.sleep(0.1)
+    return proc
+
+
+# Registries this process started at a shared address, by PID: reaped when this process is
+# the one that stops them (another user's stop leaves a child here to be polled away).
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _stop_recorded(pid_file: Path) -> None:
+    """Stop the registry the pid file names, if that very process still runs."""
+    record = read_record(pid_file)
+    pid_file.unlink(missing_ok=True)
+    if record is None:
+        return
+    child = _children.pop(record.pid, None)
+    if child is not None:
+        stop(child)
+        return
+    if not is_running(record):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(record.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while is_running(record):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+@contextmanager
+def _flocked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _leased(address: str, storage: Path) -> Iterator[None]:
+    """The registry at a loopback ``address`` for as long as any process on this machine uses it.
+
+    Flows on one machine share the configured address (nightly beside a sensor's run, a test
+    worker beside another): whoever finds no registry there starts one, and the last user to
+    leave stops it, whoever started it. Each user holds a shared lock on the address's users
+    file while it uses the registry; the start and the stop are decided under the address's
+    gate lock, where leaving user tries the users lock exclusively: only the last one gets it.
+    The kernel drops a killed user's locks, so a crash never keeps a registry alive for good:
+    the next user finds it running, uses it, and stops it when it leaves.
+    """
+    name = address.replace(":", "_")
+    run_dir = _run_dir()
+    gate, pid_file = run_dir / f"registry-{name}.gate", run_dir / f"registry-{name}.pid"
+    users = os.open(run_dir / f"registry-{name}.users", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with _flocked(gate):
+            fcntl.flock(users, fcntl.LOCK_SH)
+            if not ImageRegistry(address).answers():
+                _stop_recorded(pid_file)  # one that no longer answers, if it still runs
+                proc = _start(address, storage, run_dir / f"registry-{name}.yml", detached=True)
+                _children[proc.pid] = proc
+                record = record_of(proc.pid)
+                if record is not None:
+                    write_record(record, pid_file)
+        yield
+    finally:
+        with _flocked(gate):
+            try:
+                fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # others still use it
+            else:
+                _stop_recorded(pid_file)
+            os.close(users)
+        for pid, child in list(_children.items()):
+            if child.poll() is not None:  # stopped by another user: reaped here
+                del _children[pid]
+
+
 @contextmanager
 def local_registry(address: str | None, storage: Path | None = None) -> Iterator[ImageRegistry]:
-    """A registry at ``address`` until the block exits: the one listening there, or one started
-    on the shared storage folder (on a free loopback port when ``address`` is None)."""
+    """A registry at ``address`` until the block exits: at a loopback address, one shared with
+    every other user of that address on this machine (started when none listens, stopped by the
+    last to leave); at another address, the one listening there; with no address, one of this
+    block's own on a free loopback port."""
     if address is not None:
-        found = ImageRegistry(address)
-        if found.answers():
-            yield found
-            return
         host = address.rsplit(":", 1)[0]
         if host not in ("127.0.0.1", "localhost"):
+            found = ImageRegistry(address)
+            if found.answers():
+                yield found
+                return
             raise RegistryError(
                 f"image.registry {address}: no registry answers there, and only a loopback "
                 "address can be served from here (127.0.0.1:PORT)"
@@ -110,29 +226,16 @@ def local_registry(address: str | None, storage: Path | None = None) -> Iterator
         )
     storage = storage or cache_dir() / "registry"
     storage.mkdir(parents=True, exist_ok=True)
-    if address is None:
-        address = f"127.0.0.1:{free_port()}"
-    run_dir = cache_dir() / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config = run_dir / f"registry-{os.getpid()}-{address.replace(':', '_')}.yml"
-    config.write_text(_config(storage, address))
-    log = open(run_dir / "registry.log", "ab")  # noqa: SIM115  # closed below
-    proc = subprocess.Popen([BINARY, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
-    registry = ImageRegistry(address)
+    if address is not None:
+        with _leased(address, storage):
+            yield ImageRegistry(address)
+        return
+    address = f"127.0.0.1:{free_port()}"
+    config = _run_dir() / f"registry-{os.getpid()}-{address.replace(':', '_')}.yml"
+    proc = _start(address, storage, config, detached=False)
     try:
-        deadline = time.monotonic() + 30
-        while not registry.answers():
-            if proc.poll() is not None:
-                raise RegistryError(
-                    f"{BINARY} at {address} exited with {proc.returncode}: see "
-                    f"{run_dir / 'registry.log'} (is the port taken?)"
-                )
-            if time.monotonic() > deadline:
-                raise RegistryError(f"{BINARY} at {address} did not answer within 30 s")
-            time.sleep(0.1)
-        yield registry
+        yield ImageRegistry(address)
     finally:
         stop(proc)
-        log.close()
         with contextlib.suppress(OSError):
             config.unlink()

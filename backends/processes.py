@@ -74,6 +74,18 @@ def is_alive(record: ProcessRecord) -> bool:
     return record_of(record.pid) == record
 
 
+def is_running(record: ProcessRecord) -> bool:
+    """Alive and not a zombie: a process that has exited but whose parent has not reaped it
+    yet still has its /proc entry, and holds nothing (its ports and locks are free)."""
+    if not is_alive(record):
+        return False
+    try:
+        stat = Path(f"/proc/{record.pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
 def kill_group(record: ProcessRecord) -> bool:
     """SIGKILL the process group the recorded process leads, if that process still runs.
 

@@ -1,0 +1,127 @@
+"""The local registry at a shared loopback address: it serves every user on this machine until
+the last one leaves, whoever started it, and a user killed mid-use keeps nothing alive for good.
+
+Real docker-registry processes, real users in other processes; each test's lock and pid files
+live in its own cache folder.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backends.azurite import free_port
+from backends.image_registry import BINARY, ImageRegistry, local_registry
+from backends.processes import is_running, read_record, record_of
+from tests.conftest import ROOT
+
+USER = """
+import sys
+from pathlib import Path
+from backends.image_registry import local_registry
+with local_registry(sys.argv[1], Path(sys.argv[2])):
+    print("in", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def other_user(address: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process on this machine using the registry at ``address`` until told to leave
+    (a line on its stdin)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", USER, address, str(tmp_path / "storage")],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "in\n"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _recorded(address: str, tmp_path: Path) -> int:
+    name = address.replace(":", "_")
+    pid_file = tmp_path / "cache" / "retrain-image" / "run" / f"registry-{name}.pid"
+    record = read_record(pid_file)
+    assert record is not None and is_running(record)
+    return record.pid
+
+
+def test_the_registry_outlives_the_user_that_started_it_while_another_uses_it(
+    address: str, tmp_path: Path
+) -> None:
+    first = local_registry(address, tmp_path / "storage")
+    first.__enter__()
+    with local_registry(address, tmp_path / "storage") as second:
+        first.__exit__(None, None, None)
+        # The first user has left; the registry it started still answers the second.
+        assert second.answers()
+        assert second.has_tag("retrain/horovod", "absent") is False
+    assert not ImageRegistry(address).answers()
+
+
+def test_the_last_user_to_leave_stops_it_whoever_started_it(
+    address: str, tmp_path: Path, other_user: subprocess.Popen[str]
+) -> None:
+    started = _recorded(address, tmp_path)
+    record = record_of(started)
+    assert record is not None
+    with local_registry(address, tmp_path / "storage") as registry:
+        assert _recorded(address, tmp_path) == started  # found, not started again
+        assert other_user.stdin is not None
+        other_user.stdin.write("leave\n")
+        other_user.stdin.close()
+        assert other_user.wait(timeout=60) == 0
+        assert registry.answers() and registry.has_tag("retrain/horovod", "absent") is False
+    assert not registry.answers() and not is_running(record)
+
+
+def test_a_user_killed_mid_use_leaves_the_registry_to_the_next_one_who_stops_it(
+    address: str, tmp_path: Path, other_user: subprocess.Popen[str]
+) -> None:
+    started = _recorded(address, tmp_path)
+    record = record_of(started)
+    assert record is not None
+    other_user.send_signal(signal.SIGKILL)
+    other_user.wait()
+    # Its own session: the registry is not taken down with the user that started it.
+    assert ImageRegistry(address).answers()
+    with local_registry(address, tmp_path / "storage") as registry:
+        assert registry.has_tag("retrain/horovod", "absent") is False
+    assert not registry.answers() and not is_running(record)
+
+
+def test_a_registry_this_machine_runs_by_other_means_is_used_and_left_running(
+    address: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "own.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: warn\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {tmp_path / 'own'}\n"
+        f"http:\n  addr: {address}\n"
+    )
+    own = subprocess.Popen([BINARY, "serve", str(config)], stderr=subprocess.DEVNULL)
+    try:
+        registry = ImageRegistry(address)
+        while not registry.answers():
+            assert own.poll() is None
+        with local_registry(address, tmp_path / "storage") as found:
+            assert found.has_tag("retrain/horovod", "absent") is False
+        assert registry.answers() and own.poll() is None
+    finally:
+        own.terminate()
+        own.wait()
