@@ -145,6 +145,8 @@ def _stop_recorded(pid_file: Path) -> None:
         os.kill(record.pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
     while is_running(record):
+        if time.monotonic() > deadline + 10:
+            raise RegistryError(f"{BINARY} (pid {record.pid}) did not end on SIGKILL")
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.pid, signal.SIGKILL)
