@@ -21,12 +21,19 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from backends.azurite import free_port
-from backends.processes import is_running, read_record, record_of, stop, write_record
+from backends.processes import (
+    ProcessRecord,
+    is_running,
+    read_record,
+    record_of,
+    stop,
+    write_record,
+)
 
 BINARY = "docker-registry"
 MANIFESTS = ", ".join(
@@ -98,47 +105,65 @@ def _run_dir() -> Path:
     return run_dir
 
 
-def _start(address: str, storage: Path, config: Path, detached: bool) -> subprocess.Popen[bytes]:
-    """``docker-registry`` serving ``storage`` at ``address``, once it answers there."""
-    config.write_text(_config(storage, address))
-    log_path = _run_dir() / "registry.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [BINARY, "serve", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=detached,
-        )
+def _await(address: str, running: Callable[[], bool], log_path: Path) -> None:
+    """Until the registry just started at ``address`` answers; an error naming the log when it
+    exits first or does not answer within 30 s."""
     registry = ImageRegistry(address)
     deadline = time.monotonic() + 30
     while not registry.answers():
-        if proc.poll() is not None:
+        if not running():
             raise RegistryError(
-                f"{BINARY} at {address} exited with {proc.returncode}: see {log_path} "
-                "(is the port taken?)"
+                f"{BINARY} at {address} exited: see {log_path} (is the port taken?)"
             )
         if time.monotonic() > deadline:
-            stop(proc)
             raise RegistryError(f"{BINARY} at {address} did not answer within 30 s")
         time.sleep(0.1)
+
+
+def _start(address: str, storage: Path, config: Path) -> subprocess.Popen[bytes]:
+    """``docker-registry`` serving ``storage`` at ``address`` as this process's child."""
+    config.write_text(_config(storage, address))
+    log_path = _run_dir() / "registry.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([BINARY, "serve", str(config)], stdout=log, stderr=log)
+    try:
+        _await(address, lambda: proc.poll() is None, log_path)
+    except RegistryError:
+        stop(proc)
+        raise
     return proc
 
 
-# Registries this process started at a shared address, by PID: reaped when this process is
-# the one that stops them (another user's stop leaves a child here to be polled away).
-_children: dict[int, subprocess.Popen[bytes]] = {}
+# Starts the registry in a session of its own and exits at once, so the registry is no process's
+# child: it outlives the user that started it, no signal to that user's group or process tree
+# reaches it, and init reaps it. Paths are positional parameters, never part of the script.
+_DETACH = '"$0" serve "$1" >>"$2" 2>&1 </dev/null & echo $!'
 
 
-def _stop_recorded(pid_file: Path) -> None:
-    """Stop the registry the pid file names, if that very process still runs."""
-    record = read_record(pid_file)
-    pid_file.unlink(missing_ok=True)
+def _start_shared(address: str, storage: Path, config: Path) -> ProcessRecord:
+    """``docker-registry`` serving ``storage`` at ``address`` for every user of the address."""
+    config.write_text(_config(storage, address))
+    log_path = _run_dir() / "registry.log"
+    launched = subprocess.run(
+        ["sh", "-c", _DETACH, BINARY, str(config), str(log_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        start_new_session=True,
+    )
+    record = record_of(int(launched.stdout))
     if record is None:
-        return
-    child = _children.pop(record.pid, None)
-    if child is not None:
-        stop(child)
-        return
+        raise RegistryError(f"{BINARY} at {address} exited at once: see {log_path}")
+    try:
+        _await(address, lambda: is_running(record), log_path)
+    except RegistryError:
+        _stop(record)
+        raise
+    return record
+
+
+def _stop(record: ProcessRecord) -> None:
+    """SIGTERM the recorded registry if that very process still runs; SIGKILL after 10 s."""
     if not is_running(record):
         return
     with contextlib.suppress(ProcessLookupError):
@@ -151,6 +176,14 @@ def _stop_recorded(pid_file: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.pid, signal.SIGKILL)
         time.sleep(0.05)
+
+
+def _stop_recorded(pid_file: Path) -> None:
+    """Stop the registry the pid file names (a PID alone names nothing: see backends.processes)."""
+    record = read_record(pid_file)
+    pid_file.unlink(missing_ok=True)
+    if record is not None:
+        _stop(record)
 
 
 @contextmanager
@@ -184,11 +217,8 @@ def _leased(address: str, storage: Path) -> Iterator[None]:
             fcntl.flock(users, fcntl.LOCK_SH)
             if not ImageRegistry(address).answers():
                 _stop_recorded(pid_file)  # one that no longer answers, if it still runs
-                proc = _start(address, storage, run_dir / f"registry-{name}.yml", detached=True)
-                _children[proc.pid] = proc
-                record = record_of(proc.pid)
-                if record is not None:
-                    write_record(record, pid_file)
+                config = run_dir / f"registry-{name}.yml"
+                write_record(_start_shared(address, storage, config), pid_file)
         yield
     finally:
         with _flocked(gate):
@@ -199,9 +229,6 @@ def _leased(address: str, storage: Path) -> Iterator[None]:
             else:
                 _stop_recorded(pid_file)
             os.close(users)
-        for pid, child in list(_children.items()):
-            if child.poll() is not None:  # stopped by another user: reaped here
-                del _children[pid]
 
 
 @contextmanager
@@ -234,7 +261,7 @@ def local_registry(address: str | None, storage: Path | None = None) -> Iterator
         return
     address = f"127.0.0.1:{free_port()}"
     config = _run_dir() / f"registry-{os.getpid()}-{address.replace(':', '_')}.yml"
-    proc = _start(address, storage, config, detached=False)
+    proc = _start(address, storage, config)
     try:
         yield ImageRegistry(address)
     finally:

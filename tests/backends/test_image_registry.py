@@ -7,12 +7,14 @@ live in its own cache folder.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from backends.azurite import free_port
@@ -46,6 +48,7 @@ def other_user(address: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     assert proc.stdout is not None and proc.stdout.readline() == "in\n"
     yield proc
@@ -96,9 +99,11 @@ def test_a_user_killed_mid_use_leaves_the_registry_to_the_next_one_who_stops_it(
     started = _recorded(address, tmp_path)
     record = record_of(started)
     assert record is not None
-    other_user.send_signal(signal.SIGKILL)
+    # The registry is no child of the user that started it: killing the user's whole process
+    # group (what a worker's teardown does to a flow run) does not take it down.
+    assert psutil.Process(started).ppid() != other_user.pid
+    os.killpg(other_user.pid, signal.SIGKILL)
     other_user.wait()
-    # Its own session: the registry is not taken down with the user that started it.
     assert ImageRegistry(address).answers()
     with local_registry(address, tmp_path / "storage") as registry:
         assert registry.has_tag("retrain/horovod", "absent") is False
