@@ -81,7 +81,7 @@ class LocalTarget:
         if image.builder != "buildah":
             return build_local(PROJECT_ROOT, image.repository)
         from backends.buildah import LocalImageBuilder
-        from backends.image_registry import local_registry
+        from backends.local_registry import local_registry
 
         with local_registry(image.registry) as registry:
             return LocalImageBuilder(registry).build(PROJECT_ROOT, image.repository, on_line)

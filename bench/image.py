@@ -40,7 +40,7 @@ def _copy_inputs(target: Path) -> None:
 
 def measure(variant: str, cache: Path) -> dict[str, Any]:
     from backends.buildah import LocalImageBuilder
-    from backends.image_registry import local_registry
+    from backends.local_registry import local_registry
 
     lines: list[str] = []
     report: dict[str, Any] = {}

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backends.buildah import BuildError, LocalImageBuilder  # noqa: E402
-from backends.image_registry import RegistryError, local_registry  # noqa: E402
+from backends.image_registry import RegistryError  # noqa: E402
+from backends.local_registry import local_registry  # noqa: E402
 from core.config import load_config  # noqa: E402
 
 

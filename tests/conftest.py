@@ -167,7 +167,7 @@ def image_registry() -> Iterator[Any]:
     """The local registry (docker-registry) on a free port for the session, over the storage
     every build on this machine shares: an image pushed by an earlier session, or by a flow's
     build step, is found by its tag."""
-    from backends.image_registry import local_registry
+    from backends.local_registry import local_registry
     from tests.nodes_helpers import require_image_tools
 
     require_image_tools()

@@ -7,10 +7,13 @@ live in its own cache folder.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,14 +21,15 @@ import psutil
 import pytest
 
 from backends.azurite import free_port
-from backends.image_registry import BINARY, ImageRegistry, local_registry
-from backends.processes import is_running, read_record, record_of
+from backends.image_registry import ImageRegistry
+from backends.local_registry import BINARY, local_registry
+from backends.processes import is_running, read_record, record_of, write_record
 from tests.conftest import ROOT
 
 USER = """
 import sys
 from pathlib import Path
-from backends.image_registry import local_registry
+from backends.local_registry import local_registry
 with local_registry(sys.argv[1], Path(sys.argv[2])):
     print("in", flush=True)
     sys.stdin.readline()
@@ -56,10 +60,13 @@ def other_user(address: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     proc.wait()
 
 
+def _pid_file(address: str, tmp_path: Path) -> Path:
+    port = address.rsplit(":", 1)[1]
+    return tmp_path / "cache" / "retrain-image" / "run" / f"registry-port-{port}.pid"
+
+
 def _recorded(address: str, tmp_path: Path) -> int:
-    name = address.replace(":", "_")
-    pid_file = tmp_path / "cache" / "retrain-image" / "run" / f"registry-{name}.pid"
-    record = read_record(pid_file)
+    record = read_record(_pid_file(address, tmp_path))
     assert record is not None and is_running(record)
     return record.pid
 
@@ -75,6 +82,80 @@ def test_the_registry_outlives_the_user_that_started_it_while_another_uses_it(
         assert second.answers()
         assert second.has_tag("retrain/horovod", "absent") is False
     assert not ImageRegistry(address).answers()
+
+
+def test_localhost_and_the_loopback_ip_are_one_address(address: str, tmp_path: Path) -> None:
+    first = local_registry(address, tmp_path / "storage")
+    first.__enter__()
+    with local_registry(address.replace("127.0.0.1", "localhost"), tmp_path / "storage") as other:
+        first.__exit__(None, None, None)
+        assert other.has_tag("retrain/horovod", "absent") is False
+    assert not ImageRegistry(address).answers()
+
+
+def test_a_process_forked_by_a_user_keeps_no_lock_after_the_user_leaves(
+    address: str, tmp_path: Path
+) -> None:
+    """A flow forks (the packing pool) while it holds the address: the child shares the lock's
+    open file, so a lock only closed, not released, would outlive the user in the child and
+    block every later user of the machine."""
+    read_end, write_end = os.pipe()
+    with local_registry(address, tmp_path / "storage"):
+        child = os.fork()
+        if child == 0:  # holds every descriptor the user had until the test lets it go
+            os.read(read_end, 1)
+            os._exit(0)
+    try:
+        users = _pid_file(address, tmp_path).with_suffix(".users")
+        fd = os.open(users, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if still held
+        finally:
+            os.close(fd)
+    finally:
+        os.write(write_end, b"x")
+        os.waitpid(child, 0)
+
+
+def test_a_pid_record_naming_another_process_never_gets_it_signalled(
+    address: str, tmp_path: Path
+) -> None:
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        with local_registry(address, tmp_path / "storage"):
+            record = record_of(bystander.pid)
+            assert record is not None
+            write_record(record, _pid_file(address, tmp_path))  # a copied or hand-made file
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+        # The registry this block started, whose record was overwritten, is still ours to end.
+        for proc in psutil.process_iter(["cmdline"]):
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+
+
+def test_a_storage_path_yaml_would_misread_is_served_as_given(address: str, tmp_path: Path) -> None:
+    storage = tmp_path / "a #b: c"
+    with local_registry(address, storage) as registry:
+        data = b"a layer"
+        digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
+        start = urllib.request.Request(
+            f"http://{registry.address}/v2/probe/blobs/uploads/", method="POST"
+        )
+        with urllib.request.urlopen(start, timeout=30) as response:
+            location = response.headers["Location"]
+        upload = urllib.request.Request(
+            f"{location}&digest={digest}",
+            data=data,
+            method="PUT",
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        with urllib.request.urlopen(upload, timeout=30) as response:
+            assert response.status == 201
+    stored = list(storage.rglob("data"))
+    assert [p.read_bytes() for p in stored] == [data]
 
 
 def test_the_last_user_to_leave_stops_it_whoever_started_it(

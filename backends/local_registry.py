@@ -1,0 +1,285 @@
+"""The local target's registry processes: Debian's ``docker-registry`` (distribution 2.8).
+
+A real OCI registry on loopback, holding its images in a folder of this machine's cache, so an
+image pushed once is found by every later build (the tag names the content: an existing tag is
+never built again) and by the emulated Batch nodes, which pull from it as Batch nodes pull from
+ACR. Several registry processes may serve the same folder (distribution's filesystem storage
+supports it).
+
+At the configured loopback address one registry serves every user of that cache folder (a
+nightly run's build step beside a sensor's, one test worker beside another): the first to find
+none there starts it, and the last to leave stops it, whoever started it, so no registry
+vanishes while another user asks it for a tag or pushes to it. The address's files under
+``<cache>/run`` decide it: a gate lock under which starts and stops are decided, a users file
+each user holds a shared lock on while it uses the registry (the leaving user that can turn its
+lock exclusive is the last), and a record of the registry process (PID, start time, boot). The
+kernel drops a killed user's locks, and the record is written the moment the process exists,
+so a user killed at any point leaves a registry the next user will stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.azurite import free_port
+from backends.image_registry import ImageRegistry, RegistryError, cache_dir
+from backends.processes import (
+    ProcessRecord,
+    is_running,
+    read_record,
+    record_of,
+    stop,
+    write_record,
+)
+
+BINARY = "docker-registry"
+
+
+def _config(storage: Path, address: str) -> str:
+    # JSON strings are YAML scalars: a path with ': ', ' #' or a newline stays one path.
+    return (
+        "version: 0.1\n"
+        "log:\n  level: warn\n  accesslog:\n    disabled: true\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {json.dumps(str(storage))}\n"
+        "  delete:\n    enabled: true\n"
+        f"http:\n  addr: {json.dumps(address)}\n"
+    )
+
+
+def _run_dir() -> Path:
+    run_dir = cache_dir() / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _await(address: str, running: Callable[[], bool], log_path: Path) -> None:
+    """Until the registry at ``address`` answers; an error naming the log when the process
+    exits first or does not answer within 30 s."""
+    registry = ImageRegistry(address)
+    deadline = time.monotonic() + 30
+    while not registry.answers():
+        if not running():
+            raise RegistryError(
+                f"{BINARY} at {address} exited: see {log_path} (is the port taken?)"
+            )
+        if time.monotonic() > deadline:
+            raise RegistryError(f"{BINARY} at {address} did not answer within 30 s")
+        time.sleep(0.1)
+
+
+@contextmanager
+def _private(storage: Path) -> Iterator[ImageRegistry]:
+    """A registry of this block's own, a child of this process, on a free loopback port."""
+    address = f"127.0.0.1:{free_port()}"
+    config = _run_dir() / f"registry-{os.getpid()}-{address.replace(':', '_')}.yml"
+    config.write_text(_config(storage, address))
+    log_path = _run_dir() / "registry.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([BINARY, "serve", str(config)], stdout=log, stderr=log)
+    try:
+        _await(address, lambda: proc.poll() is None, log_path)
+        yield ImageRegistry(address)
+    finally:
+        stop(proc)
+        with contextlib.suppress(OSError):
+            config.unlink()
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The files that decide who serves a loopback address, named by its port (``localhost``
+    and ``127.0.0.1`` are one address)."""
+
+    address: str
+    run_dir: Path
+
+    @property
+    def _name(self) -> str:
+        return f"registry-port-{self.address.rsplit(':', 1)[1]}"
+
+    @property
+    def gate(self) -> Path:
+        return self.run_dir / f"{self._name}.gate"
+
+    @property
+    def users(self) -> Path:
+        return self.run_dir / f"{self._name}.users"
+
+    @property
+    def record(self) -> Path:
+        return self.run_dir / f"{self._name}.pid"
+
+    @property
+    def config(self) -> Path:
+        return self.run_dir / f"{self._name}.yml"
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / "registry.log"
+
+    def ours(self, record: ProcessRecord) -> bool:
+        """Whether the record names a running registry serving this address's config: a record
+        that matches another live process (a hand-written or copied pid file) names nothing."""
+        if not is_running(record):
+            return False
+        try:
+            argv = Path(f"/proc/{record.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            return False
+        return argv == [BINARY.encode(), b"serve", os.fsencode(self.config)]
+
+
+# Starts the registry in a session of its own and exits at once, so the registry is no process's
+# child: it outlives the user that started it, no signal to that user's group or process tree
+# reaches it, and init reaps it. Paths are positional parameters, never part of the script.
+_DETACH = '"$0" serve "$1" >>"$2" 2>&1 </dev/null & echo $!'
+
+
+def _start(shared: _Shared, storage: Path) -> None:
+    shared.config.write_text(_config(storage, shared.address))
+    launched = subprocess.run(
+        ["sh", "-c", _DETACH, BINARY, str(shared.config), str(shared.log)],
+        capture_output=True,
+        text=True,
+        check=True,
+        start_new_session=True,
+        # Its own: no user's folder is kept busy, and no user's variables (secrets, REGISTRY_*
+        # overrides) reach a process every user shares.
+        cwd="/",
+        env={"PATH": os.environ.get("PATH", os.defpath)},
+    )
+    record = record_of(int(launched.stdout))
+    if record is None:
+        raise RegistryError(f"{BINARY} at {shared.address} exited at once: see {shared.log}")
+    write_record(record, shared.record)
+    try:
+        _await(shared.address, lambda: shared.ours(record), shared.log)
+    except BaseException:
+        _stop_recorded(shared)
+        raise
+
+
+def _stop_recorded(shared: _Shared) -> None:
+    """SIGTERM the recorded registry, SIGKILL after 10 s; the record goes once it has ended."""
+    record = read_record(shared.record)
+    if record is not None and shared.ours(record):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while is_running(record):
+            if time.monotonic() > deadline + 10:
+                raise RegistryError(f"{BINARY} (pid {record.pid}) did not end on SIGKILL")
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(record.pid, signal.SIGKILL)
+            time.sleep(0.05)
+    shared.record.unlink(missing_ok=True)
+
+
+def _serve(shared: _Shared, storage: Path) -> None:
+    """Make sure a registry answers at the address (called under the gate)."""
+    if ImageRegistry(shared.address).answers():
+        return
+    record = read_record(shared.record)
+    if record is not None and shared.ours(record):
+        # Ours, running, not answering yet (starting, or slow under load): other users may be
+        # in the middle of a push to it, so it is waited for, never replaced.
+        with contextlib.suppress(RegistryError):
+            _await(shared.address, lambda: shared.ours(record), shared.log)
+        if ImageRegistry(shared.address).answers():
+            return
+        if shared.ours(record):
+            raise RegistryError(
+                f"{BINARY} at {shared.address} (pid {record.pid}) runs but does not answer: "
+                f"see {shared.log}"
+            )
+    _start(shared, storage)
+
+
+def _lock(path: Path) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+
+def _release(fd: int) -> None:
+    # Unlocked before closing: a process forked meanwhile shares the lock and would keep it.
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _gate(shared: _Shared) -> Iterator[None]:
+    fd = _lock(shared.gate)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        _release(fd)
+
+
+def _last_to_leave(users: int) -> bool:
+    """Whether no other user holds the address (a failed conversion drops this user's shared
+    lock, which is only ever asked on the way out)."""
+    try:
+        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextmanager
+def _leased(address: str, storage: Path) -> Iterator[ImageRegistry]:
+    shared = _Shared(address, _run_dir())
+    users = _lock(shared.users)
+    try:
+        with _gate(shared):
+            fcntl.flock(users, fcntl.LOCK_SH)
+            _serve(shared, storage)
+        yield ImageRegistry(address)
+    finally:
+        try:
+            with _gate(shared):
+                if _last_to_leave(users):
+                    _stop_recorded(shared)
+        finally:
+            _release(users)
+
+
+@contextmanager
+def local_registry(address: str | None, storage: Path | None = None) -> Iterator[ImageRegistry]:
+    """A registry at ``address`` until the block exits: at a loopback address, the one shared by
+    every user of this cache folder (started when none answers, stopped by the last to leave);
+    at another address, the one listening there; with no address, one of this block's own."""
+    if address is not None:
+        host = address.rsplit(":", 1)[0]
+        if host not in ("127.0.0.1", "localhost"):
+            found = ImageRegistry(address)
+            if found.answers():
+                yield found
+                return
+            raise RegistryError(
+                f"image.registry {address}: no registry answers there, and only a loopback "
+                "address can be served from here (127.0.0.1:PORT)"
+            )
+    if shutil.which(BINARY) is None:
+        raise RegistryError(
+            f"{BINARY} is not installed: `make setup` installs it as root "
+            "(apt-get install docker-registry)"
+        )
+    storage = storage or cache_dir() / "registry"
+    storage.mkdir(parents=True, exist_ok=True)
+    context = _private(storage) if address is None else _leased(address, storage)
+    with context as registry:
+        yield registry
