@@ -26,6 +26,8 @@ from backends.local_registry import BINARY, local_registry
 from backends.processes import is_running, read_record, record_of, write_record
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.processes  # docker-registry and users in processes of their own
+
 USER = """
 import sys
 from pathlib import Path
