@@ -58,9 +58,11 @@ def _config(storage: Path, address: str) -> str:
 
 
 def _run_dir() -> Path:
+    """The cache's run folder, resolved: a registry's command line names its config by this
+    path, so users reaching the cache by a link or a relative path still name one file."""
     run_dir = cache_dir() / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return run_dir.resolve()
 
 
 def _await(address: str, running: Callable[[], bool], log_path: Path) -> None:
@@ -128,16 +130,27 @@ class _Shared:
     def log(self) -> Path:
         return self.run_dir / "registry.log"
 
-    def ours(self, record: ProcessRecord) -> bool:
-        """Whether the record names a running registry serving this address's config: a record
-        that matches another live process (a hand-written or copied pid file) names nothing."""
-        if not is_running(record):
-            return False
+    def _serves(self, pid: int) -> bool:
         try:
-            argv = Path(f"/proc/{record.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
         except OSError:
             return False
         return argv == [BINARY.encode(), b"serve", os.fsencode(self.config)]
+
+    def ours(self, record: ProcessRecord) -> bool:
+        """Whether the record names a running registry serving this address's config: a record
+        that matches another live process (a hand-written or copied pid file) names nothing."""
+        return is_running(record) and self._serves(record.pid)
+
+    def unrecorded(self) -> ProcessRecord | None:
+        """A registry serving this address's config that no record names: one whose user was
+        killed or interrupted between its launch and the record, found by its command line."""
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and self._serves(int(entry.name)):
+                record = record_of(int(entry.name))
+                if record is not None and is_running(record):
+                    return record
+        return None
 
 
 # Starts the registry in a session of its own and exits at once, so the registry is no process's
@@ -189,19 +202,25 @@ def _stop_recorded(shared: _Shared) -> None:
 
 def _serve(shared: _Shared, storage: Path) -> None:
     """Make sure a registry answers at the address (called under the gate)."""
+    record = read_record(shared.record)
+    if record is None or not shared.ours(record):
+        # A launch cut short before its record was written: adopted, so the last user stops it.
+        record = shared.unrecorded()
+        if record is not None:
+            write_record(record, shared.record)
     if ImageRegistry(shared.address).answers():
         return
-    record = read_record(shared.record)
     if record is not None and shared.ours(record):
         # Ours, running, not answering yet (starting, or slow under load): other users may be
         # in the middle of a push to it, so it is waited for, never replaced.
+        running = record
         with contextlib.suppress(RegistryError):
-            _await(shared.address, lambda: shared.ours(record), shared.log)
+            _await(shared.address, lambda: shared.ours(running), shared.log)
         if ImageRegistry(shared.address).answers():
             return
-        if shared.ours(record):
+        if shared.ours(running):
             raise RegistryError(
-                f"{BINARY} at {shared.address} (pid {record.pid}) runs but does not answer: "
+                f"{BINARY} at {shared.address} (pid {running.pid}) runs but does not answer: "
                 f"see {shared.log}"
             )
     _start(shared, storage)
@@ -278,7 +297,7 @@ def local_registry(address: str | None, storage: Path | None = None) -> Iterator
             f"{BINARY} is not installed: `make setup` installs it as root "
             "(apt-get install docker-registry)"
         )
-    storage = storage or cache_dir() / "registry"
+    storage = (storage or cache_dir() / "registry").resolve()  # the registry runs in /
     storage.mkdir(parents=True, exist_ok=True)
     context = _private(storage) if address is None else _leased(address, storage)
     with context as registry:

@@ -95,6 +95,42 @@ def test_localhost_and_the_loopback_ip_are_one_address(address: str, tmp_path: P
     assert not ImageRegistry(address).answers()
 
 
+def test_a_registry_whose_launch_was_cut_short_is_adopted_and_stopped(
+    address: str, tmp_path: Path
+) -> None:
+    """A user killed between the registry's launch and its record leaves a registry no record
+    names: the next user finds it by its command line, and stops it when it leaves."""
+    first = local_registry(address, tmp_path / "storage")
+    first.__enter__()
+    started = record_of(_recorded(address, tmp_path))
+    assert started is not None
+    _pid_file(address, tmp_path).unlink()  # as if the user died before writing it
+    first.__exit__(None, None, None)
+    assert ImageRegistry(address).answers()  # nobody knew it was there
+    with local_registry(address, tmp_path / "storage") as registry:
+        assert _recorded(address, tmp_path) == started.pid
+        assert registry.has_tag("retrain/horovod", "absent") is False
+    assert not registry.answers() and not is_running(started)
+
+
+def test_users_reaching_the_cache_by_a_link_share_one_registry(
+    address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link = tmp_path / "link-to-cache"
+    (tmp_path / "cache").mkdir()
+    link.symlink_to(tmp_path / "cache")
+    first = local_registry(address, tmp_path / "storage")
+    first.__enter__()
+    started = record_of(_recorded(address, tmp_path))
+    assert started is not None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(link))
+    with local_registry(address, tmp_path / "storage") as registry:
+        first.__exit__(None, None, None)
+        assert registry.has_tag("retrain/horovod", "absent") is False
+    # The last user, by the link, stopped the registry started through the real path.
+    assert not registry.answers() and not is_running(started)
+
+
 def test_a_process_forked_by_a_user_keeps_no_lock_after_the_user_leaves(
     address: str, tmp_path: Path
 ) -> None:
