@@ -104,31 +104,23 @@ class _Shared:
     and ``127.0.0.1`` are one address)."""
 
     address: str
-    run_dir: Path
+    gate: Path
+    users: Path
+    record: Path
+    config: Path
+    log: Path
 
-    @property
-    def _name(self) -> str:
-        return f"registry-port-{self.address.rsplit(':', 1)[1]}"
-
-    @property
-    def gate(self) -> Path:
-        return self.run_dir / f"{self._name}.gate"
-
-    @property
-    def users(self) -> Path:
-        return self.run_dir / f"{self._name}.users"
-
-    @property
-    def record(self) -> Path:
-        return self.run_dir / f"{self._name}.pid"
-
-    @property
-    def config(self) -> Path:
-        return self.run_dir / f"{self._name}.yml"
-
-    @property
-    def log(self) -> Path:
-        return self.run_dir / "registry.log"
+    @classmethod
+    def at(cls, address: str, run_dir: Path) -> _Shared:
+        name = run_dir / f"registry-port-{address.rsplit(':', 1)[1]}"
+        return cls(
+            address,
+            gate=name.with_suffix(".gate"),
+            users=name.with_suffix(".users"),
+            record=name.with_suffix(".pid"),
+            config=name.with_suffix(".yml"),
+            log=run_dir / "registry.log",
+        )
 
     def _serves(self, pid: int) -> bool:
         try:
@@ -260,7 +252,7 @@ def _last_to_leave(users: int) -> bool:
 
 @contextmanager
 def _leased(address: str, storage: Path) -> Iterator[ImageRegistry]:
-    shared = _Shared(address, _run_dir())
+    shared = _Shared.at(address, _run_dir())
     users = _lock(shared.users)
     try:
         with _gate(shared):

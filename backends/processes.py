@@ -30,14 +30,19 @@ class ProcessRecord:
     boot: str
 
 
-def _start_time(pid: int) -> int | None:
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3 onwards of /proc/<pid>/stat (``[0]`` is field 3, the state)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces or parentheses itself.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])  # field 22; fields[0] is field 3
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _start_time(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])  # field 22
 
 
 def _boot_id() -> str | None:
@@ -77,13 +82,8 @@ def is_alive(record: ProcessRecord) -> bool:
 def is_running(record: ProcessRecord) -> bool:
     """Alive and not a zombie: a process that has exited but whose parent has not reaped it
     yet still has its /proc entry, and holds nothing (its ports and locks are free)."""
-    if not is_alive(record):
-        return False
-    try:
-        stat = Path(f"/proc/{record.pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+    fields = _stat_fields(record.pid) if is_alive(record) else None
+    return fields is not None and fields[0] != "Z"
 
 
 def kill_group(record: ProcessRecord) -> bool:

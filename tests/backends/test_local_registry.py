@@ -23,7 +23,7 @@ import pytest
 from backends.azurite import free_port
 from backends.image_registry import ImageRegistry
 from backends.local_registry import BINARY, local_registry
-from backends.processes import is_running, read_record, record_of, write_record
+from backends.processes import ProcessRecord, is_running, read_record, record_of, write_record
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.processes  # docker-registry and users in processes of their own
@@ -67,10 +67,10 @@ def _pid_file(address: str, tmp_path: Path) -> Path:
     return tmp_path / "cache" / "retrain-image" / "run" / f"registry-port-{port}.pid"
 
 
-def _recorded(address: str, tmp_path: Path) -> int:
+def _recorded(address: str, tmp_path: Path) -> ProcessRecord:
     record = read_record(_pid_file(address, tmp_path))
     assert record is not None and is_running(record)
-    return record.pid
+    return record
 
 
 def test_the_registry_outlives_the_user_that_started_it_while_another_uses_it(
@@ -102,13 +102,12 @@ def test_a_registry_whose_launch_was_cut_short_is_adopted_and_stopped(
     names: the next user finds it by its command line, and stops it when it leaves."""
     first = local_registry(address, tmp_path / "storage")
     first.__enter__()
-    started = record_of(_recorded(address, tmp_path))
-    assert started is not None
+    started = _recorded(address, tmp_path)
     _pid_file(address, tmp_path).unlink()  # as if the user died before writing it
     first.__exit__(None, None, None)
     assert ImageRegistry(address).answers()  # nobody knew it was there
     with local_registry(address, tmp_path / "storage") as registry:
-        assert _recorded(address, tmp_path) == started.pid
+        assert _recorded(address, tmp_path) == started
         assert registry.has_tag("retrain/horovod", "absent") is False
     assert not registry.answers() and not is_running(started)
 
@@ -121,8 +120,7 @@ def test_users_reaching_the_cache_by_a_link_share_one_registry(
     link.symlink_to(tmp_path / "cache")
     first = local_registry(address, tmp_path / "storage")
     first.__enter__()
-    started = record_of(_recorded(address, tmp_path))
-    assert started is not None
+    started = _recorded(address, tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(link))
     with local_registry(address, tmp_path / "storage") as registry:
         first.__exit__(None, None, None)
@@ -199,11 +197,9 @@ def test_a_storage_path_yaml_would_misread_is_served_as_given(address: str, tmp_
 def test_the_last_user_to_leave_stops_it_whoever_started_it(
     address: str, tmp_path: Path, other_user: subprocess.Popen[str]
 ) -> None:
-    started = _recorded(address, tmp_path)
-    record = record_of(started)
-    assert record is not None
+    record = _recorded(address, tmp_path)
     with local_registry(address, tmp_path / "storage") as registry:
-        assert _recorded(address, tmp_path) == started  # found, not started again
+        assert _recorded(address, tmp_path) == record  # found, not started again
         assert other_user.stdin is not None
         other_user.stdin.write("leave\n")
         other_user.stdin.close()
@@ -215,12 +211,10 @@ def test_the_last_user_to_leave_stops_it_whoever_started_it(
 def test_a_user_killed_mid_use_leaves_the_registry_to_the_next_one_who_stops_it(
     address: str, tmp_path: Path, other_user: subprocess.Popen[str]
 ) -> None:
-    started = _recorded(address, tmp_path)
-    record = record_of(started)
-    assert record is not None
+    record = _recorded(address, tmp_path)
     # The registry is no child of the user that started it: killing the user's whole process
     # group (what a worker's teardown does to a flow run) does not take it down.
-    assert psutil.Process(started).ppid() != other_user.pid
+    assert psutil.Process(record.pid).ppid() != other_user.pid
     os.killpg(other_user.pid, signal.SIGKILL)
     other_user.wait()
     assert ImageRegistry(address).answers()
