@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import platform
 import threading
 from collections.abc import Iterator
@@ -38,11 +38,12 @@ _lock = threading.Lock()
 _users = 0
 
 
+@functools.cache
 def _glibc() -> Any | None:
     if platform.libc_ver()[0] != "glibc":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols: glibc's, in a glibc process
     except OSError:
         return None
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
