@@ -226,8 +226,10 @@ class DevTools:
         self.call("Page.navigate", url=url)
         self.wait_for("document.readyState === 'complete'", f"{url} to load")
 
-    def wait_for(self, expression: str, what: str, seconds: float = 30) -> Any:
-        """The value of ``expression`` once it is truthy (a single-page app renders late)."""
+    def wait_for(self, expression: str, what: str, seconds: float = 180) -> Any:
+        """The value of ``expression`` once it is truthy (a single-page app renders late).
+        ``seconds`` only bounds a hang: on a loaded 2-core machine the UI's run form took
+        longer than 30 s to render while the test suite ran beside it."""
         deadline = time.monotonic() + seconds
         while not (value := self.evaluate(expression)):
             if time.monotonic() > deadline:

@@ -11,11 +11,13 @@ CPU: 181-187 ms per 64 MB file with the defaults, 146-157 ms with buffers kept (
 
 So while any download runs, allocations up to :data:`MMAP_THRESHOLD` come from the heaps and a
 heap keeps up to :data:`TRIM_THRESHOLD` free before giving memory back. What is kept is bounded
-by what the downloads hold at once (``staging.transfer``'s HOLD_BYTES and QUEUE_BYTES), and it
-is given back (``malloc_trim``) when the last download of the process ends, with glibc's
-initial settings restored. glibc offers no way to turn its dynamic thresholds back on once a
-threshold was set, so after a first download a process keeps the initial, memory-returning
-settings. Other C libraries (musl) are left as they are.
+by what the downloads hold at once (``staging.transfer``'s HOLD_BYTES and QUEUE_BYTES). When
+the last download of the process ends, glibc's initial settings are restored and
+``malloc_trim`` gives back what lies in its free lists; what a thread's heap keeps at its top
+goes back at that heap's next large free (glibc trims a thread's heap only then). glibc offers
+no way to turn its dynamic thresholds back on once a threshold was set, so after a first
+download a process keeps the initial, memory-returning settings. Other C libraries (musl) are
+left as they are.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def _glibc() -> Any | None:
 @contextlib.contextmanager
 def reused_buffers() -> Iterator[bool]:
     """Freed buffers kept for reuse while the block runs (nested and concurrent uses share one
-    setting; the last to leave restores it and gives the memory back). Yields whether the
-    allocator is glibc's and took the settings."""
+    setting; the last to leave restores glibc's initial one). Yields whether the allocator is
+    glibc's and took the settings."""
     global _users
     libc = _glibc()
     if libc is None:

@@ -2,7 +2,8 @@
 
 Each check runs in a fresh interpreter: glibc's thresholds move with what a process has freed
 before, so only a process that has done nothing yet starts from glibc's own settings. What is
-observed is glibc's own account of its memory (``mallinfo2``), not our code's.
+observed is the kernel's count of the process's resident memory (``/proc/self/statm``) and
+glibc's own count of its mappings (``mallinfo2``), not our code's account.
 """
 
 from __future__ import annotations
@@ -25,42 +26,47 @@ pytestmark = [
 
 PROBE = textwrap.dedent(
     """
-    import ctypes, sys, threading
+    import ctypes, os, threading
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    MB = 1 << 20
+
+    def resident():
+        # The kernel's count of this process's resident memory, in MB.
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // MB
 
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in (
             "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
             "uordblks", "fordblks", "keepcost")]
 
-    libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = Info
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    MB = 1 << 20
 
     def mapped_on_its_own():
-        # Whether a fresh 1 MB buffer gets a mapping of its own (fresh pages, given back
-        # when freed) rather than a place in a heap.
+        # Whether a MB buffer gets a mapping of its own (glibc's initial setting) rather
+        # than a place in a heap; asked of the main thread, whose heap holds no free MB.
         before = libc.mallinfo2().hblks
         p = libc.malloc(MB)
         mapped = libc.mallinfo2().hblks > before
         libc.free(p)
         return mapped
 
-    def free_kept_after_a_burst():
-        # A thread's burst of 32 chunk-sized buffers, freed: bytes its heaps keep for reuse.
-        out = []
-        def burst():
+    def burst():
+        # What a download's chunks do: a thread allocates 32 buffers of a MB, fills them and
+        # frees them; the resident memory after, in MB.
+        def run():
             ps = [libc.malloc(MB) for _ in range(32)]
             for p in ps:
                 ctypes.memset(p, 1, MB)
             for p in ps:
                 libc.free(p)
-            out.append(libc.mallinfo2().fordblks)
-        t = threading.Thread(target=burst)
+        t = threading.Thread(target=run)
         t.start()
         t.join()
-        return out[0]
+        return resident()
     """
 )
 
@@ -77,23 +83,26 @@ def _run(body: str) -> str:
     return done.stdout
 
 
-def test_chunk_buffers_come_from_the_heaps_while_a_download_runs_and_are_given_back_after() -> None:
+def test_chunk_buffers_are_kept_while_a_download_runs_and_the_settings_restored_after() -> None:
     out = _run(
         """
         from staging.memory import reused_buffers
-        print("defaults", mapped_on_its_own(), free_kept_after_a_burst() // MB)
+        before = resident()
+        print("defaults", burst() - before)
         with reused_buffers() as took:
-            print("during", took, mapped_on_its_own(), free_kept_after_a_burst() // MB)
-        print("after", mapped_on_its_own(), free_kept_after_a_burst() // MB)
+            start = resident()
+            print("during", took, burst() - start)
+        print("after", mapped_on_its_own())
         """
     )
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
-    # glibc's defaults, the churn: a fresh mapping per buffer, and the freed burst given back.
-    assert rows["defaults"][0] == "True" and int(rows["defaults"][1]) < 16, out
-    # During a download: buffers in the heaps, and the freed burst kept for the next chunks.
-    assert rows["during"][:2] == ["True", "False"] and int(rows["during"][2]) >= 32, out
-    # After it: glibc's initial settings again, and the memory given back.
-    assert rows["after"][0] == "True" and int(rows["after"][1]) < 16, out
+    # glibc's defaults, the churn: the freed buffers' memory goes back at once, and the next
+    # chunks get fresh pages again.
+    assert int(rows["defaults"][0]) < 16, out
+    # During a download the freed buffers stay, for the next chunks to reuse.
+    assert rows["during"][0] == "True" and int(rows["during"][1]) >= 28, out
+    # After it, glibc's initial settings: a MB buffer is a mapping of its own again.
+    assert rows["after"] == ["True"], out
 
 
 def test_overlapping_downloads_keep_the_settings_until_the_last_one_ends() -> None:
@@ -104,10 +113,11 @@ def test_overlapping_downloads_keep_the_settings_until_the_last_one_ends() -> No
         first.__enter__()
         with reused_buffers():
             pass
-        print("first-still-running", free_kept_after_a_burst() // MB)
+        start = resident()
+        print("first-still-running", burst() - start)
         first.__exit__(None, None, None)
-        print("all-ended", free_kept_after_a_burst() // MB)
+        print("all-ended", mapped_on_its_own())
         """
     )
-    kept = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()}
-    assert kept["first-still-running"] >= 32 and kept["all-ended"] < 16, out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()}
+    assert int(rows["first-still-running"]) >= 28 and rows["all-ended"] == "True", out
