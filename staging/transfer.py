@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from staging.blob import Retry, redact
 from staging.listing import ChangedSinceGateError, PinnedBlob
-from staging.memory import reused_buffers
+from staging.memory import keep_freed_buffers
 from training.atomic import b64md5
 from training.staged_folder import TEMP_PREFIX
 
@@ -468,11 +468,8 @@ def download_all(
     """
     if ranges is None:
         ranges = max(4, RANGES_PER_CORE * len(os.sched_getaffinity(0)))
-    with reused_buffers():  # each chunk's buffer is not fresh memory again (staging.memory)
-        _run(_Engine(store, pinned, done, retry or Retry(), piece, ranges), jobs, workers)
-
-
-def _run(engine: _Engine, jobs: Iterable[Download], workers: int) -> None:
+    keep_freed_buffers()  # each chunk's buffer is not fresh memory again (staging.memory)
+    engine = _Engine(store, pinned, done, retry or Retry(), piece, ranges)
     engine.start_writer()
     tasks, lock = engine.tasks(jobs), threading.Lock()
     fetchers = [
