@@ -167,14 +167,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for delay in args.fsync_delay_ms:
         targets[f"a share whose fsync takes {delay:,} ms"] = _held_fsync(args, delay)
     size = targets["local disk"]["checkpoint_mb"]
+    held = bool(args.fsync_delay_ms)
     return {
         "benchmark": "checkpoint_stall",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "method": f"{args.model} (weights and SGD momentum: {size:,.0f} MB per checkpoint) on "
         f"{_device_name(device)}, {torch.get_num_threads()} torch threads, written with fsync; "
         f"{args.repeats} repeats of each way, alternating; {args.steps} training steps (batch "
-        f"{args.batch_size} at {args.image_size} px) after each checkpoint; a slower share is "
-        "the same disk with every fsync held by strace",
+        f"{args.batch_size} at {args.image_size} px) after each checkpoint"
+        + ("; a slower share is the same disk with every fsync held by strace" * held),
         "device": _device_name(device),
         "checkpoint_mb": size,
         "load_average": round(os.getloadavg()[0], 1),

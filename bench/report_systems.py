@@ -247,4 +247,7 @@ def gpu_fed(r: dict[str, Any]) -> list[str]:
             f"{fed['images_per_sec'] / synthetic['images_per_sec']:.2f} of the synthetic "
             f"{synthetic['images_per_sec']:,.0f} with the same switches.",
         ]
+    # A run of one engine (--engines) says so, rather than leaving the other to be guessed.
+    missing = [e for e in ("horovod", "ddp") if e not in (r.get("fed") or {})]
+    lines += [f"- {engine}: not in this run." for engine in missing]
     return [*lines, ""]

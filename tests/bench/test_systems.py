@@ -115,6 +115,26 @@ def test_sections_render_what_was_measured() -> None:
     assert "| DeepSpeed ZeRO stage 1 | failed: 'Traceback ... no backend' |" in text
 
 
+def test_the_shards_fed_section_names_each_engine_measured_failed_or_not_run() -> None:
+    """A run of one engine (``--engines ddp``, where Horovod is not installed) gives that
+    engine's ratio and says the other was not in the run, rather than leaving it out."""
+    step = {"step": "torch.compile", "images_per_sec": 6400.0}
+    fed = {
+        "machine": "m",
+        "method": "x",
+        "engines": {"ddp": {"steps": [step]}},
+        "fed": {"ddp": {"images_per_sec": 6208.0, "extra": ["--augment"]}},
+    }
+    text = "\n".join(systems.gpu_fed(fed))
+    assert "- ddp: fed from packed shards 6,208 images/s" in text
+    assert "0.97 of the synthetic 6,400" in text
+    assert "- horovod: not in this run." in text
+    fed["fed"]["horovod"] = {"error": "Command 'horovodrun' returned 1"}
+    text = "\n".join(systems.gpu_fed(fed))
+    assert "- horovod: not measured (Command 'horovodrun' returned 1)." in text
+    assert "not in this run" not in text
+
+
 def test_the_page_gives_the_shards_fed_rate_or_says_it_awaits_a_gpu(tmp_path: Path) -> None:
     """Without the trainer's shards-fed rate among the GPU results kept in the repository, the
     page says so and names the command that measures it; with it, it gives the ratio."""
