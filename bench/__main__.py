@@ -35,7 +35,7 @@ FULL: dict[str, list[str]] = {
 }
 QUICK: dict[str, list[str]] = {
     "staging": [
-        *("--small", "300", "--large", "2", "--large-mb", "12"),
+        *("--small", "300", "--large", "2", "--large-mb", "34"),  # 3 ranges each
         *("--delays-ms", "0", "2", "--large-rounds", "2", "--resyncs", "1"),
     ],
     "loading": ["--images", "600"],

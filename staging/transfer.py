@@ -14,8 +14,9 @@ only fetch; the file work (MD5 check, temp file, write, rename) is queued to one
 a second and more being started only when the queue grows (on NFS each create and rename is a
 round trip), so that most file system calls release the lock without another thread waiting
 for it. A large blob (over :data:`PIECE`) is read as parallel ranged reads, each pinned with
-If-Match to the same ETag: one blob of 64 MB is then up to 8 requests in flight (at most
-:data:`RANGES_PER_CORE` ranges per core in all). Each range's body is streamed a
+If-Match to the same ETag: one blob of 64 MB is then up to 4 requests in flight (at most
+:data:`RANGES_PER_CORE` ranges per core in all, so two such blobs at once on two cores, each
+hashed by its own thread). Each range's body is streamed a
 :data:`CHUNK` at a time, written in place with ``pwrite`` and hashed in order while the chunk
 is still in the processor's cache (a range received whole is written and hashed from memory:
 about 1.6 times the CPU, measured in docs/performance.md). Chunks that arrive ahead of their
@@ -66,7 +67,11 @@ from training.staged_folder import TEMP_PREFIX
 if TYPE_CHECKING:
     from obstore.store import AzureStore
 
-PIECE = 8 << 20  # a blob larger than this is read as ranges of this size, in parallel
+# A blob larger than this is read as ranges of this size, in parallel. Each request costs the
+# service and the client a fixed part, and each range ahead of the hash's turn is hashed late,
+# so fewer, larger ranges win until too few are left to keep a core per blob hashing: 16 MB
+# against 8 and 32 in docs/performance.md.
+PIECE = 16 << 20
 CHUNK = 1 << 20  # a range's body is written and hashed this much at a time
 HOLD_BYTES = 64 << 20  # per large blob, chunks kept in memory until their turn to be hashed
 QUEUE_BYTES = 64 << 20  # bytes waiting for the writer before fetch threads write themselves
@@ -272,7 +277,7 @@ class _Engine:
     def piece_of(self, large: _Large, k: int) -> None:
         """One range of a large blob, streamed: each chunk is written in place and, when it is
         next in order, hashed while it is still in the processor's cache (a range received
-        whole, 8 MB, is out of the cache by the time it is written and hashed). A body that
+        whole, 16 MB, is out of the cache by the time it is written and hashed). A body that
         breaks off is asked for again from the first byte not received, with If-Match always:
         the pieces of one file must come from one version of the blob."""
         import obstore
@@ -455,19 +460,22 @@ def download_all(
     workers: int,
     done: Done,
     retry: Retry | None = None,
-    piece: int = PIECE,
+    piece: int | None = None,
     ranges: int | None = None,
 ) -> None:
     """Download every job, ``workers`` requests in flight, calling ``done(job, md5, stat)`` as
     each file lands; raises the first hard failure once the requests in flight have ended.
-    ``ranges``: ranges of large blobs in flight at most (by default :data:`RANGES_PER_CORE`
-    per usable core), within the ``workers``.
+    ``piece``: the range size of large blobs (by default :data:`PIECE`, read at each call, as
+    every setting here is). ``ranges``: ranges of large blobs in flight at most (by default
+    :data:`RANGES_PER_CORE` per usable core), within the ``workers``.
 
     Plain threads, no event loop: a caller that already runs one (a Prefect task, a notebook)
     calls this as a plain function.
     """
     if ranges is None:
         ranges = max(4, RANGES_PER_CORE * len(os.sched_getaffinity(0)))
+    if piece is None:
+        piece = PIECE
     keep_freed_buffers()  # each chunk's buffer is not fresh memory again (staging.memory)
     engine = _Engine(store, pinned, done, retry or Retry(), piece, ranges)
     engine.start_writer()

@@ -196,3 +196,24 @@ def test_ranges_cut_off_or_refused_are_fetched_again(
     assert (dest / "big.bin").read_bytes() == data
     assert list(dest.rglob("*.part")) == []
     assert proxy.injected["truncate"] > 0
+
+
+def test_the_range_size_is_the_modules_at_each_call(
+    container: ContainerClient, proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PIECE is read when a sync runs, as every other setting of the engine is: a setting
+    changed for one sync (the benchmark's table of choices does this) is the one its requests
+    use, not the value the module had when it was imported."""
+    import staging.transfer
+
+    monkeypatch.setattr(staging.transfer, "PIECE", 1 << 20)
+    size = (5 << 20) // 2  # two whole ranges and a half
+    data = random.Random(5).randbytes(size)
+    container.upload_blob("ds/mid.bin", data)
+    (listed,) = list_pinned(container, "ds")
+    seen = _record(proxy)
+    report = sync_to_directory(container, "ds", tmp_path / "data", listing=[listed])
+    assert report.downloaded == ["ds/mid.bin"]
+    assert (tmp_path / "data" / "mid.bin").read_bytes() == data
+    ranges = sorted(_range(h) or "whole" for h in seen if h["path"].endswith("/ds/mid.bin"))
+    assert ranges == [f"bytes={k << 20}-{min(size, (k + 1) << 20) - 1}" for k in range(3)]
