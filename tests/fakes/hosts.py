@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,18 +201,36 @@ class Node:
                 found.append(proc)
         return found
 
-    def kill_processes(self, matching: str | None = None) -> list[int]:
-        """SIGKILL the node's processes (whose command line contains ``matching``, if given).
+    def kill_processes(self, matching: str | None = None, timeout: float = 30) -> list[int]:
+        """SIGKILL the node's processes (whose command line contains ``matching``, if given),
+        and return once they have exited.
 
-        Without ``matching`` this is what the end of a task's container does on Batch.
+        Without ``matching`` this is what the end of a task's container does on Batch, which
+        reports a task ended once its processes are gone: a signal sent is not a process gone,
+        and until a killed process has run its exit its ports stay bound (a retried task's sshd
+        found 2222 taken by the one killed a moment before, on a loaded machine). Processes
+        started meanwhile (a fork racing the kill) are killed in another pass.
         """
-        killed = []
-        for proc in self.processes():
-            with contextlib.suppress(psutil.Error):
-                if matching is None or matching in " ".join(proc.cmdline()):
-                    proc.kill()
-                    killed.append(proc.pid)
-        return killed
+        killed: list[int] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            sent = []
+            for proc in self.processes():
+                with contextlib.suppress(psutil.Error):
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        continue  # exited: its files and ports are closed
+                    if matching is None or matching in " ".join(proc.cmdline()):
+                        proc.kill()
+                        sent.append(proc)
+            if not sent:
+                return killed
+            killed += [proc.pid for proc in sent]
+            while any(_running(proc) for proc in sent):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"node {self.name}: processes alive {timeout} s after SIGKILL"
+                    )
+                time.sleep(0.01)
 
     def forward(self, port: int) -> None:
         """Make 127.0.0.1:port inside the node reach 127.0.0.1:port of this machine.
@@ -302,6 +321,14 @@ def hosts_text(name: str, address: str, style: HostsFile) -> str:
     """A node's /etc/hosts. ``loopback`` is Ubuntu's default: the node's own name on 127.0.1.1."""
     own = "127.0.1.1" if style == "loopback" else address
     return f"127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n{own} {name}\n"
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` has yet to exit (a zombie has exited; only its parent's wait is left)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class Hosts:
