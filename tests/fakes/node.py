@@ -342,14 +342,16 @@ class PoolNodes:
                     err.write(f"node agent: {exc}\n")
                 code = -1
             finally:
-                for sub in run.subtasks:  # the task's container ends on every node
-                    sub.node.kill_processes()
-                    if sub.container is not None:
-                        sub.container.stop(sub.node.run_in_mounts)
-                    if sub.state != "completed":
-                        sub.set("completed")
-                run.exit_code = code
-                run.done.set()
+                try:
+                    for sub in run.subtasks:  # the task's container ends on every node
+                        sub.node.kill_processes()
+                        if sub.container is not None:
+                            sub.container.stop(sub.node.run_in_mounts)
+                        if sub.state != "completed":
+                            sub.set("completed")
+                finally:  # a waiter learns the task ended even if its end failed (that raises)
+                    run.exit_code = code
+                    run.done.set()
 
     def _new_containers(self, run: TaskRun) -> None:
         """The coordination commands' containers end (their processes with them); the
