@@ -131,6 +131,12 @@ def staging(r: dict[str, Any]) -> list[str]:
             f"| client CPU per small file, {_delay(ms)} | {step:.2f} ms | {rc:.2f} "
             f"| {cp['small']['cpu_ms_per_file']:.3f} | {_ratio(step, rc)} | |"
         )
+    for ms, m in r["large"].items():
+        step, rc = m["step"]["cpu_ms_per_file"], m["rclone"]["cpu_ms_per_file"]
+        rows.append(
+            f"| client CPU per large file, {_delay(ms)} | {step:,.0f} ms | {rc:,.0f} "
+            f"| {cp['large']['cpu_ms_per_file']:,.0f} | {_ratio(step, rc)} | |"
+        )
     for size, cases in (("small", r["small"]), ("large", r["large"])):
         for ms, m in cases.items():
             step, rc = m["step"]["resync_seconds"], m["rclone"]["resync_seconds"]

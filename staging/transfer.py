@@ -16,13 +16,13 @@ round trip), so that most file system calls release the lock without another thr
 for it. A large blob (over :data:`PIECE`) is read as parallel ranged reads, each pinned with
 If-Match to the same ETag: one blob of 64 MB is then up to 4 requests in flight (at most
 :data:`RANGES_PER_CORE` ranges per core in all, so two such blobs at once on two cores, each
-hashed by its own thread). Each range's body is streamed a
-:data:`CHUNK` at a time, written in place with ``pwrite`` and hashed in order while the chunk
-is still in the processor's cache (a range received whole is written and hashed from memory:
-about 1.6 times the CPU, measured in docs/performance.md). Chunks that arrive ahead of their
-turn are held in memory up to :data:`HOLD_BYTES` per blob; beyond that they are read back from
-the file when their turn comes, so a slow first range of a blob of many GB does not hold the
-rest of it in memory.
+hashed by its own thread). Each range's body is streamed a :data:`CHUNK` at a time, written
+in place with ``pwrite`` and hashed in order while the chunk is still in the processor's cache
+(a range received whole cost 1.6 times the CPU with 8 MB ranges; with 16 MB ones the table of
+choices in docs/performance.md has given 0.96-1.14x). Chunks that arrive ahead of their turn
+are held in memory up to :data:`HOLD_BYTES` per blob; beyond that they are read back from the
+file when their turn comes, so a slow first range of a blob of many GB does not hold the rest
+of it in memory.
 
 What each download guarantees:
 

@@ -214,10 +214,12 @@ class Node:
         killed: list[int] = []
         deadline = time.monotonic() + timeout
         while True:
+            if time.monotonic() > deadline:  # also when new processes keep appearing
+                raise TimeoutError(f"node {self.name}: processes alive {timeout} s after SIGKILL")
             sent = []
             for proc in self.processes():
                 with contextlib.suppress(psutil.Error):
-                    if proc.status() == psutil.STATUS_ZOMBIE:
+                    if not _running(proc):
                         continue  # exited: its files and ports are closed
                     if matching is None or matching in " ".join(proc.cmdline()):
                         proc.kill()
@@ -225,11 +227,7 @@ class Node:
             if not sent:
                 return killed
             killed += [proc.pid for proc in sent]
-            while any(_running(proc) for proc in sent):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"node {self.name}: processes alive {timeout} s after SIGKILL"
-                    )
+            while any(_running(proc) for proc in sent) and time.monotonic() <= deadline:
                 time.sleep(0.01)
 
     def forward(self, port: int) -> None:
@@ -324,9 +322,13 @@ def hosts_text(name: str, address: str, style: HostsFile) -> str:
 
 
 def _running(proc: psutil.Process) -> bool:
-    """Whether ``proc`` has yet to exit (a zombie has exited; only its parent's wait is left)."""
+    """Whether ``proc`` has yet to exit. A zombie has, once its last thread has: a killed
+    process's leader shows as a zombie while its other threads, which share its open files
+    and ports, may still be exiting. A pid reused since is not the process."""
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE
+        if not proc.is_running():
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE or proc.num_threads() > 1
     except psutil.NoSuchProcess:
         return False
 

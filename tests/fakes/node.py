@@ -342,16 +342,19 @@ class PoolNodes:
                     err.write(f"node agent: {exc}\n")
                 code = -1
             finally:
-                try:
-                    for sub in run.subtasks:  # the task's container ends on every node
+                for sub in run.subtasks:  # the task's container ends on every node
+                    try:
                         sub.node.kill_processes()
                         if sub.container is not None:
                             sub.container.stop(sub.node.run_in_mounts)
-                        if sub.state != "completed":
-                            sub.set("completed")
-                finally:  # a waiter learns the task ended even if its end failed (that raises)
-                    run.exit_code = code
-                    run.done.set()
+                    except Exception as exc:  # reported as a failed task, as above
+                        with open(run.primary.task_dir / "stderr.txt", "a") as err:
+                            err.write(f"node agent: ending the task on {sub.node_id}: {exc}\n")
+                        code = -1
+                    if sub.state != "completed":
+                        sub.set("completed")
+                run.exit_code = code
+                run.done.set()
 
     def _new_containers(self, run: TaskRun) -> None:
         """The coordination commands' containers end (their processes with them); the

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.fakes.hosts import Hosts
+from tests.fakes.hosts import Hosts, Node
 from tests.nodes_helpers import listen_on, require_emulated_nodes
 
 pytestmark = pytest.mark.processes
@@ -24,16 +25,38 @@ for port in map(int, sys.argv[1:]):
 """
 
 
+_LISTEN_THREADED = """
+import socket, sys, threading, time
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+for _ in range(4):
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
 def _running(pids: list[int]) -> list[int]:
-    """Those of ``pids`` that have not exited (a zombie has: its files and ports are closed)."""
+    """Those of ``pids`` that have not exited: a zombie has once its last thread has (until
+    then the threads still exiting hold its files and ports)."""
     running = []
     for pid in pids:
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE or proc.num_threads() > 1:
                 running.append(pid)
         except psutil.NoSuchProcess:
             pass
     return running
+
+
+def _listen_threaded(node: Node, port: int) -> subprocess.Popen[str]:
+    """A process of several threads on ``node`` holding ``port``, as a trainer holds its
+    rendezvous port; returns once it listens."""
+    proc = node.popen(
+        [sys.executable, "-c", _LISTEN_THREADED, str(port)], {}, stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+    return proc
 
 
 def test_ports_of_killed_processes_are_free_when_the_kill_returns(tmp_path: Path) -> None:
@@ -47,7 +70,7 @@ def test_ports_of_killed_processes_are_free_when_the_kill_returns(tmp_path: Path
     with Hosts(tmp_path / "nodes", [("n0", "10.211.0.4")], mount) as hosts:
         (node,) = hosts.nodes
         for _ in range(3):
-            holders = [listen_on(node, port) for port in PORTS]
+            holders = [(listen_on if port % 2 else _listen_threaded)(node, port) for port in PORTS]
             killed = node.kill_processes()
             assert len(killed) >= len(PORTS)
             assert _running(killed) == [], "killed processes still running after the kill"
