@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -169,12 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in ("nodes", "gate_scale", "checkpoint_stall", "sharded_state"):
         where[name] = ["--work", str(args.scratch / name)]
-    for name in chosen:
-        _run(name, [*plan[name], *where.get(name, [])], args.results / f"{name}.json")
-    gpus = _gpus()
-    if gpus and not args.quick:
-        on_gpu = args.gpu_only or [name for name in GPU_BENCHES if name != "gpu_fed"]
-        _gpu_benches(on_gpu, gpus, where, args.scratch)
+    try:
+        for name in chosen:
+            _run(name, [*plan[name], *where.get(name, [])], args.results / f"{name}.json")
+        gpus = _gpus()
+        if gpus and not args.quick:
+            on_gpu = args.gpu_only or [name for name in GPU_BENCHES if name != "gpu_fed"]
+            _gpu_benches(on_gpu, gpus, where, args.scratch)
+    finally:
+        # The staging benchmark's folders (thousands of files) go once nothing is measured
+        # any more: deleting them taxes every file created soon after (bench.staging.run).
+        if "staging" in chosen:
+            shutil.rmtree(args.scratch / "staging", ignore_errors=True)
     return render([str(args.results), str(args.output)])
 
 

@@ -125,12 +125,19 @@ def staging(r: dict[str, Any]) -> list[str]:
             f"| {cp['large']['mb_per_sec']:,.0f} | {_ratio(step, rc)} "
             f"| {_ratio(step, cp['large']['mb_per_sec'])} |"
         )
+    for ms, m in r.get("large_apart", {}).items():
+        step, rc = m["step"]["mb_per_sec"], m["rclone"]["mb_per_sec"]
+        rows.append(
+            f"| large files, {_delay(ms)}, Azurite on a core of its own | {step:,.0f} MB/s "
+            f"| {rc:,.0f} | | {_ratio(step, rc)} | |"
+        )
     for ms, m in r["small"].items():
         step, rc = m["step"]["cpu_ms_per_file"], m["rclone"]["cpu_ms_per_file"]
         rows.append(
             f"| client CPU per small file, {_delay(ms)} | {step:.2f} ms | {rc:.2f} "
             f"| {cp['small']['cpu_ms_per_file']:.3f} | {_ratio(step, rc)} | |"
         )
+    rows += _server_cpu(r)
     for ms, m in r["large"].items():
         step, rc = m["step"]["cpu_ms_per_file"], m["rclone"]["cpu_ms_per_file"]
         rows.append(
@@ -141,10 +148,7 @@ def staging(r: dict[str, Any]) -> list[str]:
         for ms, m in cases.items():
             step, rc = m["step"]["resync_seconds"], m["rclone"]["resync_seconds"]
             files = m["step"].get("files") or m["step"]["seconds"] * m["step"]["files_per_sec"]
-            cpu = m["step"].get("resync_cpu_seconds")
-            cpu_rc = m["rclone"].get("resync_cpu_seconds")
-            spent = f", {cpu:.2f} s CPU" if cpu is not None else ""
-            spent_rc = f", {cpu_rc:.2f} s CPU" if cpu_rc is not None else ""
+            spent, spent_rc = (_resync_cpu(m[tool]) for tool in ("step", "rclone"))
             rows.append(
                 f"| re-sync, nothing changed ({files:,.0f} {size} files), {_delay(ms)} "
                 f"| {step:.2f} s{spent} | {rc:.2f} s{spent_rc} | | {_ratio(step, rc)} (time) | |"
@@ -174,6 +178,29 @@ def staging(r: dict[str, Any]) -> list[str]:
         *_large_choices(r.get("large_choices")),
         *STAGING_NOTES,
     ]
+
+
+def _resync_cpu(m: dict[str, Any]) -> str:
+    """A re-sync's CPU: the client's, then the server's (results that have them)."""
+    cpu, served = m.get("resync_cpu_seconds"), m.get("resync_server_cpu_seconds")
+    client = f", {cpu:.2f} s CPU" if cpu is not None else ""
+    return client + (f" (server {served:.2f} s)" if served is not None else "")
+
+
+def _server_cpu(r: dict[str, Any]) -> list[str]:
+    """The server's CPU per file while each tool was its client (results that have it)."""
+    rows = []
+    for size, unit, fmt in (("small", "small file", ".2f"), ("large", "large file", ",.0f")):
+        for ms, m in r[size].items():
+            step = m["step"].get("server_cpu_ms_per_file")
+            rc = m["rclone"].get("server_cpu_ms_per_file")
+            if step is None or rc is None:
+                continue
+            rows.append(
+                f"| server CPU per {unit} (Azurite{' and proxy' if float(ms) else ''}), "
+                f"{_delay(ms)} | {step:{fmt}} ms | {rc:{fmt}} | | {_ratio(step, rc)} | |"
+            )
+    return rows
 
 
 def _large_choices(found: dict[str, Any] | None) -> list[str]:

@@ -34,6 +34,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,68 @@ def rclone_copy(port: int, container: str, prefix: str, dest: Path, transfers: i
     )
 
 
+def _children(pid: int) -> list[int]:
+    """Every live descendant of ``pid``."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def servers() -> list[int]:
+    """The processes serving the clients here: whatever this process runs beside them when
+    none is being measured (Azurite, and the delay proxy when there is one)."""
+    return _children(os.getpid())
+
+
+def server_cpu(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` have used so far (those gone count nothing)."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus``; threads started later inherit it."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+@contextlib.contextmanager
+def apart(pids: list[int]) -> Iterator[str | None]:
+    """The server processes ``pids`` on one core and this process (the client, and the rclone
+    it starts) on the others, until the block ends; yields what was done, or None on a
+    machine of one core. Why: Blob storage does not run on the node it serves, yet Azurite
+    here shares the client's two cores, so a client's rate also measures how much CPU it
+    leaves the server. Apart, a large file's rate is the client's own."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        yield None
+        return
+    server, client = {cpus[0]}, set(cpus[1:])
+    try:
+        for pid in pids:
+            _pin(pid, server)
+        _pin(os.getpid(), client)
+        yield f"server on CPU {cpus[0]}, client on {len(client)} other(s)"
+    finally:
+        for pid in [*pids, os.getpid()]:
+            with contextlib.suppress(OSError):
+                _pin(pid, set(cpus))
+
+
 def _through(conn: str, port: int, name: str) -> ContainerClient:
     azurite = urlsplit(conn.split("BlobEndpoint=")[1].split(";")[0]).port
     return ContainerClient.from_connection_string(
@@ -108,14 +171,19 @@ def _through(conn: str, port: int, name: str) -> ContainerClient:
     )
 
 
-def _rates(files: int, size: int, wall: float, cpu: float) -> dict[str, float]:
-    return {
+def _rates(
+    files: int, size: int, wall: float, cpu: float, served: float | None = None
+) -> dict[str, float]:
+    rates = {
         "files": files,
         "seconds": round(wall, 3),
         "files_per_sec": round(files / wall, 1),
         "mb_per_sec": round(size / wall / 1e6, 1),
         "cpu_ms_per_file": round(1000 * cpu / files, 3),
     }
+    if served is not None:
+        rates["server_cpu_ms_per_file"] = round(1000 * served / files, 3)
+    return rates
 
 
 def _turns(rounds: int, first: str, second: str) -> Iterator[tuple[int, str]]:
@@ -127,41 +195,63 @@ def _turns(rounds: int, first: str, second: str) -> Iterator[tuple[int, str]]:
 
 
 def measure(
-    conn: str, name: str, port: int, part: str, work: Path, delay: float, args: argparse.Namespace
+    conn: str,
+    name: str,
+    port: int,
+    part: str,
+    work: Path,
+    delay: float,
+    args: argparse.Namespace,
+    server_apart: bool = False,
 ) -> dict[str, Any]:
     """One part of the dataset at one delay: the step and rclone, each into a fresh folder and
     then again (the re-sync), ``rounds`` times (``large_rounds`` for the large files, a second
     or two each), the order reversed every other round; medians. The large files' folders
     go once measured, but the first round's (the ``cp -r`` ceiling copies it), so later rounds
-    do not share the disk with the write-back of earlier ones. The small files' folders stay
-    until the end of the run: on an ext4 without a journal (this machine's), every file created
+    do not share the disk with the write-back of earlier ones. The small files' folders are
+    kept (see :func:`run`): on an ext4 without a journal (this machine's), every file created
     within a minute or more of deleting thousands costs the kernel's inode allocator a scan
     of the deleted ones (``recently_deleted``), about half a millisecond per file measured
-    here, paid alike by either tool and larger than either tool's own CPU per file."""
+    here, paid alike by either tool and larger than either tool's own CPU per file.
+
+    The server's CPU (Azurite's, and the delay proxy's) is counted per sync too: where it is
+    larger than the client's, the server is what bounds the rate on this machine, whichever
+    client asks. ``server_apart``: the server on a core of its own (:func:`apart`)."""
     runs: dict[str, list[dict[str, float]]] = {"step": [], "rclone": []}
     who = {"step": resource.RUSAGE_SELF, "rclone": resource.RUSAGE_CHILDREN}
     source, workers = f"{PREFIX}/{part}", args.workers
     trees = set()
-    with delayed(port, delay) as via:
+    kind = "apart-" if server_apart else ""
+    with delayed(port, delay) as via, contextlib.ExitStack() as pinned:
+        serving = servers()
+        if server_apart:
+            pinned.enter_context(apart(serving))
         container = _through(conn, via, name)
         rounds = args.large_rounds if part == "raw" else args.rounds
         for rnd, tool in _turns(rounds, "step", "rclone"):
-            dest = work / f"{tool}-{part}-{delay:g}ms-{rnd}"
+            dest = work / f"{kind}{tool}-{part}-{delay:g}ms-{rnd}"
             call = {
                 "step": lambda d=dest: sync_to_directory(container, source, d, workers),
                 "rclone": lambda d=dest: rclone_copy(via, name, source, d, workers),
             }[tool]
+            served = server_cpu(serving)
             wall, cpu = measured(call, who[tool])
+            served = server_cpu(serving) - served
             files, size = dataset.tree_bytes(dest)
             trees.add((files, size))
-            rates = _rates(files, size, wall, cpu)
+            rates = _rates(files, size, wall, cpu, served)
             # A re-sync takes about half a second, most of it one listing page, and moves by
             # a tenth of that with the load: several, and their median, per round.
-            agains = [measured(call, who[tool]) for _ in range(args.resyncs)]
+            agains, again_served = [], []
+            for _ in range(args.resyncs):
+                served = server_cpu(serving)
+                agains.append(measured(call, who[tool]))
+                again_served.append(server_cpu(serving) - served)
             rates["resync_seconds"] = round(statistics.median(a for a, _ in agains), 3)
             rates["resync_cpu_seconds"] = round(statistics.median(c for _, c in agains), 3)
+            rates["resync_server_cpu_seconds"] = round(statistics.median(again_served), 3)
             runs[tool].append(rates)
-            if rnd and part == "raw":
+            if (rnd or server_apart) and part == "raw":
                 shutil.rmtree(dest)
     if len(trees) != 1:
         raise RuntimeError(f"{part}: the step and rclone staged different trees: {trees}")
@@ -169,7 +259,10 @@ def measure(
         tool: {
             **{k: statistics.median(r[k] for r in rs) for k in rs[0]},
             # Each round's, for the spread behind a median (not rendered).
-            "each": {k: [r[k] for r in rs] for k in ("seconds", "cpu_ms_per_file")},
+            "each": {
+                k: [r[k] for r in rs]
+                for k in ("seconds", "cpu_ms_per_file", "server_cpu_ms_per_file")
+            },
         }
         for tool, rs in runs.items()
     }
@@ -182,10 +275,18 @@ def _flushed(dest: Path, boot: str | None) -> Settled:
 
 # The large-file choices of staging.transfer and staging.durability, each against what was
 # there before it (or the obvious other choice): the module settings each one changes.
+@dataclass(frozen=True)
+class Setting:
+    """A choice's value that is another module setting's, read when the choice is applied."""
+
+    module: Any
+    name: str
+
+
 LARGE_CHOICES: dict[str, list[tuple[Any, str, Any]]] = {
     "flush before the manifest (the step before)": [(staging.sync, "settle", _flushed)],
     "each range received whole (chunk = range)": [
-        (staging.transfer, "CHUNK", staging.transfer.PIECE)
+        (staging.transfer, "CHUNK", Setting(staging.transfer, "PIECE"))
     ],
     "every fetch thread on a range (ranges = workers)": [
         (staging.transfer, "RANGES_PER_CORE", 10**6)
@@ -196,10 +297,12 @@ LARGE_CHOICES: dict[str, list[tuple[Any, str, Any]]] = {
 
 
 def _choice(changes: list[tuple[Any, str, Any]]) -> contextlib.ExitStack:
-    """The module settings of one choice, changed until the block ends."""
+    """The module settings of one choice, changed until the block ends; a value given as a
+    :class:`Setting` is that setting's when the choice is applied, not at import."""
     stack = contextlib.ExitStack()
     for module, attr, value in changes:
-        stack.enter_context(mock.patch.object(module, attr, value))
+        now = getattr(value.module, value.name) if isinstance(value, Setting) else value
+        stack.enter_context(mock.patch.object(module, attr, now))
     return stack
 
 
@@ -273,7 +376,7 @@ def loose_or_packed(
             done = stage(container, prefix, dest, PACK_IMAGE_SIZE, args.workers)
             seconds[how].append(time.perf_counter() - started)
             images = done["shards"]["images"]
-            # Kept until the end of the run, as the small files' folders are (see measure).
+            # Kept, as the small files' folders are (see measure).
     loose, packed = (statistics.median(seconds[k]) for k in ("loose", "packed"))
     return {"images": images, "loose_seconds": round(loose, 3), "packed_seconds": round(packed, 3)}
 
@@ -303,10 +406,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         large = {
             f"{d:g}": measure(conn, name, port, "raw", work, d, args) for d in args.large_delays_ms
         }
+        large_apart = measure(conn, name, port, "raw", work, 0, args, server_apart=True)
+        choices = large_choices(conn, name, work, args)
         small = {
             f"{d:g}": measure(conn, name, port, "images", work, d, args) for d in args.delays_ms
         }
-        choices = large_choices(conn, name, work, args)
         ceiling = {
             "small": copy_ceiling(work / f"step-images-{args.delays_ms[0]:g}ms-0", work),
             "large": copy_ceiling(work / f"step-raw-{args.large_delays_ms[0]:g}ms-0", work),
@@ -323,11 +427,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_changed = time.perf_counter()
         after = stage(container, prefix, staged, PACK_IMAGE_SIZE, args.workers)
         t_changed = time.perf_counter() - t_changed
-    # The folders kept for the inode allocator's sake (see measure) go once nothing here is
-    # measured any more, so the next run starts without thousands of inodes just deleted.
-    for kept in sorted(work.iterdir()):
-        if kept.is_dir() and kept.name != "azurite":
-            shutil.rmtree(kept)
+    # The folders kept for the inode allocator's sake (see measure) stay: deleted now, they
+    # would tax every file the next benchmark creates for a minute or more (ext4 without a
+    # journal skips inodes deleted in the last 60 s, 300 s while their table is unwritten).
+    # ``python -m bench`` deletes them once every benchmark has run; a run of this one alone
+    # deletes the last run's at its start, before anything is measured.
     return {
         "benchmark": "staging",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -338,9 +442,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.large_mb} MB in Azurite on loopback; the step with {args.workers} downloads in "
         f"flight, rclone with --transfers {args.workers} --checkers {args.workers}; "
         f"per delay, {args.rounds} rounds of the small files and {args.large_rounds} of the "
-        f"large ones, each followed by {args.resyncs} re-syncs (medians), page cache warm",
+        f"large ones, each followed by {args.resyncs} re-syncs (medians), page cache warm; "
+        "Azurite on the client's cores, but in the case named apart (Azurite on one core, the "
+        "client on the other)",
         "small": small,
         "large": large,
+        "large_apart": {"0": large_apart},
         "cp_r": ceiling,
         "large_choices": choices,
         "first_pack": {**packed["shards"], "step_seconds": round(t_pack, 3)},

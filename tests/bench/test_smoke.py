@@ -106,11 +106,16 @@ def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     staging = json.loads((results / "staging.json").read_text())
     # Both tools staged every file at every delay (the bench refuses differing trees).
-    for part, files in (("small", 300), ("large", 2)):
+    for part, files in (("small", 300), ("large", 2), ("large_apart", 2)):
         for case in staging[part].values():
             assert case["step"]["files"] == case["rclone"]["files"] == files
             assert case["step"]["resync_seconds"] > 0
             assert case["rclone"]["resync_cpu_seconds"] > 0
+            # Azurite served both: its CPU is counted whichever tool asked.
+            assert case["step"]["server_cpu_ms_per_file"] > 0
+            assert case["rclone"]["server_cpu_ms_per_file"] > 0
+    # Its thousands of kept files went once every benchmark had run (bench.staging.run).
+    assert not (tmp_path / "scratch" / "staging").exists()
     changed = staging["resync_one_percent"]
     assert changed["downloaded"] == changed["changed_blobs"] == changed["decoded"] == 3
     assert changed["reused"] == 297
@@ -127,6 +132,8 @@ def test_quick_bench_writes_a_report_from_measurements(tmp_path: Path) -> None:
     for heading in ("## Staging", "## Data loading", "## The trainer", "## On a GPU"):
         assert heading in text
     assert "| small files, no delay |" in text and "step / rclone" in text
+    assert "| large files, no delay, Azurite on a core of its own |" in text
+    assert "| server CPU per small file (Azurite), no delay |" in text
     assert "| re-sync, nothing changed (2 large files), no delay |" in text
     assert "| 300 images, no delay |" in text and "packed / loose (time)" in text
 
