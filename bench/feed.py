@@ -52,7 +52,9 @@ SIZE = 224
 def gpu_rates(paths: list[Path] = GPU_SPEED, device: str | None = None) -> dict[str, Any]:
     """Images/s the GPU consumes per engine: the torch.compile step of ``bench.gpu_speed``,
     from its result measured on ``device`` (the GPU this run feeds) when there is one, else
-    from the newest; so a feed measured on one GPU is set against that GPU's own rate."""
+    from the newest; so a feed measured on one GPU is set against that GPU's own rate. A
+    result with no date is the newest: ``python -m bench`` dates the GPU results only once
+    every GPU benchmark has run, and this one runs after ``gpu_speed``."""
     found = []
     for path in paths:
         if not path.exists():
@@ -66,11 +68,11 @@ def gpu_rates(paths: list[Path] = GPU_SPEED, device: str | None = None) -> dict[
         if rates:
             machine = str(report["machine"])
             mine = device is not None and machine.split(",")[0].strip() == device
-            found.append((mine, str(report.get("date") or ""), machine, rates))
+            found.append((mine, str(report.get("date") or "9999"), machine, rates))
     if not found:
         raise FileNotFoundError(f"no GPU rate measured: none of {[str(p) for p in paths]}")
     _, date, machine, rates = max(found, key=lambda f: (f[0], f[1]))
-    return {"machine": machine, "date": date or None, "images_per_sec": rates}
+    return {"machine": machine, "date": None if date == "9999" else date, "images_per_sec": rates}
 
 
 def one_core() -> int:

@@ -42,7 +42,8 @@ def feed(r: dict[str, Any], heading: str) -> list[str]:
         *rows,
         "",
         f"What one GPU consumes: {engines} images/s, ResNet-50 at 224 px with every speed "
-        f"switch on, synthetic batches on the device ({gpu['machine']}, {gpu.get('date')}). "
+        f"switch on, synthetic batches on the device ({gpu['machine']}, "
+        f"{gpu.get('date') or 'measured in the same run'}). "
         f"One core gathering whole batches delivers {r['one_core_over_gpu']}x the faster of "
         f"those per CPU-second of its own ({r['batched_over_per_image']}x the per-image path, "
         f"which delivers {r['per_image_over_gpu']}x); so one core per GPU feeds it, with the "

@@ -262,20 +262,12 @@ def _lstat(target: str) -> os.stat_result | None:
 
 
 class _Survey:
-    """What a re-sync can learn of the files the last sync left while the listing is on its
-    way, instead of after it: the MD5s of the files whose turn it is to be read, each with the
-    status it was read at (the sync uses one only for a file whose status it finds the same),
-    and the files of every other turn found at the status the manifest recorded (the sync
-    trusts those without asking again: on 5,000 files that was a tenth of a re-sync's own
-    work). It stops when the listing arrives (what is left is asked by the sync as before), so
-    it costs no wait, and a listing that fails is not held up. It reads only regular files of
-    the recorded size and status inside the destination, and skips any entry it cannot use
-    (the sync decides about those, and raises what it must).
-
-    A file found unchanged here and changed before the manifest is written is recorded at the
-    status seen here, so the next sync finds the change, as it does for a file changed just
-    after the sync's own look. Files written unflushed under another boot are left to the
-    sync, which reads them."""
+    """The MD5s of the files whose turn it is to be read, taken while the listing is on its
+    way instead of after it, each with the status it was read at: the sync uses one only for
+    a file whose status it finds the same. It stops when the listing arrives (what is left is
+    read by the sync as before), so it costs no wait, and a listing that fails is not held up.
+    It reads only regular files of the recorded size and status inside the destination, and
+    skips any entry it cannot use (the sync decides about those, and raises what it must)."""
 
     def __init__(
         self,
@@ -285,17 +277,15 @@ class _Survey:
         turn: int,
         until: Callable[[], bool],
         pause: GcPause,
-        same_boot: bool,
     ) -> None:
         self._md5: dict[str, tuple[int, list[int], str]] = {}
-        self._unchanged: dict[str, os.stat_result] = {}
         base = os.fspath(dest)
         inside = _Inside(os.path.realpath(base))
         for old in previous.values():
             path = old["path"]
             if until():
                 return
-            if not isinstance(path, str):
+            if not isinstance(path, str) or _slice(path, verify_every) != turn:
                 continue
             target = f"{base}/{path}"
             try:
@@ -307,18 +297,11 @@ class _Survey:
                     or old.get("stat") != _status(st)
                 ):
                     continue
-                if _slice(path, verify_every) != turn:
-                    if same_boot or not old.get("unflushed"):  # else it may be lost: read
-                        self._unchanged[path] = st
-                elif inside(target.rpartition("/")[0]):
+                if inside(target.rpartition("/")[0]):
                     with pause.resumed():
                         self._md5[path] = (st.st_size, _status(st), file_md5(Path(target)))
             except (OSError, ValueError):  # unreadable, a NUL or an unencodable character
                 continue
-
-    def unchanged(self, path: str) -> os.stat_result | None:
-        """The status of a file of another turn found as the manifest recorded it, if it was."""
-        return self._unchanged.get(path)
 
     def md5(self, path: str, st: os.stat_result) -> str | None:
         """The file's MD5 if it was surveyed at the status ``st`` shows."""
@@ -358,9 +341,7 @@ def sync_to_directory(
             syncs += 1
             turn = syncs % verify_every  # this sync re-reads the files whose path hashes to it
             arrived = listed.done if listed else lambda: True  # a given listing: no survey
-            boot = boot_id()
-            same_boot = boot is not None and previous_boot == boot
-            ahead = _Survey(dest, previous, verify_every, turn, arrived, pause, same_boot)
+            ahead = _Survey(dest, previous, verify_every, turn, arrived, pause)
             if listed:
                 with pause.resumed():  # the service's wait
                     listing = listed.result()
@@ -373,6 +354,8 @@ def sync_to_directory(
 
         dest.mkdir(parents=True, exist_ok=True)
         root = dest.resolve()
+        boot = boot_id()
+        same_boot = boot is not None and previous_boot == boot
         # Files an earlier sync of this boot left unflushed: once the kernel has had time to write
         # them back, one flush (which then finds little to write) makes them the disk's. Not after
         # a flush of this boot reported a write error: the kernel reports it once, so a later
@@ -400,7 +383,7 @@ def sync_to_directory(
             target = f"{base}/{path}"
             folder = target.rpartition("/")[0]
             first = folder not in inside
-            st = ahead.unchanged(path) or _lstat(target)  # one call answers every question
+            st = _lstat(target)  # one call answers every question
             if not inside(folder) or (st and stat.S_ISLNK(st.st_mode)):
                 raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
             if first or (st and stat.S_ISDIR(st.st_mode)):

@@ -53,10 +53,12 @@ def test_a_feed_is_set_against_the_rate_of_the_gpu_it_ran_on(tmp_path: Path) -> 
     feed measured on an H200 was once divided by an H100's rate of three days before."""
     from bench.feed import gpu_rates
 
-    def result(name: str, machine: str, date: str, rate: float) -> Path:
+    def result(name: str, machine: str, date: str | None, rate: float) -> Path:
         path = tmp_path / name
         row = {"step": "torch.compile", "images_per_sec": rate}
-        report = {"machine": machine, "date": date, "engines": {"ddp": {"steps": [row]}}}
+        report: dict[str, object] = {"machine": machine, "engines": {"ddp": {"steps": [row]}}}
+        if date:
+            report["date"] = date
         path.write_text(json.dumps(report))
         return path
 
@@ -70,6 +72,10 @@ def test_a_feed_is_set_against_the_rate_of_the_gpu_it_ran_on(tmp_path: Path) -> 
     assert gpu_rates(paths, "NVIDIA A100")["images_per_sec"] == {"ddp": 6573.0}
     with pytest.raises(FileNotFoundError, match="no GPU rate measured"):
         gpu_rates([tmp_path / "absent.json"])
+    # Measured minutes ago in the same `make bench`, dated only once every GPU benchmark ran.
+    fresh = result("gpu_speed_now.json", "NVIDIA H200, 16 cores", None, 6600.0)
+    chosen = gpu_rates([*paths, fresh], "NVIDIA H200")
+    assert (chosen["images_per_sec"], chosen["date"]) == ({"ddp": 6600.0}, None)
 
 
 @pytest.mark.processes

@@ -461,57 +461,6 @@ def test_a_given_listing_reads_nothing_ahead_of_the_names_check(
     ]
 
 
-def test_a_file_touched_while_the_listing_is_on_its_way_is_read_by_the_next_sync_at_latest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """While the listing is on its way the sync looks at every file the last one left; one
-    found as the manifest recorded it is not looked at again once the listing arrives. A file
-    rewritten in between is recorded at the status seen first, so the next sync reads it (as
-    it does a file changed just after the sync's own look). The listing is held back until
-    the sync has looked at every file, then the file is rewritten with the same bytes."""
-    import staging.sync
-    from tests.staging.list_server import page, reply_headers, serving
-
-    dest = tmp_path / "data"
-    blobs = _adoptable(dest, 4)
-    sync_to_directory(None, "ds", dest, listing=blobs)  # type: ignore[arg-type]  # no download
-    touched = dest / "c" / "0.bin"
-    every = 10**6  # no file's turn to be read: each is trusted on its status
-    assert all(staging.sync._slice(f"c/{i}.bin", every) != 2 for i in range(4))
-    looked: list[str] = []
-    real_lstat = staging.sync._lstat
-
-    def lstat(target: str) -> os.stat_result | None:
-        looked.append(target)
-        return real_lstat(target)
-
-    monkeypatch.setattr(staging.sync, "_lstat", lstat)
-    reads: list[Path] = []
-    _spy_reads(monkeypatch, reads)
-    body = page(blobs)
-
-    def answer(handler: Any, call: int) -> None:
-        deadline = time.monotonic() + 10
-        while len(looked) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.05)  # a whole clock tick, whatever the file system's time granularity
-        touched.write_bytes(touched.read_bytes())  # same bytes, a new modification time
-        reply_headers(handler, 200, body)
-        handler.wfile.write(body)
-
-    with serving(answer) as (port, _):
-        from tests.staging.list_server import data_client
-
-        first = sync_to_directory(data_client(port), "ds", dest, verify_every=every)
-        assert len(looked) == 4  # each file looked at once, while the listing was held
-        second = sync_to_directory(data_client(port), "ds", dest, verify_every=every)
-    assert (first.skipped, second.skipped) == (4, 4)
-    assert first.downloaded == second.downloaded == []
-    assert reads == [touched]  # read by the next sync, found the same, kept
-    third = sync_to_directory(None, "ds", dest, listing=blobs, verify_every=every)  # type: ignore[arg-type]
-    assert (third.skipped, third.verified, reads) == (4, 0, [touched])  # trusted again
-
-
 @pytest.mark.parametrize("bad", ["c/x\x00y", "c/x\ud800"], ids=["NUL", "lone surrogate"])
 def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
