@@ -280,8 +280,6 @@ def _flushed(dest: Path, boot: str | None) -> Settled:
     return "flushed" if flush_filesystem(dest) else "failed"
 
 
-# The large-file choices of staging.transfer and staging.durability, each against what was
-# there before it (or the obvious other choice): the module settings each one changes.
 @dataclass(frozen=True)
 class Setting:
     """A choice's value that is another module setting's, read when the choice is applied."""
@@ -290,6 +288,8 @@ class Setting:
     name: str
 
 
+# The large-file choices of staging.transfer and staging.durability, each against what was
+# there before it (or the obvious other choice): the module settings each one changes.
 LARGE_CHOICES: dict[str, list[tuple[Any, str, Any]]] = {
     "flush before the manifest (the step before)": [(staging.sync, "settle", _flushed)],
     "each range received whole (chunk = range)": [
