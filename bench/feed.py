@@ -68,11 +68,11 @@ def gpu_rates(paths: list[Path] = GPU_SPEED, device: str | None = None) -> dict[
         if rates:
             machine = str(report["machine"])
             mine = device is not None and machine.split(",")[0].strip() == device
-            found.append((mine, str(report.get("date") or "9999"), machine, rates))
+            found.append((mine, report.get("date"), machine, rates))
     if not found:
         raise FileNotFoundError(f"no GPU rate measured: none of {[str(p) for p in paths]}")
-    _, date, machine, rates = max(found, key=lambda f: (f[0], f[1]))
-    return {"machine": machine, "date": None if date == "9999" else date, "images_per_sec": rates}
+    _, date, machine, rates = max(found, key=lambda f: (f[0], f[1] is None, f[1] or ""))
+    return {"machine": machine, "date": date, "images_per_sec": rates}
 
 
 def one_core() -> int:

@@ -102,14 +102,19 @@ def rclone_copy(port: int, container: str, prefix: str, dest: Path, transfers: i
     )
 
 
+def _stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces and
+    parentheses): [0] state, [1] parent, [11] user and [12] system CPU in clock ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _children(pid: int) -> list[int]:
     """Every live descendant of ``pid``."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                parents.setdefault(ppid, []).append(int(entry.name))
+                parents.setdefault(int(_stat(entry.name)[1]), []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), []):
@@ -129,7 +134,7 @@ def server_cpu(pids: list[int]) -> float:
     ticks = 0
     for pid in pids:
         with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = _stat(pid)
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
 
@@ -163,6 +168,13 @@ def apart(pids: list[int]) -> Iterator[str | None]:
     finally:
         for pid in [*pids, os.getpid()]:
             _pin(pid, set(cpus))
+
+
+def _served(fn: Callable[[], Any], who: int, serving: list[int]) -> tuple[float, float, float]:
+    """:func:`measured` of one call, and the CPU seconds the ``serving`` processes spent."""
+    before = server_cpu(serving)
+    wall, cpu = measured(fn, who)
+    return wall, cpu, server_cpu(serving) - before
 
 
 def _through(conn: str, port: int, name: str) -> ContainerClient:
@@ -238,22 +250,16 @@ def measure(
                 "step": lambda d=dest: sync_to_directory(container, source, d, workers),
                 "rclone": lambda d=dest: rclone_copy(via, name, source, d, workers),
             }[tool]
-            served = server_cpu(serving)
-            wall, cpu = measured(call, who[tool])
-            served = server_cpu(serving) - served
+            wall, cpu, served = _served(call, who[tool], serving)
             files, size = dataset.tree_bytes(dest)
             trees.add((files, size))
             rates = _rates(files, size, wall, cpu, served)
             # A re-sync takes about half a second, most of it one listing page, and moves by
             # a tenth of that with the load: several, and their median, per round.
-            agains, again_served = [], []
-            for _ in range(args.resyncs):
-                served = server_cpu(serving)
-                agains.append(measured(call, who[tool]))
-                again_served.append(server_cpu(serving) - served)
-            rates["resync_seconds"] = round(statistics.median(a for a, _ in agains), 3)
-            rates["resync_cpu_seconds"] = round(statistics.median(c for _, c in agains), 3)
-            rates["resync_server_cpu_seconds"] = round(statistics.median(again_served), 3)
+            agains = [_served(call, who[tool], serving) for _ in range(args.resyncs)]
+            rates["resync_seconds"] = round(statistics.median(a[0] for a in agains), 3)
+            rates["resync_cpu_seconds"] = round(statistics.median(a[1] for a in agains), 3)
+            rates["resync_server_cpu_seconds"] = round(statistics.median(a[2] for a in agains), 3)
             runs[tool].append(rates)
             if (rnd or server_apart) and part == "raw":
                 shutil.rmtree(dest)
