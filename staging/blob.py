@@ -172,11 +172,12 @@ def list_pinned(container: ContainerClient, prefix: str) -> list[PinnedBlob]:
     deserializer, about 1 ms of interpreter-locked CPU per blob, which is 20 minutes for a
     1.28 M-image dataset and most of a re-sync's time. Here each page (5,000 blobs) goes
     through the SDK's own request pipeline (its authentication, retries and service version)
-    and read with the C XML parser, taking only the four fields staging needs.
+    and read for only the four fields staging needs (``staging.list_page``: a scanner for the
+    service's plain form, the C XML parser for any other page).
 
     Pages are a chain: each is asked for with the marker the one before ended with. The next
     page is asked for as soon as this one's marker is read from the end of its body, before
-    the body is parsed, so parsing (most of a large listing's CPU) overlaps the service's
+    the body is read, so reading it (most of a large listing's CPU) overlaps the service's
     answer instead of adding to it: an ImageNet-sized listing is 266 pages. Why not list
     folder by folder with a delimiter, several at once, as rclone does: that asks for a page
     per folder (2,002 for ImageNet's layout instead of 266), which, measured against a fixed
@@ -185,6 +186,8 @@ def list_pinned(container: ContainerClient, prefix: str) -> list[PinnedBlob]:
     """
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import quote
+
+    from staging.list_page import next_marker
 
     base, _, sas = container.url.partition("?")
     query = f"restype=container&comp=list&maxresults={PAGE_SIZE}"
@@ -199,31 +202,12 @@ def list_pinned(container: ContainerClient, prefix: str) -> list[PinnedBlob]:
     with ThreadPoolExecutor(1, thread_name_prefix="list") as ahead:
         body = fetch("")
         while True:
-            marker = _next_marker(body)
+            marker = next_marker(body)
             following = ahead.submit(fetch, marker) if marker and LIST_AHEAD else None
             pinned += _blobs(body)
             if not marker:
                 return pinned
             body = following.result() if following else fetch(marker)
-
-
-def _next_marker(body: bytes) -> str:
-    """A List Blobs page's ``NextMarker`` ("" on the last page), read from the end of the body
-    without parsing the rest: the element follows the blobs, and a ``<`` in any name or
-    marker is escaped, so the last ``<NextMarker`` in the body is the element."""
-    from xml.etree import ElementTree
-
-    at = body.rfind(b"<NextMarker")
-    if at < 0:
-        return ""
-    close = body.find(b"</NextMarker>", at)
-    element = body[at : close + len(b"</NextMarker>")] if close >= 0 else b""
-    if close < 0 and (end := body.find(b">", at)) >= 0:
-        element = body[at : end + 1]  # <NextMarker />
-    try:
-        return ElementTree.fromstring(element).text or ""
-    except ElementTree.ParseError:
-        raise ValueError("a List Blobs page ends in a malformed NextMarker") from None
 
 
 class GcPause:
@@ -267,23 +251,10 @@ def paused_gc() -> Iterator[GcPause]:
 
 def _blobs(body: bytes) -> list[PinnedBlob]:
     """The blobs of one List Blobs page, with the four fields staging needs."""
-    from urllib.parse import unquote
-    from xml.etree import ElementTree
+    from staging.list_page import blobs
 
-    pinned = []
     with paused_gc():
-        for blob in ElementTree.fromstring(body).iterfind("Blobs/Blob"):
-            name_el = blob.find("Name")
-            props = blob.find("Properties")
-            if name_el is None or props is None:
-                continue
-            name = name_el.text or ""
-            if name_el.get("Encoded") == "true":  # names with characters XML cannot carry
-                name = unquote(name)
-            md5 = props.findtext("Content-MD5") or None
-            size = int(props.findtext("Content-Length") or 0)
-            pinned.append(PinnedBlob(name, props.findtext("Etag") or "", size, md5))
-    return pinned
+        return blobs(body)
 
 
 def _page(container: ContainerClient, url: str, attempts: int = 3) -> bytes:
