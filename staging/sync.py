@@ -112,11 +112,15 @@ def _relative(name: str, prefix: str) -> str:
         problem = f"longer than {MAX_NAME} characters"
     elif rel.startswith("/") or "\\" in rel or "\x00" in rel or (len(rel) > 1 and rel[1] == ":"):
         problem = "absolute path, backslash, drive letter or NUL"
-    elif any(part in ("", ".", "..") for part in parts):
+    elif "" in parts or "." in parts or ".." in parts:
         problem = "'.', '..' or empty path segment"
-    elif any(len(part.encode()) > MAX_SEGMENT_BYTES for part in parts):
+    elif len(rel.encode()) > MAX_SEGMENT_BYTES and any(
+        len(part.encode()) > MAX_SEGMENT_BYTES for part in parts
+    ):
         problem = f"a path segment longer than {MAX_SEGMENT_BYTES} bytes (the filesystem's limit)"
-    elif any(part == MANIFEST or part.startswith(TEMP_PREFIX) for part in parts):
+    elif MANIFEST in parts or (
+        TEMP_PREFIX in rel and any(part.startswith(TEMP_PREFIX) for part in parts)
+    ):
         problem = "collides with the staging manifest"
     elif parts[0] == SHARD_DIR:
         problem = f"collides with the packed shards ({SHARD_DIR}/)"
@@ -237,21 +241,19 @@ def _slice(path: str, verify_every: int) -> int:
 
 class _Inside:
     """Whether a folder resolves inside ``root`` (a resolved path), asked once per folder:
-    resolving costs a stat per path part."""
+    resolving costs a stat per path part. ``seen`` holds each answer given (a sync's loop
+    looks there first: a dictionary lookup per file instead of a call)."""
 
     def __init__(self, root: str) -> None:
         self._root = root.rstrip("/")
-        self._seen: dict[str, bool] = {}
-
-    def __contains__(self, folder: object) -> bool:
-        return folder in self._seen
+        self.seen: dict[str, bool] = {}
 
     def __call__(self, folder: str) -> bool:
-        if folder not in self._seen:
+        if folder not in self.seen:
             real = os.path.realpath(folder)
             root = self._root
-            self._seen[folder] = real == (root or "/") or real.startswith(f"{root}/")
-        return self._seen[folder]
+            self.seen[folder] = real == (root or "/") or real.startswith(f"{root}/")
+        return self.seen[folder]
 
 
 def _lstat(target: str) -> os.stat_result | None:
@@ -382,9 +384,12 @@ def sync_to_directory(
         for name, (blob, path) in planned.items():
             target = f"{base}/{path}"
             folder = target.rpartition("/")[0]
-            first = folder not in inside
+            within = inside.seen.get(folder)
+            first = within is None
+            if first:
+                within = inside(folder)
             st = _lstat(target)  # one call answers every question
-            if not inside(folder) or (st and stat.S_ISLNK(st.st_mode)):
+            if not within or (st and stat.S_ISLNK(st.st_mode)):
                 raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
             if first or (st and stat.S_ISDIR(st.st_mode)):
                 report.deleted += _clear_way(dest, name, PurePosixPath(path), stale)
@@ -418,7 +423,8 @@ def sync_to_directory(
                 survived = same_boot or not old.get("unflushed")
                 if recorded == _status(st) and survived and _slice(path, verify_every) != turn:
                     report.skipped += 1  # trusted: not read
-                    files[name] = {**entry, "md5": md5, "stat": recorded, **kept}
+                    entry["md5"], entry["stat"] = md5, recorded
+                    files[name] = entry | kept if kept else entry
                     continue
                 # Its turn to be read, its status is not the one staging left (changed behind
                 # the manifest's back, or a manifest older than the status record), or it may
