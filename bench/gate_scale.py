@@ -313,12 +313,13 @@ def _header_reads(count: int, work: Path) -> dict[str, Any]:
 
 
 def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
-    """The listing's two choices, with each page ``--page-delay-ms`` after it is asked for (a
-    stand-in for the service's time to answer, which this server does not have), alternating,
-    medians: as shipped (the next page asked for before this one is parsed, the collector
-    paused while a page is parsed); one page after another; and the collector running while a
-    page is parsed. Measured with Prefect imported, as in the flow's process: the collector's
-    cost grows with the objects a process holds."""
+    """The listing's three choices, with each page ``--page-delay-ms`` after it is asked for
+    (a stand-in for the service's time to answer, which this server does not have),
+    alternating, medians: as shipped (the next page asked for before this one is read, the
+    collector paused while a page is read, a page of the service's plain form read by the
+    scanner); one page after another; the collector running while a page is read; and every
+    page read by the XML parser. Measured with Prefect imported, as in the flow's process: the
+    collector's cost grows with the objects a process holds."""
     import contextlib
     import gc
     from unittest import mock
@@ -326,14 +327,16 @@ def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
     import prefect  # noqa: F401  # the heap of the process the gate runs in
 
     import staging.blob
+    import staging.list_page
     from staging.blob import list_pinned
 
     classes = max(1, min(args.classes, args.ahead_blobs // 1_000))
     delay = args.page_delay_ms / 1000
-    ways: dict[str, dict[str, Any]] = {
-        "ahead": {"LIST_AHEAD": True},
-        "one_after_another": {"LIST_AHEAD": False},
-        "collector_running": {"LIST_AHEAD": True, "paused_gc": contextlib.nullcontext},
+    ways: dict[str, list[tuple[Any, dict[str, Any]]]] = {
+        "ahead": [],
+        "one_after_another": [(staging.blob, {"LIST_AHEAD": False})],
+        "collector_running": [(staging.blob, {"paused_gc": contextlib.nullcontext})],
+        "parser": [(staging.list_page, {"scan": lambda body: None})],
     }
     runs: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     with synthetic_container(args.ahead_blobs, 0, classes, delay) as conn:
@@ -343,7 +346,9 @@ def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
         tracked = len(gc.get_objects())
         for rnd in range(args.ahead_rounds):
             for way in list(ways) if rnd % 2 == 0 else list(ways)[::-1]:
-                with mock.patch.multiple(staging.blob, **ways[way]):
+                with contextlib.ExitStack() as changed:
+                    for module, settings in ways[way]:
+                        changed.enter_context(mock.patch.multiple(module, **settings))
                     listed, timing = _timed(lambda: list_pinned(container, PREFIX))
                 runs[way].append({"blobs": len(listed), **timing})
                 del listed
