@@ -232,11 +232,12 @@ class GcPause:
 def paused_gc() -> Iterator[GcPause]:
     """The cyclic garbage collector paused through a burst of allocations that form no cycle.
 
-    Why: a page of 5,000 blobs parses into about 80,000 objects that live until the page is
-    read. Each time the survivors of younger collections outnumber a quarter of the process's
-    long-lived objects, the collector walks every one of them; in a process that had imported
-    Prefect and the bench (about 280,000 tracked objects) that took 145 ms of a page's 183 ms
-    (bench/gate_scale.py measures a listing both ways). Nothing made here forms a cycle, so a
+    Why: a page of 5,000 blobs read by the XML parser becomes about 80,000 objects the
+    collector tracks (the scanner makes about 10,000), which live until the page is read. Each
+    time the survivors of younger collections outnumber a quarter of the process's long-lived
+    objects, the collector walks every one of them; in a process that had imported Prefect and
+    the bench (about 280,000 tracked objects) that took 145 ms of a page's 183 ms with the
+    parser (bench/gate_scale.py measures a listing both ways). Nothing made here forms a cycle, so a
     pause leaves no garbage a collection would have freed; a collector a caller had paused
     stays paused. The pause is process-wide (other threads' cycles wait for it to end), so it
     is kept to CPU work: I/O steps out of it."""
