@@ -116,18 +116,50 @@ def _lost(rng: random.Random, body: bytes) -> bytes:
 
 
 def _twice(rng: random.Random, body: bytes) -> bytes:
+    """A run of the body's own bytes again, up to two blobs' length."""
     at = rng.randrange(len(body))
-    return body[:at] + body[at : at + rng.randint(1, 400)] + body[at:]
+    return body[:at] + body[at : at + rng.randint(1, 1500)] + body[at:]
 
 
-# Damage on the wire, and markup another writer could use that the scanner does not read.
+def _blob_again(rng: random.Random, body: bytes) -> bytes:
+    """The bytes from inside one blob to inside the next, again: each copy is a blob's worth
+    of fields, the page breaks only where the copy ends (a reviewer's case: a name then
+    stood beside the fields of the blob before it)."""
+    starts = [i for i in range(len(body)) if body.startswith(b"<Blob>", i)]
+    if len(starts) < 2:
+        return body
+    k = rng.randrange(len(starts) - 1)
+    begin = body.index(b"</Name>", starts[k])
+    end = body.index(b"<Properties>", starts[k + 1]) + 5
+    return body[:end] + body[begin:end] + body[end:]
+
+
+def _between(rng: random.Random, body: bytes, what: bytes) -> bytes:
+    """``what`` between two blobs, or after the only one."""
+    ends = [i + 7 for i in range(len(body)) if body.startswith(b"</Blob>", i)]
+    at = rng.choice(ends) if ends else rng.randrange(len(body))
+    return body[:at] + what + body[at:]
+
+
+def _field(body: bytes, tag: bytes, nested: bytes) -> bytes:
+    """The first element ``tag`` holding ``nested`` after its text."""
+    at = body.find(b"</%s>" % tag)
+    return body if at < 0 else body[:at] + nested + body[at:]
+
+
+# Damage on the wire, markup another writer could use that the scanner does not read, and
+# pages the parser reads in a form the service never writes.
 DAMAGE: dict[str, Callable[[random.Random, bytes], bytes]] = {
     "cut short": lambda r, b: b[: r.randrange(len(b))],
     "one byte lost": lambda r, b: _lost(r, b),
     "a slice twice": lambda r, b: _twice(r, b),
+    "a blob's bytes again": lambda r, b: _blob_again(r, b),
+    "an element between blobs": lambda r, b: _between(r, b, b"</Oops>&lt;"),
+    "text between blobs": lambda r, b: _between(r, b, b"x"),
     "a carriage return": lambda r, b: _at(r, b, b"a\r\nb\rc"),
-    "a control character": lambda r, b: _at(r, b, b"\x01"),
-    "a noncharacter": lambda r, b: _at(r, b, "\uffff".encode()),
+    "a control character": lambda r, b: _at(r, b, bytes([r.choice([1, 8, 11, 12, 31])])),
+    "a noncharacter": lambda r, b: _at(r, b, r.choice(["\uffff", "\ufffe"]).encode()),
+    "a CDATA end": lambda r, b: _at(r, b, b"a]]>b"),
     "a character reference": lambda r, b: _at(r, b, b"&#65;&#x26;"),
     "an unknown entity": lambda r, b: _at(r, b, b"&bogus;"),
     "a bare ampersand": lambda r, b: _at(r, b, b"a & b"),
@@ -140,9 +172,38 @@ DAMAGE: dict[str, Callable[[random.Random, bytes], bytes]] = {
         b'<!DOCTYPE EnumerationResults [<!ENTITY e "x">]><EnumerationResults',
         1,
     ).replace(b"<Name>", b"<Name>&e;", 1),
+    "an attribute default": lambda r, b: b.replace(
+        b"<EnumerationResults",
+        b'<!DOCTYPE EnumerationResults [<!ATTLIST Name Encoded CDATA "true">]><EnumerationResults',
+        1,
+    ),
+    "a name inside a name": lambda r, b: _field(b, b"Name", b"<Name>p/other</Name>"),
+    "an ETag inside an ETag": lambda r, b: _field(b, b"Etag", b"<Etag>0x2</Etag>"),
+    "a length inside a length": lambda r, b: _field(b, b"Content-Length", b"<L>9</L>"),
+    "an MD5 element inside the MD5": lambda r, b: _field(b, b"Content-MD5", b"<Content-MD5 />"),
+    "a name inside another element": lambda r, b: b.replace(
+        b"<Blob><Name>", b"<Blob><Wrapped><Name>", 1
+    ).replace(b"</Name>", b"</Name></Wrapped><Name>p/second</Name>", 1),
+    "a blob without properties": lambda r, b: b.replace(b"<Properties>", b"<Gone>", 1).replace(
+        b"</Properties>", b"</Gone>", 1
+    ),
+    "properties twice": lambda r, b: b.replace(b"</Properties>", b"</Properties><Properties />", 1),
+    "no Blobs element": lambda r, b: b.replace(b"<Blobs>", b"<Set>").replace(
+        b"</Blobs>", b"</Set>"
+    ),
+    "two Blobs elements": lambda r, b: b.replace(b"<Blobs>", b"<Blobs></Blobs><Blobs>", 1),
+    "a namespace": lambda r, b: b.replace(
+        b"<EnumerationResults ", b'<EnumerationResults xmlns="u" '
+    ),
     "an empty name": lambda r, b: b.replace(b"<Name>", b"<Name/><Gone>", 1),
     "another attribute": lambda r, b: b.replace(b"<Name>", b'<Name Encoded="false">', 1),
+    "a second attribute": lambda r, b: b.replace(
+        b'<Name Encoded="true">', b'<Name x="1" Encoded="true">', 1
+    ),
     "a length not a number": lambda r, b: b.replace(b"<Content-Length>", b"<Content-Length> ", 1),
+    "a length empty": lambda r, b: b.replace(
+        b"<Content-Length>", b"<Content-Length></Content-Length><Was>", 1
+    ).replace(b"</Content-Length>", b"</Was>", 2),
     "a blob with attributes": lambda r, b: b.replace(b"<Blob>", b'<Blob x="1">', 1),
     "a length element empty": lambda r, b: b.replace(b"<Content-MD5 />", b"<Content-Length />", 1),
     "latin-1 declared": lambda r, b: b.replace(b'encoding="utf-8"', b'encoding="iso-8859-1"'),
@@ -150,35 +211,23 @@ DAMAGE: dict[str, Callable[[random.Random, bytes], bytes]] = {
         b.decode("utf-8-sig").replace('encoding="utf-8"', 'encoding="utf-16"').encode("utf-16")
     ),
     "invalid utf-8": lambda r, b: _at(r, b, b"\xff\xfe"),
+    "invalid utf-8 outside the fields": lambda r, b: b.replace(
+        b"application/octet-stream", b"application/\xffoctet", 1
+    ),
     "pretty-printed": lambda r, b: b.replace(b"><", b">\n  <"),
 }
 
 
-# Damage the scanner sees wherever it lies (the rest may land outside the fields it reads).
-SEEN_ANYWHERE = {
-    "cut short",
-    "a carriage return",
-    "a control character",
-    "a noncharacter",
-    "a character reference",
-    "an unknown entity",
-    "a bare ampersand",
-    "CDATA",
-    "a comment",
-    "a processing instruction",
-    "an internal entity",
-    "latin-1 declared",
-    "utf-16",
-    "pretty-printed",
-}
+# Damage the scanner sees wherever it lies: it declines every page so changed. Some of the
+# rest can leave a page the parser reads as written (a whole blob repeated, say).
+SEEN_ANYWHERE = set(DAMAGE) - {"one byte lost", "a slice twice", "a child element"}
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_page_of_another_form_is_the_parsers_to_read_or_refuse(damage: str) -> None:
     """A page the parser reads: the scanner's answer is the parser's, or none. A page the
-    parser refuses: the scanner declines, or the damage lay outside the fields it reads and
-    its answer is the blobs as written. Damage to the page's form the scanner sees wherever
-    it lies: it declines every damaged page."""
+    parser refuses: the scanner declines, and the listing raises the parser's error. Damage
+    to the page's form the scanner sees wherever it lies: it declines every changed page."""
     changed = declined = 0
     for seed, (listed, marker, bom) in enumerate(PAGES[:120]):
         page = _page(listed, marker, bom)
@@ -191,10 +240,10 @@ def test_a_page_of_another_form_is_the_parsers_to_read_or_refuse(damage: str) ->
         if isinstance(truth, list):
             assert scanned is None or scanned == truth, (damage, body)
         else:
-            assert scanned is None or scanned == listed, (damage, body)
-            assert _outcome(blobs, body) in (truth, listed)
+            assert scanned is None, (damage, body)
+        assert _outcome(blobs, body) == truth
         declined += scanned is None
-    assert changed > 40
+    assert changed > 20
     if damage in SEEN_ANYWHERE:
         assert declined == changed, damage
 

@@ -62,6 +62,8 @@ HOSTILE = [
     "p/marker/inside.png",
     "p//double.png",
     "p/sp ace/+plus%2Fslash&amp;.png",
+    "p/q<u>o\"t'e]]>.png",
+    "p/tab\tand\nnewline.png",
     "p/ü/ß 猫.png",
     "p/d1/d2/d3/d4/deep.png",
     *[f"p/wide/c{k:02d}/i{j}.png" for k in range(12) for j in range(3)],
