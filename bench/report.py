@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 from datetime import UTC, datetime
 from importlib import metadata
@@ -74,6 +75,18 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "-"
 
 
+def _paired(m: dict[str, Any], key: str, ours: float, theirs: float, rate: bool = False) -> str:
+    """The step against rclone on one measure: the median of each round's ratio where the
+    results hold each round's figures (the two tools ran back to back in a round, so a drift
+    of the machine's speed over the run cancels), else the ratio of the medians. ``rate``:
+    the figures are times and the ratio is of rates (rclone's time over the step's)."""
+    step, rc = (m[tool].get("each", {}).get(key) for tool in ("step", "rclone"))
+    if not step or not rc or len(step) != len(rc) or not all(step) or not all(rc):
+        return _ratio(ours, theirs)
+    pairs = [b / a if rate else a / b for a, b in zip(step, rc, strict=True)]
+    return f"{statistics.median(pairs):.2f}x"
+
+
 def _delay(ms: str) -> str:
     return "no delay" if float(ms) == 0 else f"{ms} ms per request"
 
@@ -115,34 +128,36 @@ def staging(r: dict[str, Any]) -> list[str]:
         step, rc = m["step"]["files_per_sec"], m["rclone"]["files_per_sec"]
         rows.append(
             f"| small files, {_delay(ms)} | {_per_sec(step)} files/s | {_per_sec(rc)} "
-            f"| {_per_sec(cp['small']['files_per_sec'])} | {_ratio(step, rc)} "
+            f"| {_per_sec(cp['small']['files_per_sec'])} | {_paired(m, 'seconds', step, rc, True)} "
             f"| {_ratio(step, cp['small']['files_per_sec'])} |"
         )
     for ms, m in r["large"].items():
         step, rc = m["step"]["mb_per_sec"], m["rclone"]["mb_per_sec"]
         rows.append(
             f"| large files, {_delay(ms)} | {step:,.0f} MB/s | {rc:,.0f} "
-            f"| {cp['large']['mb_per_sec']:,.0f} | {_ratio(step, rc)} "
+            f"| {cp['large']['mb_per_sec']:,.0f} | {_paired(m, 'seconds', step, rc, True)} "
             f"| {_ratio(step, cp['large']['mb_per_sec'])} |"
         )
     for ms, m in r.get("large_apart", {}).items():
         step, rc = m["step"]["mb_per_sec"], m["rclone"]["mb_per_sec"]
         rows.append(
             f"| large files, {_delay(ms)}, Azurite on a core of its own | {step:,.0f} MB/s "
-            f"| {rc:,.0f} | | {_ratio(step, rc)} | |"
+            f"| {rc:,.0f} | | {_paired(m, 'seconds', step, rc, True)} | |"
         )
     for ms, m in r["small"].items():
         step, rc = m["step"]["cpu_ms_per_file"], m["rclone"]["cpu_ms_per_file"]
         rows.append(
             f"| client CPU per small file, {_delay(ms)} | {step:.2f} ms | {rc:.2f} "
-            f"| {cp['small']['cpu_ms_per_file']:.3f} | {_ratio(step, rc)} | |"
+            f"| {cp['small']['cpu_ms_per_file']:.3f} "
+            f"| {_paired(m, 'cpu_ms_per_file', step, rc)} | |"
         )
     rows += _server_cpu(r)
     for ms, m in r["large"].items():
         step, rc = m["step"]["cpu_ms_per_file"], m["rclone"]["cpu_ms_per_file"]
         rows.append(
             f"| client CPU per large file, {_delay(ms)} | {step:,.0f} ms | {rc:,.0f} "
-            f"| {cp['large']['cpu_ms_per_file']:,.0f} | {_ratio(step, rc)} | |"
+            f"| {cp['large']['cpu_ms_per_file']:,.0f} "
+            f"| {_paired(m, 'cpu_ms_per_file', step, rc)} | |"
         )
     for size, cases in (("small", r["small"]), ("large", r["large"])):
         for ms, m in cases.items():
@@ -151,7 +166,8 @@ def staging(r: dict[str, Any]) -> list[str]:
             spent, spent_rc = (_resync_cpu(m[tool]) for tool in ("step", "rclone"))
             rows.append(
                 f"| re-sync, nothing changed ({files:,.0f} {size} files), {_delay(ms)} "
-                f"| {step:.2f} s{spent} | {rc:.2f} s{spent_rc} | | {_ratio(step, rc)} (time) | |"
+                f"| {step:.2f} s{spent} | {rc:.2f} s{spent_rc} | "
+                f"| {_paired(m, 'resync_seconds', step, rc)} (time) | |"
             )
     changed, pack = r["resync_one_percent"], r["first_pack"]
     return [
@@ -160,9 +176,13 @@ def staging(r: dict[str, Any]) -> list[str]:
         f"Method: {r['method']}. Load average during the run: {r.get('load_average', '?')} on "
         f"{r.get('cores', '?')} cores shared with other work, so absolute rates are low and "
         "noisy; the step and rclone alternate within each case, so the ratios are the figures "
-        "to read. Delays come from `bench/delay_proxy.py` (a fixed delay per request on "
-        "loopback); 'no delay' is Azurite direct. For rates, step / rclone above 1 means the "
-        "step is faster; for CPU and re-sync time, below 1 means the step spends less.",
+        "to read. The figures of each tool are its medians; a ratio is the median of each "
+        "round's ratio (the two tools run back to back in a round, so a drift of the "
+        "machine's speed over the run cancels: the same code took 76 ms and 131 ms fifteen "
+        "minutes apart on this machine). Delays come from `bench/delay_proxy.py` (a fixed "
+        "delay per request on loopback); 'no delay' is Azurite direct. For rates, step / "
+        "rclone above 1 means the step is faster; for CPU and re-sync time, below 1 means the "
+        "step spends less.",
         "",
         *rows,
         "",
@@ -198,7 +218,8 @@ def _server_cpu(r: dict[str, Any]) -> list[str]:
                 continue
             rows.append(
                 f"| server CPU per {unit} (Azurite{' and proxy' if float(ms) else ''}), "
-                f"{_delay(ms)} | {step:{fmt}} ms | {rc:{fmt}} | | {_ratio(step, rc)} | |"
+                f"{_delay(ms)} | {step:{fmt}} ms | {rc:{fmt}} | "
+                f"| {_paired(m, 'server_cpu_ms_per_file', step, rc)} | |"
             )
     return rows
 

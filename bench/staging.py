@@ -270,10 +270,17 @@ def measure(
         **{
             tool: {
                 **{k: statistics.median(r[k] for r in rs) for k in rs[0]},
-                # Each round's, for the spread behind a median (not rendered).
+                # Each round's: the spread behind a median, and each round's ratio of the
+                # two tools, which ran back to back (bench.report pairs them).
                 "each": {
                     k: [r[k] for r in rs]
-                    for k in ("seconds", "cpu_ms_per_file", "server_cpu_ms_per_file")
+                    for k in (
+                        "seconds",
+                        "cpu_ms_per_file",
+                        "server_cpu_ms_per_file",
+                        "resync_seconds",
+                        "resync_cpu_seconds",
+                    )
                 },
             }
             for tool, rs in runs.items()

@@ -89,3 +89,19 @@ def test_a_choice_that_follows_another_setting_reads_it_when_applied(
     assert chunk == staging.transfer.CHUNK
     with _choice([(staging.sync, "settle", _flushed)]):  # a function is a value like any other
         assert staging.sync.settle is _flushed
+
+
+def test_a_ratio_is_the_median_of_each_rounds_pair() -> None:
+    """The machine slows down half way through: each tool's median lands on a slow round of
+    one and a fast round of the other, but each round's pair ran under the same speed."""
+    from bench.report import _paired
+
+    m = {
+        "step": {"each": {"seconds": [1.0, 1.0, 2.0, 2.0, 2.0], "resync_seconds": [0.5, 0.6]}},
+        "rclone": {"each": {"seconds": [1.1, 1.1, 1.1, 2.2, 2.2], "resync_seconds": [0.5]}},
+    }
+    # Medians: 2.0 s against 1.1 s, "0.55x"; round by round the step is 1.1x rclone's rate.
+    assert _paired(m, "seconds", 1 / 2.0, 1 / 1.1, rate=True) == "1.10x"
+    # Rounds that do not pair up (or a result from before rounds were kept): the medians.
+    assert _paired(m, "resync_seconds", 0.55, 0.5) == "1.10x"
+    assert _paired({"step": {}, "rclone": {}}, "seconds", 2.0, 4.0) == "0.50x"
