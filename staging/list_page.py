@@ -6,16 +6,19 @@ a tenth of a re-sync's time and, at ImageNet's 266 pages, most of the gate's lis
 The scanner takes about half of that, its checks included.
 
 Why it reads what the parser reads: it reads a page only when the page is well-formed XML of
-the plain form the service writes, and proves that with no tree built:
+a plain form the service writes (that of a listing asked for with no ``include``), and
+proves that with no tree built:
 
 * the blobs, as one run of text, match a grammar of that form: each ``Blob`` holds its
-  ``Name`` (attribute ``Encoded="true"`` or none), then ``Properties`` holding, in the
-  service's order and once each, ``Etag``, ``Content-Length`` (a plain number) and
-  ``Content-MD5``, among other elements of text only (each closed by its own name, no
-  attributes); so each field is the one the parser finds, in its own blob;
-* the page around the blobs (the document with them cut out: a few hundred bytes) is
-  parsed, and the blobs were cut from the one ``Blobs`` element of the root, which holds
-  nothing else;
+  ``Name`` (attribute ``Encoded="true"`` or none), elements of text only (a version's id,
+  on an account that keeps versions), then ``Properties`` holding, in the service's order
+  and once each, ``Etag``, ``Content-Length`` (a plain number) and ``Content-MD5`` among
+  elements of text only, then elements of text only or holding only such elements (object
+  replication's ``OrMetadata``); every other element has no attribute and is closed by its
+  own name. So each field is the one the parser finds, in its own blob;
+* the page is parsed with a placeholder where the blobs were (a few hundred bytes): the
+  placeholder must be all that one ``Blobs`` element of the root holds, and every other
+  such element (whose blobs the parser would read too) must be empty;
 * the whole body is UTF-8 (and declared so, or not declared), holds no character XML
   forbids or rewrites (control characters, carriage returns, U+FFFE, U+FFFF), no ``]]>`` in
   text, no ``<!`` (comment, CDATA, a DTD, which could define entities or attribute
@@ -43,29 +46,50 @@ _LENGTH = re.compile(rb"<Content-Length>([0-9]{1,19})</Content-Length>")
 _MD5 = re.compile(rb"<Content-MD5(?: ?/>|>([^<]*)</Content-MD5>)")
 
 
+_FIELDS_AND_BLOB = rb"(?!(?:Name|Etag|Content-Length|Content-MD5|Blob|Properties)[\s/>])"
+
+
 def _others(n: int) -> bytes:
     """Any run of elements of text only other than the fields and the blob's own: each with
     no attribute, closed by its own name (group ``o<n>``: a pattern names each group once)."""
-    return (
-        rb"(?:<(?!(?:Name|Etag|Content-Length|Content-MD5|Blob|Properties)[\s/>])"
-        rb"(?P<o%d>[A-Za-z][\w.-]*)(?:>[^<]*</(?P=o%d)>| ?/>))*+" % (n, n)
+    return rb"(?:<%s(?P<o%d>[A-Za-z][\w.-]*)(?:>[^<]*</(?P=o%d)>| ?/>))*+" % (
+        _FIELDS_AND_BLOB,
+        n,
+        n,
+    )
+
+
+def _holders(n: int) -> bytes:
+    """Any run of elements each of text only, or holding only such elements (as
+    ``OrMetadata`` holds a blob's replication policies), other than the fields and the blob's
+    own (groups ``h<n>`` and ``o<n>``)."""
+    return rb"(?:<%s(?P<h%d>[A-Za-z][\w.-]*)(?: ?/>|>[^<]*</(?P=h%d)>|>%s</(?P=h%d)>))*+" % (
+        _FIELDS_AND_BLOB,
+        n,
+        n,
+        _others(n),
+        n,
     )
 
 
 # The blobs of a page of the service's plain form, as one run of text (see the docstring).
 _BLOBS = re.compile(
-    rb'(?:<Blob><Name(?: Encoded="true")?>[^<]*</Name><Properties>'
+    rb'(?:<Blob><Name(?: Encoded="true")?>[^<]*</Name>'
     + _others(1)
-    + rb"<Etag>[^<]*</Etag>"
+    + rb"<Properties>"
     + _others(2)
-    + rb"<Content-Length>[0-9]{1,19}</Content-Length>"
+    + rb"<Etag>[^<]*</Etag>"
     + _others(3)
-    + rb"<Content-MD5(?: ?/>|>[^<]*</Content-MD5>)"
+    + rb"<Content-Length>[0-9]{1,19}</Content-Length>"
     + _others(4)
-    + rb"</Properties>"
+    + rb"<Content-MD5(?: ?/>|>[^<]*</Content-MD5>)"
     + _others(5)
+    + rb"</Properties>"
+    + _holders(6)
     + rb"</Blob>)*+"
 )
+# Where the blobs were, in the page parsed around them (a name no page the scanner reads holds).
+_CUT = b"scanned-blobs"
 _DECLARATION = re.compile(
     rb'(?:\xef\xbb\xbf)?(<\?xml version="1\.0" encoding="utf-8"(?: standalone="yes")?\?>)?'
     rb"<EnumerationResults[ >]",
@@ -131,15 +155,19 @@ def scan(body: bytes) -> list[PinnedBlob] | None:
     if first < 0:
         blobs, around = b"", body
     elif first < end and body.endswith(b"<Blobs>", 0, first) and body.startswith(b"</Blobs>", end):
-        blobs, around = body[first:end], body[:first] + body[end:]
+        if _CUT in body:
+            return None
+        blobs, around = body[first:end], body[:first] + b"<%s/>" % _CUT + body[end:]
     else:
         return None
     try:
         root = ElementTree.fromstring(around)
     except ElementTree.ParseError:
         return None
-    holders = root.findall("Blobs")  # the parser's blobs are those of every such element
-    if len(holders) != 1 or len(holders[0]):
+    # The parser's blobs are those of every Blobs element of the root: the one the blobs were
+    # cut from must be among them and hold nothing else, every other one nothing.
+    held = [[e.tag for e in holder] for holder in root.findall("Blobs") if len(holder)]
+    if held != ([[_CUT.decode()]] if blobs else []):
         return None
     if not _BLOBS.fullmatch(blobs):
         return None
