@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
+from backends.ports import free_port
 from backends.processes import stop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +47,6 @@ def connection_string(port: int) -> str:
         f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={DEV_KEY};"
         f"BlobEndpoint=http://127.0.0.1:{port}/{ACCOUNT};"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _port_free(port: int) -> bool:

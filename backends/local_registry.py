@@ -32,8 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.azurite import free_port
 from backends.image_registry import ImageRegistry, RegistryError, cache_dir
+from backends.ports import free_port
 from backends.processes import (
     ProcessRecord,
     is_running,

@@ -9,6 +9,8 @@ import os
 import re
 import tempfile
 
+from backends.ports import free_port
+
 # Before anything imports Prefect: a private home (cached state must not leak between
 # sessions) and no analytics.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="prefect-home-")
@@ -23,7 +25,6 @@ os.environ["GX_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS"] = "2"
 os.environ["PREFECT_WORKER_QUERY_SECONDS"] = "2"
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -238,9 +239,7 @@ def postgres_prefect_api() -> Iterator[str]:
         if os.environ.get("RETRAIN_REQUIRE_EMULATED_NODES"):
             pytest.fail(f"RETRAIN_REQUIRE_EMULATED_NODES is set but {exc}")
         pytest.skip(f"no PostgreSQL here: {exc}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     supervisor = Supervisor(state / "logs", say=lambda line: None)
     try:
         supervisor.start(postgres_component(cluster))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.azurite import free_port
 from backends.buildah import LocalImageBuilder
 from backends.image import image_inputs
 from backends.image_registry import ImageRegistry
+from backends.ports import free_port
 from backends.target import LocalTarget
 from tests.conftest import ROOT
 from tests.pipeline_helpers import make_config

@@ -20,9 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from backends.azurite import free_port
 from backends.image_registry import ImageRegistry
 from backends.local_registry import BINARY, local_registry
+from backends.ports import free_port
 from backends.processes import ProcessRecord, is_running, read_record, record_of, write_record
 from tests.conftest import ROOT
 

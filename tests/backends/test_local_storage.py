@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.azurite import connection_string, free_port
+from backends.azurite import connection_string
+from backends.ports import free_port
 from core.config import load_config
 from tests.conftest import ROOT, child_env
 

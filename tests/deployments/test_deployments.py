@@ -8,7 +8,6 @@ import contextlib
 import functools
 import http.server
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import requests
 import yaml
 
 from backends.blob import container_client
+from backends.ports import free_port
 from core.config import BlobLocation
 from core.data_versions import DataRoot
 from deployments.relay import RelaySettings, create_app
@@ -65,9 +65,7 @@ def serving_relay(settings: RelaySettings) -> Iterator[tuple[str, Any]]:
     import uvicorn
 
     app = create_app(settings)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -522,9 +520,7 @@ def test_the_relay_listens_on_loopback_unless_told_otherwise(tmp_path: Path) -> 
 
     from tests.conftest import child_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**child_env(), "RETRAIN_RELAY_WATCH": "landing/images", "RETRAIN_RELAY_SECRET": SECRET}
     relay = subprocess.Popen(
         [sys.executable, "-m", "deployments.relay", "--port", str(port)],

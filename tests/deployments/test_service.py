@@ -21,8 +21,9 @@ import psutil
 import pytest
 import yaml
 
+from backends.ports import free_port
 from tests.conftest import ROOT, child_env
-from tests.deployments.test_supervisor import free_port, lines_until, process_tree
+from tests.deployments.test_supervisor import lines_until, process_tree
 
 
 def test_a_generated_relay_secret_is_the_owners_alone(

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from backends.ports import free_port
 from deployments.supervisor import port_in_use
 from tests.conftest import ROOT, child_env
 
@@ -57,12 +58,6 @@ DRIVER = textwrap.dedent(
     sys.exit(code)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(tmp_path: Path, port: int, extra: str = "") -> subprocess.Popen[str]:

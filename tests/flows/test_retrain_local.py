@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from backends.blob import container_client
+from backends.ports import free_port
 from backends.processes import read_record
 from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
@@ -50,9 +50,7 @@ def run(config: Any) -> tuple[Any, dict[str, Any], list[Any]]:
 
 
 def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     # Two ranks, as configs/local.yaml trains: the one flow test of the distributed job itself.
     config = make_config(
         tmp_path, f"output.links_url=http://127.0.0.1:{port}", "pool.processes_per_node=2"

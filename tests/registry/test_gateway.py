@@ -21,18 +21,13 @@ import pytest
 from azure.storage.blob import ContainerClient, ContentSettings
 
 from backends.blob import container_client
+from backends.ports import free_port
 from core.config import ConfigError, OutputLocation, load_config
 from registry.gateway import output_link, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
 INDEX = b'<html><a href="validations/run.html">run</a><link href="static/style.css"></html>'
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(
@@ -83,7 +78,7 @@ def gateway(outputs: ContainerClient) -> Iterator[tuple[int, dict[str, bytes]]]:
 
 def test_the_cli_serves_every_link_a_run_writes(outputs: ContainerClient) -> None:
     files = _seed(outputs, "")
-    port = _free_port()
+    port = free_port()
     links_url = f"http://127.0.0.1:{port}"
     overrides = [f"output.container={outputs.container_name}", f"output.links_url={links_url}"]
     config = load_config(LOCAL, overrides)

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from backends.blob import container_client
+from backends.ports import free_port
 from flows.retrain import main
 from tests.pipeline_helpers import flow_run_logs, make_config, seed, task_runs_and_artifacts
 from tests.reliability import report
@@ -263,7 +264,6 @@ def test_relay_secret_is_in_no_log_and_no_event(tmp_path: Path) -> None:
     Grid puts the shared secret in the endpoint's query string (`?key=`). Deliveries, the
     validation handshake and wrong guesses must leave it out of the relay's output, and out of
     the events and flow runs it causes."""
-    import socket
     import subprocess
     import sys
     import time
@@ -276,9 +276,7 @@ def test_relay_secret_is_in_no_log_and_no_event(tmp_path: Path) -> None:
     secret = f"relay-{uuid.uuid4().hex}"
     guesses = [f"guess-{uuid.uuid4().hex}" for _ in range(3)] + [secret[:-1]]
     container = f"relaysecret{uuid.uuid4().hex[:8]}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {
         **child_env(),
         **prefect_api_env(),

@@ -22,7 +22,8 @@ import pytest
 import yaml
 from azure.storage.blob import ContainerClient
 
-from backends.azurite import FolderInUseError, free_port, running_azurite
+from backends.azurite import FolderInUseError, running_azurite
+from backends.ports import free_port
 from staging.blob import API_VERSION
 from tests.conftest import ROOT, child_env
 from tests.reliability import report
