@@ -29,7 +29,9 @@ _POOL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # Batch REST spec, Pool.id
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Frozen: a run's steps all read the config the run was started with (a new value is a
+    # new config, made with model_copy).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _container_name(value: str) -> str:

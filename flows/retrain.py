@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,10 +18,11 @@ from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
 
-from core.config import ConfigError, PipelineConfig, hide_credentials, load_config
+from core.config import ConfigError, PipelineConfig
 from core.data_versions import DataVersion
-from core.deployment_runs import check_config_path, check_run_config, deployment_config_path
+from core.deployment_runs import deployment_config_path
 from core.run import Run
+from core.run_config import RunRequest, build_run_config
 from flows.form import FormConfig, run_form_signature
 from flows.pool_lock import hold_pool, local_pool_lock
 
@@ -30,108 +30,14 @@ if TYPE_CHECKING:
     from tasks.outcome import RunLog
 
 
-@dataclass(frozen=True)
-class EffectiveConfig:
-    """The config a run trains with, and where its values came from (the run's summary shows
-    both, so nobody has to guess which of the form, the file or an override won)."""
-
-    config: PipelineConfig
-    source: str
-
-
-def effective_config(
-    config: PipelineConfig | dict[str, Any] | None,
-    config_path: str | None,
-    overrides: list[str] | None,
-    data_container: str | None = None,
-    data_prefix: str | None = None,
-    default_path: str | None = None,
-    settings: dict[str, Any] | None = None,
-    deployed: bool = False,
-) -> EffectiveConfig:
-    """The flow's parameters to one validated config, with one precedence:
-
-    - a ``config`` (the run form, or a model from code) is used whole, and the deployment's
-      default ``config_path`` (``default_path``, which every run of a deployment inherits
-      whether or not the person starting it saw it) does not replace it;
-    - a ``config`` together with a ``config_path`` chosen for this run is an error: which of
-      the two the person meant is not knowable, and silently picking one trains the other;
-    - otherwise the YAML file at ``config_path``;
-    then ``overrides`` (``section.field=value``), then ``settings`` (the form's own fields,
-    such as ``training.epochs`` and ``data.version``) and ``data_container``/``data_prefix``
-    (what a new-data trigger fills in from its event, with the version), set on their fields
-    as given.
-
-    ``deployed``: the run was started through a deployment (the form, a schedule, a trigger):
-    it may change only the training settings and which data it trains
-    (``core.deployment_runs``), whether by ``overrides``, the form's fields or ``config``, and
-    reads its deployment's config file or one in ``configs/``.
-    """
-    if config is not None and config_path is not None and config_path != default_path:
-        raise ConfigError(
-            f"the run has both a config and config_path {config_path}: give one of them "
-            "(the config form, or a file)"
-        )
-    fields: dict[str, Any] = dict(settings or {})
-    if data_container:
-        fields["data.container"] = data_container
-    if data_prefix is not None:
-        fields["data.prefix"] = data_prefix
-    # As shown in the run's log and summary: a token pasted into a value is not repeated.
-    notes = [hide_credentials(f"--set {o}") for o in overrides or []] + [
-        hide_credentials(f"{k}={v}") for k, v in fields.items()
-    ]
-    if config is not None:
-        source = "the run's config parameter (the form)"
-        if config_path is not None:
-            source += f"; the deployment's default config_path {config_path} is not used"
-        if isinstance(config, PipelineConfig) and not notes:
-            cfg = config
-        else:
-            base = config.model_dump(mode="json") if isinstance(config, PipelineConfig) else config
-            cfg = load_config(None, overrides, base=base, fields=fields)
-        compared = default_path
-    elif config_path is not None:
-        if deployed:
-            check_config_path(config_path, default_path)
-        source = f"the config file {config_path}"
-        cfg = load_config(config_path, overrides, fields=fields)
-        compared = config_path
-    else:
-        raise ConfigError("retrain needs a config or a config_path")
-    if deployed:
-        if compared is None:
-            raise ConfigError(
-                "this deployment names no config_path: a run's config parameter can only be "
-                "checked against the deployment's config file"
-            )
-        check_run_config(cfg, compared)
-    return EffectiveConfig(cfg, "; ".join([source, *notes]))
-
-
-def form_settings(
-    epochs: int | None, model: str | None, data_version: str | None = None
-) -> dict[str, Any]:
-    """The form's first fields, as the config fields they set (left empty: the config's; an
-    empty data version is what a trigger's template gives for a root without versions)."""
-    chosen = {"training.epochs": epochs, "training.model": model, "data.version": data_version}
-    return {name: value for name, value in chosen.items() if value not in (None, "")}
-
-
 def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
     """Crash and cancellation hook: the pool is released even when the flow body cannot, unless
     another run holds it by now (that run releases it; releasing here would stop its tasks)."""
     from backends.target import target_for
 
-    params = flow_run.parameters
-    config = effective_config(
-        params.get("config"),
-        params.get("config_path"),
-        params.get("overrides"),
-        params.get("data_container"),
-        params.get("data_prefix"),
-        deployment_config_path(flow_run.deployment_id),
-        form_settings(params.get("epochs"), params.get("model"), params.get("data_version")),
+    config = build_run_config(
+        RunRequest.from_parameters(flow_run.parameters),
+        deployment_path=deployment_config_path(flow_run.deployment_id),
         deployed=bool(flow_run.deployment_id),
     ).config
     with local_pool_lock(config, f"flow run {flow_run.id} (releasing)", wait=False) as free:
@@ -186,15 +92,18 @@ def retrain(
     from tasks.outcome import RunLog
 
     logger = get_run_logger()
-    effective = effective_config(
-        config,
-        config_path,
-        overrides,
-        data_container,
-        data_prefix,
-        deployment_config_path(deployment.id),
-        form_settings(epochs, model, data_version),
-        deployed=bool(deployment.id),
+    request = RunRequest(
+        config=config,
+        config_path=config_path,
+        overrides=tuple(overrides or ()),
+        epochs=epochs,
+        model=model,
+        data_container=data_container,
+        data_prefix=data_prefix,
+        data_version=data_version,
+    )
+    effective = build_run_config(
+        request, deployment_path=deployment_config_path(deployment.id), deployed=bool(deployment.id)
     )
     run_config = effective.config
     logger.info("config: %s", effective.source)
@@ -364,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        config = load_config(args.config, args.set)
+        config = build_run_config(
+            RunRequest(config_path=str(args.config), overrides=tuple(args.set))
+        ).config
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

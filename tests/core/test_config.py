@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from core.config import ConfigError, PipelineConfig, load_config
-from flows.retrain import effective_config
+from core.run_config import RunRequest, build_run_config
 from registry.promotion import decide
 from tests.conftest import ROOT, child_env
 
@@ -69,15 +69,17 @@ def test_file_problems_named(tmp_path: Path) -> None:
 
 def test_flow_accepts_a_model_or_a_path() -> None:
     cfg = load_config(LOCAL)
-    assert effective_config(cfg, None, None).config is cfg
-    from_path = effective_config(None, str(LOCAL), ["training.epochs=2"]).config
+    assert build_run_config(RunRequest(config=cfg)).config is cfg
+    from_path = build_run_config(
+        RunRequest(config_path=str(LOCAL), overrides=("training.epochs=2",))
+    ).config
     assert isinstance(from_path, PipelineConfig) and from_path.training.epochs == 2
-    from_dict = effective_config(
-        cfg.model_dump(mode="json"), None, ["pool.processes_per_node=1"]
+    from_dict = build_run_config(
+        RunRequest(config=cfg.model_dump(mode="json"), overrides=("pool.processes_per_node=1",))
     ).config
     assert from_dict.pool.processes_per_node == 1
     with pytest.raises(ConfigError, match="needs a config"):
-        effective_config(None, None, None)
+        build_run_config(RunRequest())
 
 
 @pytest.mark.processes
@@ -192,3 +194,19 @@ def test_promotion_reasons_read_as_a_person_would_write_them() -> None:
     )
     for case in [(0.95, 0.93, 0.0), (0.93, 0.93, 0.0), (0.91, 0.93, 0.0)]:
         assert "0.0000" not in decide(*case)[1]
+
+
+def test_a_run_config_is_frozen_and_says_where_its_values_came_from() -> None:
+    """Every step reads the config the run was started with: a section cannot be changed in
+    place, only copied with a new value."""
+    from pydantic import ValidationError
+
+    built = build_run_config(
+        RunRequest(config_path=str(LOCAL), overrides=("training.lr=0.01",), data_version="v2")
+    )
+    with pytest.raises(ValidationError, match="frozen"):
+        built.config.data.prefix = "elsewhere"  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        built.config.output = built.config.output  # type: ignore[misc]
+    assert built.config.data.pinned("v3").version == "v3" and built.config.data.version == "v2"
+    assert built.source.endswith("--set training.lr=0.01; data.version=v2")

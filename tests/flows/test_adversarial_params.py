@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from core.config import ConfigError, load_config
-from flows.retrain import effective_config, form_settings, main
+from core.run_config import RunRequest, build_run_config
+from flows.retrain import main
 from tests.conftest import ROOT, child_env, prefect_api_env
 from tests.reliability import report
 
@@ -31,9 +32,8 @@ HOSTILE_VERSIONS = ["v1 #rollback", "!!binary aGk=", "2024", "2024-06-01", "true
 
 @pytest.mark.parametrize("prefix", HOSTILE_PREFIXES)
 def test_trigger_values_reach_their_fields_as_given(prefix: str) -> None:
-    config = effective_config(
-        None, str(LOCAL), None, data_container="123456", data_prefix=prefix
-    ).config
+    request = RunRequest(config_path=str(LOCAL), data_container="123456", data_prefix=prefix)
+    config = build_run_config(request).config
     assert (config.data.container, config.data.prefix) == ("123456", prefix)
     report.record(
         "adversarial",
@@ -44,8 +44,10 @@ def test_trigger_values_reach_their_fields_as_given(prefix: str) -> None:
 
 @pytest.mark.parametrize("version", HOSTILE_VERSIONS)
 def test_trigger_versions_reach_their_field_as_given(version: str) -> None:
-    settings = form_settings(None, None, version)
-    config = effective_config(None, str(LOCAL), None, "123456", "images", settings=settings).config
+    request = RunRequest(
+        config_path=str(LOCAL), data_container="123456", data_prefix="images", data_version=version
+    )
+    config = build_run_config(request).config
     assert (config.data.prefix, config.data.version) == ("images", version)
     assert config.data.dataset.prefix == f"images/{version}"
     report.record(
@@ -86,18 +88,21 @@ def test_set_reads_string_fields_as_typed_and_others_as_yaml() -> None:
 
 
 def test_run_form_wins_over_the_default_path_and_a_chosen_path_conflicts() -> None:
-    from flows.retrain import effective_config
-
     form = load_config(LOCAL, ["training.epochs=1"]).model_dump(mode="json")
     default = "configs/local.yaml"
-    chosen = effective_config(form, default, None, default_path=default)
+    chosen = build_run_config(RunRequest(config=form, config_path=default), deployment_path=default)
     assert chosen.config.training.epochs == 1
     assert "default config_path configs/local.yaml is not used" in chosen.source
-    assert effective_config(None, default, None, default_path=default).config.training.epochs == 4
+    from_file = build_run_config(RunRequest(config_path=default), deployment_path=default)
+    assert from_file.config.training.epochs == 4
     with pytest.raises(ConfigError, match="both a config and config_path"):
-        effective_config(form, "configs/azure.example.yaml", None, default_path=default)
+        build_run_config(
+            RunRequest(config=form, config_path="configs/azure.example.yaml"),
+            deployment_path=default,
+        )
     with pytest.raises(ConfigError, match="both a config and config_path"):
-        effective_config(form, default, None, default_path=None)  # outside a deployment
+        # outside a deployment
+        build_run_config(RunRequest(config=form, config_path=default))
 
 
 @pytest.mark.parametrize(
@@ -213,14 +218,7 @@ def test_trigger_values_through_the_relay_and_the_deployment_trigger(
     )
     mine = [r for r in runs if r.id not in before]
     built = {
-        effective_config(
-            None,
-            r.parameters["config_path"],
-            None,
-            r.parameters["data_container"],
-            r.parameters["data_prefix"],
-            settings=form_settings(None, None, r.parameters["data_version"]),
-        ).config.data.dataset.prefix
+        build_run_config(RunRequest.from_parameters(r.parameters)).config.data.dataset.prefix
         for r in mine
     }
     assert built == {f"images/{v}" for v in HOSTILE_VERSIONS}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from core.config import ConfigError, load_config
-from flows.retrain import effective_config, form_settings
+from core.run_config import RunRequest, build_run_config
 from tests.conftest import ROOT
 from tests.reliability import report
 
@@ -28,16 +28,9 @@ ATTACKER = "https://collector.example.net"
 
 def _deployed(overrides: list[str], **kwargs: Any) -> Any:
     """The config a run of retrain/manual (default config_path configs/local.yaml) gets."""
-    return effective_config(
-        kwargs.pop("config", None),
-        kwargs.pop("config_path", LOCAL),
-        overrides,
-        kwargs.pop("data_container", None),
-        kwargs.pop("data_prefix", None),
-        LOCAL,
-        kwargs.pop("settings", None),
-        deployed=True,
-    )
+    kwargs.setdefault("config_path", LOCAL)
+    request = RunRequest(overrides=tuple(overrides), **kwargs)
+    return build_run_config(request, deployment_path=LOCAL, deployed=True)
 
 
 # ------------------------------------------------------------------ what a run may change
@@ -82,7 +75,7 @@ def test_a_deployment_run_changes_no_endpoint_identity_credential_or_image(
     assert f"it changed {named}" in message and "configs/local.yaml" in message, message
     assert ATTACKER not in message  # values are not repeated: one may be a token
     # The command line is its user's own: the same overrides load there.
-    effective_config(None, LOCAL, overrides)
+    build_run_config(RunRequest(config_path=LOCAL, overrides=tuple(overrides)))
     report.record(
         "secrets",
         f"deployment run with overrides {', '.join(overrides)}",
@@ -137,7 +130,9 @@ def test_what_a_run_may_change_still_runs() -> None:
         ["training.lr=0.01", "training.batch_size=32", "training.extra_args=[--fp16-allreduce]"],
         data_container="landing",
         data_prefix="images",
-        settings=form_settings(2, "resnet18", "v3"),
+        epochs=2,
+        model="resnet18",
+        data_version="v3",
     ).config
     assert (config.training.lr, config.training.batch_size, config.training.epochs) == (
         0.01,
@@ -171,7 +166,7 @@ def test_a_token_pasted_into_a_value_is_refused_and_not_repeated(override: str) 
     field = override.split("=", 1)[0]
     for attempt in (
         lambda: load_config(ROOT / LOCAL, [override]),
-        lambda: effective_config(None, LOCAL, [override]),
+        lambda: build_run_config(RunRequest(config_path=LOCAL, overrides=(override,))),
     ):
         with pytest.raises(ConfigError) as err:
             attempt()
@@ -185,7 +180,8 @@ def test_a_token_pasted_into_a_value_is_refused_and_not_repeated(override: str) 
 def test_the_source_line_hides_queries() -> None:
     """The run's source line (its log's `config: ...` and its summary's From line) never
     repeats a query, whatever field it was given for."""
-    source = effective_config(None, LOCAL, [f"training.extra_args=['--note=x?{SAS}']"]).source
+    extra = f"training.extra_args=['--note=x?{SAS}']"
+    source = build_run_config(RunRequest(config_path=LOCAL, overrides=(extra,))).source
     assert SIGNATURE not in source and "?REDACTED" in source
     report.record("secrets", "a query in an override's value", "the run's source line hides it")
 
