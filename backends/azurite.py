@@ -7,8 +7,8 @@ below is Azurite's published development key, not a secret of anyone's.
 One Azurite per data folder. Azurite keeps its blob index in memory and writes it back to the
 folder as a whole: two of them on one folder (``make azurite`` and ``make demo`` both use
 ``.demo/azurite``) each overwrite the other's index, and blobs written through one are gone
-once both have stopped. So the folder is locked (``flock`` on ``azurite.lock`` in it) before
-Azurite starts, and the lock's file descriptor is handed down to Azurite itself: the kernel
+once both have stopped. So the folder is locked (a file lock on ``azurite.lock`` in it) before
+Azurite starts, and a descriptor of the lock is handed down to Azurite itself: the kernel
 holds the lock as long as either process lives (an Azurite left running after its starter was
 killed still holds it) and drops it when both are gone, so a stale lock never blocks. The file
 names the holder, for the error a second start gets.
@@ -16,7 +16,6 @@ names the holder, for the error a second start gets.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -27,7 +26,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+
+from filelock import FileLock, Timeout
 
 from backends.ports import free_port
 from backends.processes import stop
@@ -77,27 +77,30 @@ def _holder(text: str) -> str:
     return " ".join(parts)
 
 
-def _lock_folder(location: Path) -> IO[str]:
-    """The held lock on ``location`` (its open lock file), or FolderInUseError."""
-    fh = open(location / LOCK_FILE, "a+")  # noqa: SIM115  # held as long as Azurite runs
+def _lock_folder(location: Path) -> tuple[FileLock, int]:
+    """The held lock on ``location``, with a duplicate of its descriptor for Azurite to
+    inherit; or FolderInUseError."""
+    inherited: list[int] = []
+    lock = FileLock(
+        location / LOCK_FILE,
+        timeout=0,
+        preserve_lock_file=True,  # the file names its holder; and no fallback to marker files
+        on_acquired=lambda fd: inherited.append(os.dup(fd)),
+    )
     try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = _holder(fh.read())
-        fh.close()
+        lock.acquire()
+    except Timeout:
+        holder = _holder((location / LOCK_FILE).read_text(errors="replace"))
         raise FolderInUseError(
             f"Azurite's data folder {location} is in use by {holder}: two Azurites on one "
             "folder overwrite each other's blob index (blobs are lost). Stop that one first "
             "(Ctrl-C in its terminal), or give this one another folder"
         ) from None
-    return fh
+    return lock, inherited[-1]
 
 
-def _describe_holder(fh: IO[str], port: int, azurite_pid: int | None) -> None:
-    fh.seek(0)
-    fh.truncate()
-    fh.write(
+def _describe_holder(location: Path, port: int, azurite_pid: int | None) -> None:
+    (location / LOCK_FILE).write_text(
         json.dumps(
             {
                 "pid": os.getpid(),
@@ -108,7 +111,6 @@ def _describe_holder(fh: IO[str], port: int, azurite_pid: int | None) -> None:
             }
         )
     )
-    fh.flush()
 
 
 @contextmanager
@@ -124,7 +126,8 @@ def running_azurite(location: Path, port: int | None = None) -> Iterator[str]:
         raise FileNotFoundError(f"{binary} is missing: run `make setup` (npm ci installs Azurite)")
     location = location.resolve()
     location.mkdir(parents=True, exist_ok=True)
-    lock = _lock_folder(location)  # first: the folder's holder says more than a taken port
+    # First: the folder's holder says more than a taken port.
+    lock, inherited = _lock_folder(location)
     try:
         if port is None:
             port = free_port()
@@ -133,15 +136,16 @@ def running_azurite(location: Path, port: int | None = None) -> Iterator[str]:
                 f"127.0.0.1:{port} is already in use (another Azurite?): stop it or pick "
                 "another port"
             )
-        _describe_holder(lock, port, None)
-        with _serve(binary, location, port, lock) as conn:
+        _describe_holder(location, port, None)
+        with _serve(binary, location, port, inherited) as conn:
             yield conn
     finally:
-        lock.close()
+        os.close(inherited)
+        lock.release()
 
 
 @contextmanager
-def _serve(binary: Path, location: Path, port: int, lock: IO[str]) -> Iterator[str]:
+def _serve(binary: Path, location: Path, port: int, lock_fd: int) -> Iterator[str]:
     log = open(location / "azurite.log", "ab")  # noqa: SIM115  # closed below
     proc = subprocess.Popen(
         [
@@ -158,10 +162,10 @@ def _serve(binary: Path, location: Path, port: int, lock: IO[str]) -> Iterator[s
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        pass_fds=(lock.fileno(),),  # Azurite holds the folder's lock too, for as long as it runs
+        pass_fds=(lock_fd,),  # Azurite holds the folder's lock too, for as long as it runs
     )
     try:
-        _describe_holder(lock, port, proc.pid)
+        _describe_holder(location, port, proc.pid)
         deadline = time.monotonic() + 30
         while True:
             if proc.poll() is not None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -33,6 +32,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from filelock import FileLock
 
 from backends.image import ImageResult, content_tag, image_inputs
 from backends.image_registry import ImageRegistry, cache_dir
@@ -156,12 +157,8 @@ def _locked(path: Path) -> Iterator[None]:
     """One build of a tag (or of the base) at a time on this machine: several sessions may
     share its cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with FileLock(path):
+        yield
 
 
 def horovod_wheel_cache() -> Path:

@@ -10,27 +10,29 @@ At the configured loopback address one registry serves every user of that cache 
 nightly run's build step beside a sensor's, one test worker beside another): the first to find
 none there starts it, and the last to leave stops it, whoever started it, so no registry
 vanishes while another user asks it for a tag or pushes to it. The address's files under
-``<cache>/run`` decide it: a gate lock under which starts and stops are decided, a users file
-each user holds a shared lock on while it uses the registry (the leaving user that can turn its
-lock exclusive is the last), and a record of the registry process (PID, start time, boot). The
-kernel drops a killed user's locks, and the record is written the moment the process exists,
-so a user killed at any point leaves a registry the next user will stop.
+``<cache>/run`` decide it: a gate lock under which starts and stops are decided, a folder of
+users where each user holds a lock file of its own while it uses the registry (the leaving user
+that finds no other file there locked is the last), and a record of the registry process (PID
+and creation time). The kernel drops a killed user's locks, and the record is written the moment
+the process exists, so a user killed at any point leaves a registry the next user will stop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
+from filelock import FileLock, Timeout
 
 from backends.image_registry import ImageRegistry, RegistryError, cache_dir
 from backends.ports import free_port
@@ -116,7 +118,7 @@ class _Shared:
         return cls(
             address,
             gate=name.with_suffix(".gate"),
-            users=name.with_suffix(".users"),
+            users=name.with_suffix(".users.d"),
             record=name.with_suffix(".pid"),
             config=name.with_suffix(".yml"),
             log=run_dir / "registry.log",
@@ -124,10 +126,10 @@ class _Shared:
 
     def _serves(self, pid: int) -> bool:
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
-        except OSError:
+            argv = psutil.Process(pid).cmdline()
+        except psutil.Error:
             return False
-        return argv == [BINARY.encode(), b"serve", os.fsencode(self.config)]
+        return argv == [BINARY, "serve", str(self.config)]
 
     def ours(self, record: ProcessRecord) -> bool:
         """Whether the record names a running registry serving this address's config: a record
@@ -137,9 +139,9 @@ class _Shared:
     def unrecorded(self) -> ProcessRecord | None:
         """A registry serving this address's config that no record names: one whose user was
         killed or interrupted between its launch and the record, found by its command line."""
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and self._serves(int(entry.name)):
-                record = record_of(int(entry.name))
+        for pid in psutil.pids():
+            if self._serves(pid):
+                record = record_of(pid)
                 if record is not None and is_running(record):
                     return record
         return None
@@ -179,16 +181,19 @@ def _stop_recorded(shared: _Shared) -> None:
     """SIGTERM the recorded registry, SIGKILL after 10 s; the record goes once it has ended."""
     record = read_record(shared.record)
     if record is not None and shared.ours(record):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(record.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while is_running(record):
-            if time.monotonic() > deadline + 10:
-                raise RegistryError(f"{BINARY} (pid {record.pid}) did not end on SIGKILL")
-            if time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(record.pid, signal.SIGKILL)
-            time.sleep(0.05)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(record.pid)
+            process.terminate()
+            try:
+                process.wait(10)
+            except psutil.TimeoutExpired:
+                process.kill()
+                try:
+                    process.wait(10)
+                except psutil.TimeoutExpired:
+                    raise RegistryError(
+                        f"{BINARY} (pid {record.pid}) did not end on SIGKILL"
+                    ) from None
     shared.record.unlink(missing_ok=True)
 
 
@@ -218,54 +223,40 @@ def _serve(shared: _Shared, storage: Path) -> None:
     _start(shared, storage)
 
 
-def _lock(path: Path) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-
-def _release(fd: int) -> None:
-    # Unlocked before closing: a process forked meanwhile shares the lock and would keep it.
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def _gate(shared: _Shared) -> Iterator[None]:
-    fd = _lock(shared.gate)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        _release(fd)
-
-
-def _last_to_leave(users: int) -> bool:
-    """Whether no other user holds the address (a failed conversion drops this user's shared
-    lock, which is only ever asked on the way out)."""
-    try:
-        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+def _last_to_leave(users: Path, own: Path) -> bool:
+    """Whether no other user holds the address: every other user's lock file is free (a file
+    left by a killed user is removed on the way)."""
+    for other in users.glob("*.lock"):
+        if other == own:
+            continue
+        lock = FileLock(other, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            return False
+        lock.release()
+        other.unlink(missing_ok=True)
     return True
 
 
 @contextmanager
 def _leased(address: str, storage: Path) -> Iterator[ImageRegistry]:
     shared = _Shared.at(address, _run_dir())
-    users = _lock(shared.users)
+    shared.users.mkdir(exist_ok=True)
+    mine = FileLock(shared.users / f"{os.getpid()}-{uuid.uuid4().hex}.lock")
+    mine.acquire()
     try:
-        with _gate(shared):
-            fcntl.flock(users, fcntl.LOCK_SH)
+        with FileLock(shared.gate):
             _serve(shared, storage)
         yield ImageRegistry(address)
     finally:
         try:
-            with _gate(shared):
-                if _last_to_leave(users):
+            with FileLock(shared.gate):
+                if _last_to_leave(shared.users, Path(mine.lock_file)):
                     _stop_recorded(shared)
         finally:
-            _release(users)
+            mine.release()
+            Path(mine.lock_file).unlink(missing_ok=True)
 
 
 @contextmanager

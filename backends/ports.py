@@ -12,16 +12,16 @@ a test run) do not take the same one.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import random
 import socket
 import tempfile
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 LOCKS = Path(tempfile.gettempdir()) / "retrain-ports"
 LOWEST = 10_000  # below: ports well-known services use
-_held: list[int] = []  # descriptors of the lock files: the reservations last as this process
+_held: list[FileLock] = []  # the reservations: held as long as this process
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -50,17 +50,15 @@ def free_port() -> int:
 def _reserved(port: int) -> bool:
     """Whether this process now holds the port's lock file (True where locks cannot be kept:
     the bind check alone then stands)."""
+    lock = FileLock(LOCKS / f"{port}.lock", timeout=0, mode=0o666)
     try:
         LOCKS.mkdir(mode=0o1777, exist_ok=True)
-        fd = os.open(LOCKS / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+        lock.acquire()
+    except Timeout:
+        return False
     except OSError:
         return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return False
-    _held.append(fd)
+    _held.append(lock)
     return True
 
 

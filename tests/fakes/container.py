@@ -19,8 +19,6 @@ chroot inside the node's own namespaces give the same file system view.)
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -29,9 +27,11 @@ import stat
 import subprocess
 import tempfile
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 MANIFEST_TYPES = ", ".join(
     [
@@ -66,16 +66,6 @@ def split_reference(reference: str) -> tuple[str, str, str]:
     if not (host and repository and tag):
         raise PullError(f"{reference!r} is not registry/repository:tag")
     return host, repository, tag
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class ImagePuller:
@@ -122,7 +112,7 @@ class ImagePuller:
         target = self.cache / "layers" / digest.replace(":", "-")
         if target.is_dir():
             return target
-        with _locked(self.cache / "pull.lock"):
+        with FileLock(self.cache / "pull.lock"):
             if target.is_dir():
                 return target
             with tempfile.TemporaryDirectory(dir=self.cache) as work:

@@ -337,8 +337,8 @@ def test_pid_records_identify_the_process(tmp_path: Path) -> None:
         assert record is not None and is_alive(record)
         write_record(record, tmp_path / "p.pid")
         assert read_record(tmp_path / "p.pid") == record
-        # Same PID, another start time: another process.
-        assert not is_alive(type(record)(record.pid, record.start + 1, record.boot))
+        # Same PID, created at another time: another process.
+        assert not is_alive(type(record)(record.pid, record.created + 2))
     assert not is_alive(record)
     (tmp_path / "bare.pid").write_text(str(os.getpid()))  # a PID alone proves nothing
     assert read_record(tmp_path / "bare.pid") is None
