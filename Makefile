@@ -74,8 +74,9 @@ test: setup
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --junitxml=.work/junit.xml \
 		$(PYTEST_ARGS)
 
-# The unit tests of every package (no server, emulator, launcher or process of their own):
-# the edit-test loop's command.
+# The unit tests of every package: the edit-test loop's command. A unit test starts no process
+# and no server, itself or through a fixture: tests/conftest.py fails one that does, naming the
+# marker it needs (processes), so this target never builds, serves or launches anything.
 test-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "quick and not slow and not gpu" $(PYTEST_ARGS)
 

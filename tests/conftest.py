@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import platform
 import re
 import tempfile
 
@@ -320,7 +321,9 @@ async def _read_deployments() -> dict[str, Any]:
 
 # Set-ups that make a test a whole-system one: a server, an emulator, real launchers, nodes.
 # A test that needs none of them, and no marker saying it starts processes of its own
-# (``processes``), is a unit test: ``make test-quick`` runs those (``pytest -m quick``).
+# (``processes``), is a unit test: ``make test-quick`` runs those (``pytest -m quick``). What
+# a unit test does is checked while it runs (``_a_unit_test_starts_nothing``), so a test that
+# starts a process or a server through any other fixture or helper fails, naming the marker.
 SYSTEM_FIXTURES = frozenset(
     {
         "azurite",
@@ -330,6 +333,78 @@ SYSTEM_FIXTURES = frozenset(
         "horovodrun",
     }
 )
+
+
+class StartedSomethingError(AssertionError):
+    """A test marked quick started a process or a server."""
+
+
+_STARTS = {
+    "subprocess.Popen": "starts a process",
+    "os.fork": "forks",
+    "os.forkpty": "forks",
+    "os.posix_spawn": "starts a process",
+    "os.spawn": "starts a process",
+    "os.exec": "replaces its process",
+    "os.system": "starts a shell",
+}
+_unit_test: list[str] = []  # the node id of the quick test running now, if any
+
+
+def _refuse_starts(event: str, args: tuple[Any, ...]) -> None:
+    if _unit_test and event in _STARTS:
+        _started(_STARTS[event])
+
+
+def _started(what: str) -> None:
+    raise StartedSomethingError(
+        f"{_unit_test[0]} {what}: mark it @pytest.mark.processes (a unit test starts no "
+        "process, server or launcher)"
+    )
+
+
+sys.addaudithook(_refuse_starts)  # Python's own audit events: every way a process starts
+# Libraries run a program once per process, or once per machine: Great Expectations asks
+# `uname -p`, matplotlib builds its font cache with `fc-list`. Done here, before any test, so
+# whichever test asks first is not the one that runs a program.
+platform.processor()
+import matplotlib.font_manager  # noqa: E402, F401
+
+
+@contextlib.contextmanager
+def _starting_nothing(item: pytest.Item) -> Iterator[None]:
+    """For a test marked ``quick``: starting a process or listening on a socket, in the test or
+    in any fixture it sets up (a session's included), fails it, so the quick suite never
+    builds, serves or launches anything."""
+    if item.get_closest_marker("quick") is None:
+        yield
+        return
+    import socket
+
+    listen = socket.socket.listen
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        _started("listens on a socket (a server)")
+
+    socket.socket.listen = refused  # type: ignore[method-assign]
+    _unit_test.append(item.nodeid)
+    try:
+        yield
+    finally:
+        _unit_test.clear()
+        socket.socket.listen = listen  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _starting_nothing(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _starting_nothing(item):
+        return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -23,6 +23,9 @@ from backends.target import LocalTarget
 from tests.conftest import ROOT
 from tests.pipeline_helpers import make_config
 
+# Every test here builds or serves the image (the session's build, a registry).
+pytestmark = pytest.mark.processes
+
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 

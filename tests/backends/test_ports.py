@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from backends.ports import LOWEST, _reserved, ephemeral_range, free_port
 from tests.conftest import ROOT, child_env
 
@@ -30,6 +32,7 @@ def test_a_port_is_below_the_range_the_kernel_hands_out_and_free() -> None:
         s.bind(("127.0.0.1", ports[0]))  # free to bind
 
 
+@pytest.mark.processes
 def test_two_processes_picking_at_once_never_share_a_port() -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", PICKER],

@@ -48,6 +48,7 @@ def _affinities(pid: int) -> set[frozenset[int]]:
     return found
 
 
+@pytest.mark.processes
 def test_the_servers_are_this_processes_children_and_their_cpu_counts(
     busy_child: subprocess.Popen[bytes],
 ) -> None:
@@ -63,6 +64,7 @@ def test_the_servers_are_this_processes_children_and_their_cpu_counts(
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="one usable core: nothing to put apart"
 )
+@pytest.mark.processes
 def test_apart_puts_the_server_on_one_core_and_everything_back_after(
     busy_child: subprocess.Popen[bytes],
 ) -> None:

@@ -148,6 +148,7 @@ def _stub(folder: Path, name: str, output: str) -> None:
         ("", "", False, None),
     ],
 )
+@pytest.mark.processes
 def test_the_base_check_refuses_held_packages_and_cuda(
     tmp_path: Path, holds: str, libraries: str, toolkit: bool, expected: str | None
 ) -> None:

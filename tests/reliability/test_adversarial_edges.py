@@ -191,6 +191,7 @@ def held_keys(tmp_path: Path) -> Iterator[tuple[str, Any, dict[str, threading.Ev
         server.server_close()
 
 
+@pytest.mark.processes
 def test_the_relay_answers_others_while_it_fetches_signing_keys(
     held_keys: tuple[str, Any, dict[str, threading.Event]],
 ) -> None:

@@ -329,6 +329,7 @@ def test_two_cli_runs_of_one_config_at_once_both_succeed(tmp_path: Path) -> None
     )
 
 
+@pytest.mark.processes
 def test_pid_records_identify_the_process(tmp_path: Path) -> None:
     from backends.processes import is_alive, read_record, record_of, write_record
 

@@ -228,6 +228,7 @@ def test_other_file_systems_and_no_boot_id_are_flushed_and_trusted(
     assert isinstance(files, dict) and not any("unflushed" in e for e in files.values())
 
 
+@pytest.mark.processes
 def test_the_file_system_type_is_the_one_findmnt_names(tmp_path: Path) -> None:
     """Against util-linux's own reading of the mount table, for folders on this machine."""
     for where in (tmp_path, Path("/proc/self"), Path("/dev/shm"), Path("/")):

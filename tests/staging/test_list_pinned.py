@@ -43,6 +43,7 @@ def cut_once() -> Iterator[tuple[int, list[str]]]:
         yield served
 
 
+@pytest.mark.processes
 def test_a_page_cut_off_on_the_way_is_asked_for_again(cut_once: tuple[int, list[str]]) -> None:
     port, calls = cut_once
     assert list_pinned(data_client(port), "p") == [
@@ -149,6 +150,7 @@ def _two_pages(first: bytes) -> Iterator[tuple[int, list[str]]]:
         yield served
 
 
+@pytest.mark.processes
 def test_a_next_page_refused_fails_the_listing_naming_the_container() -> None:
     with _two_pages(PAGE) as (port, calls):
         with pytest.raises(ValueError, match=r"container 'data': listing .* refused with HTTP 403"):
@@ -156,6 +158,7 @@ def test_a_next_page_refused_fails_the_listing_naming_the_container() -> None:
         assert calls[1].endswith("&marker=p%2Fa.png%261")  # the marker, unescaped and quoted
 
 
+@pytest.mark.processes
 def test_the_next_page_is_asked_for_before_this_one_is_parsed() -> None:
     """A first page whose blobs cannot be parsed, with a good marker at its end: the next
     page was asked for before parsing found the damage."""

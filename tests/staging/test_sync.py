@@ -462,6 +462,7 @@ def test_a_given_listing_reads_nothing_ahead_of_the_names_check(
 
 
 @pytest.mark.parametrize("bad", ["c/x\x00y", "c/x\ud800"], ids=["NUL", "lone surrogate"])
+@pytest.mark.processes
 def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
 ) -> None:

@@ -34,6 +34,7 @@ def _trainer_argv(config_overrides: list[str]) -> list[str]:
     return words[words.index("bash") + 2 :]  # bash <launch.sh> <the trainer's arguments>
 
 
+@pytest.mark.processes
 def test_the_orchestrator_imports_no_torch() -> None:
     """The config and the task spec read the definition, the input size included, without
     importing torch (about 2 s, and not installed where only the orchestrator runs)."""

@@ -282,6 +282,7 @@ def test_the_scorer_reads_what_is_left_when_a_packed_split_is_gone(shards: Path)
     assert info.kind == "image-folders" and list(info.splits) == ["test"]
 
 
+@pytest.mark.processes
 def test_a_sparse_member_is_refused_naming_it(shards: Path, tmp_path: Path) -> None:
     """GNU tar's --sparse stores a file's holes as a map: the bytes at the member's offset are
     not the file. The gate's reader rebuilds them, the trainer's reads at the offset: refused
