@@ -1,7 +1,7 @@
 """The champion of a data root through the retrain flow (local target: Azurite, a real Prefect
 server, the real trainer and scorer): what an up-to-date run names as the model in use, a
-promotion refused by one class's recall, a class added by a new version, and two runs of one
-new version that must not both train it.
+promotion refused by one class's recall, and a class added by a new version (two runs of one
+new version that must not both train it: tests/reliability/test_adversarial_up_to_date.py).
 
 The verdicts here never rest on how well a short run learns: the champions whose numbers decide
 are models written by the test with known answers (one that names the same class for every
@@ -12,21 +12,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from backends.blob import container_client
-from core.data_versions import DataRoot
 from flows.retrain import retrain
 from registry.champion import Champion, champion_for, replace_champion
-from registry.store import list_runs
-from tests.conftest import ROOT, child_env, prefect_api_env
+from tests.conftest import ROOT
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from tests.reliability import report
 from training.make_images import write_digits
@@ -230,50 +224,3 @@ def test_a_class_added_by_a_new_version_is_promoted_by_the_rule_it_names(
     assert result["promoted"] is True, result["reason"]
     now = champion_for(container_client(config.output), "", config.data.root).champion
     assert now is not None and now.run_id == result["run_id"] and now.classes == tuple(DIGITS)
-
-
-def _flow_process(config_file: Path, azurite: str) -> subprocess.Popen[str]:
-    env = {**child_env(), **prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
-    return subprocess.Popen(
-        [sys.executable, "-m", "flows.retrain", "--config", str(config_file)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def test_two_runs_of_one_new_version_train_it_once(tmp_path: Path, azurite: str) -> None:
-    """The nightly and the trigger for one new version, seconds apart: B waits for A's pool.
-    Before, A released the pool's lock before writing its last-run record, so B's up-to-date
-    check compared with the run before A and trained the same data again."""
-    config = make_config(tmp_path, "training.epochs=1")
-    seed(config, _digits(tmp_path, per_class=20))
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    lock = config.work_dir / "pools" / f"{config.pool.id}.lock"
-
-    first = _flow_process(config_file, azurite)
-    deadline = time.monotonic() + 300
-    while not (lock.exists() and lock.read_text().strip()):  # A holds the pool
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
-        time.sleep(0.2)
-    second = _flow_process(config_file, azurite)
-    out_a, _ = first.communicate(timeout=900)
-    out_b, _ = second.communicate(timeout=900)
-    assert first.returncode == 0, out_a[-3000:]
-    assert second.returncode == 0, out_b[-3000:]
-    assert "is in use by" in out_b and "waiting for it" in out_b  # B waited for A
-
-    entries = list_runs(container_client(config.output), "", [config.data.root])
-    assert [e.outcome for e in entries] == ["promoted", "up to date"], [e.reason for e in entries]
-    assert entries[1].reason == (
-        f"nothing trained: the data, code and settings of run {entries[0].run_id}"
-    )
-    assert entries[1].root == DataRoot(config.data.container, config.data.prefix).where
-    report.record(
-        "adversarial",
-        "two runs of one new version, the second waiting for the first's pool",
-        "one trains; the other, deciding once the first's record is written, is up to date",
-    )
