@@ -27,7 +27,7 @@ class Scores:
     macro_f1: float
     balanced_accuracy: float
     recall: dict[str, float]
-    images: int
+    images: int | None  # the test images counted; None for scores read from a record
 
     def metric(self, name: str) -> float:
         return float(getattr(self, name))

@@ -185,7 +185,7 @@ def _recorded(champion: Champion) -> Scores | None:
         macro_f1=float(values["macro_f1"] or 0.0),
         balanced_accuracy=float(values["balanced_accuracy"] or 0.0),
         recall=dict(champion.recall),
-        images=0,
+        images=None,
     )
 
 
@@ -209,7 +209,7 @@ def _compare(champion: Champion, challenger: Challenger, rescore: Rescore) -> Co
     theirs = recorded if rescored is None else scores_of(rescored, only)
     if isinstance(ours, str) or isinstance(theirs, str) or theirs is None:
         # No class in common with a test image: nothing to compare but the new classes.
-        empty = Scores((), 0.0, 0.0, 0.0, {}, 0)
+        empty = Scores((), 0.0, 0.0, 0.0, {}, None)
         ours = ours if isinstance(ours, Scores) else empty
         theirs = theirs if isinstance(theirs, Scores) else empty
     drops = {
