@@ -207,6 +207,8 @@ def _compare(champion: Champion, challenger: Challenger, rescore: Rescore) -> Co
     only = set(compared) if added or removed else None
     ours = scores_of(challenger.score, only)
     theirs = recorded if rescored is None else scores_of(rescored, only)
+    if isinstance(theirs, str) and only is None:
+        raise RuntimeError(f"the champion's score on this test split cannot be read: {theirs}")
     if isinstance(ours, str) or isinstance(theirs, str) or theirs is None:
         # No class in common with a test image: nothing to compare but the new classes.
         empty = Scores((), 0.0, 0.0, 0.0, {}, None)
