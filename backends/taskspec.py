@@ -220,15 +220,22 @@ def staging_task(config: PipelineConfig, task_id: str, output_prefix: str) -> Ta
 
 
 def scoring_task(
-    task_id: str, model_blob: str, output_prefix: str, name: str = "score"
+    task_id: str,
+    model_blob: str,
+    output_prefix: str,
+    name: str = "score",
+    known_classes_only: bool = False,
 ) -> TaskSpec:
     """The scorer on the held-out split, on a node that sees the same NFS data: ``<name>.json``
-    on success; ``<name>.error.json`` (the reason) when the scorer refuses the model or data."""
+    on success; ``<name>.error.json`` (the reason) when the scorer refuses the model or data.
+    ``known_classes_only``: a model whose classes differ from the data's is scored on the
+    classes it knows (the champion, against a version that added or removed a class)."""
     script = (
         f"{PYTHONPATH}; mkdir -p {OUTPUT_DIR} && python -m training.score --model model.pt "
         f"--data-dir {node_path(MOUNTS_DIR, NFS_MOUNT, 'data')} --split test "
         f"--output {OUTPUT_DIR}/{shlex.quote(name)}.json "
         f"--error-output {OUTPUT_DIR}/{shlex.quote(name)}.error.json"
+        + (" --known-classes-only" if known_classes_only else "")
     )
     return TaskSpec(
         id=task_id,

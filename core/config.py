@@ -448,8 +448,34 @@ class RetryConfig(_Section):
 
 
 class PromotionConfig(_Section):
-    metric: Literal["accuracy"] = "accuracy"
+    """When a run's model replaces its data root's champion (registry/promotion.py)."""
+
+    metric: Literal["accuracy", "macro_f1", "balanced_accuracy"] = Field(
+        "accuracy",
+        description="what the challenger must beat the champion on, both scored on the same "
+        "test split: accuracy (the share of test images labelled right), macro_f1 (the mean of "
+        "the classes' F1) or balanced_accuracy (the mean of the classes' recall)",
+    )
     min_improvement: float = Field(0.0, ge=0, description="challenger must beat the champion by")
+    max_class_drop: float | None = Field(
+        0.1,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="the largest drop in any class's recall the challenger may have against "
+        "the champion on the same test split; a larger one refuses the promotion, naming the "
+        "class and both recalls; null: no class is checked",
+    )
+    new_class_min_recall: float | None = Field(
+        0.5,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="a challenger whose classes differ from the champion's (a class added or "
+        "removed by a new version of the data root) is compared with it on the classes both "
+        "know, and each class the champion does not know must reach this recall on the test "
+        "split; null: a change of classes is never promoted (the champion stays)",
+    )
     min_scored_fraction: float = Field(
         0.95,
         ge=0,

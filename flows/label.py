@@ -1,4 +1,5 @@
-"""The ``label-images`` flow: label a folder of new images in Blob storage with the champion.
+"""The ``label-images`` flow: label a folder of new images in Blob storage with the champion of a
+data root (the config's ``data.container`` + ``data.prefix``, or the one the run names).
 
     python -m flows.label --config configs/local.yaml --container incoming --prefix 2026-11-25
 
@@ -30,6 +31,8 @@ def label(
     run_id: str | None = None,
     top_k: int = 3,
     config_path: str = "configs/local.yaml",
+    data_container: str | None = None,
+    data_prefix: str | None = None,
 ) -> dict[str, Any]:
     """Label every image under a folder of Blob storage with a trained model.
 
@@ -41,18 +44,30 @@ def label(
             `python -m flows.models list`).
         top_k: How many of the likeliest classes each image gets, with their probabilities.
         config_path: The pipeline config: where the models and the outputs are.
+        data_container: The dataset whose champion labels the images: its container. Empty:
+            the config's data.container. Each data root has a champion of its own.
+        data_prefix: That dataset's data root in the container (the data_prefix its runs
+            trained). Empty: the config's data.prefix.
     """
     from tasks.label import images_location, label_images
 
-    config = load_config(config_path)
+    overrides = [
+        f"data.{name}={value}"
+        for name, value in (("container", data_container), ("prefix", data_prefix))
+        if value is not None and value != ""
+    ]
+    config = load_config(config_path, overrides)
     labelling_id = new_run_id(flow_run.get_id())
     images = images_location(config, container, prefix)
     done = label_images(config, images, labelling_id, run_id, top_k)
-    get_run_logger().info("%d images labelled by %s -> %s", done.labelled, done.model, done.link)
+    get_run_logger().info(
+        "%d images labelled by %s (%s) -> %s", done.labelled, done.model, done.chosen, done.link
+    )
     return {
         "labelled": done.labelled,
         "skipped": done.skipped,
         "model": done.model,
+        "chosen": done.chosen,
         "predictions": done.csv_blob,
         "link": done.link,
     }
@@ -67,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/local.yaml", help="the pipeline config")
     p.add_argument("--container", required=True, help="the container of the new images")
     p.add_argument("--prefix", default="", help="their folder in it")
-    p.add_argument("--run", help="label with this run's model (default: the champion's)")
+    p.add_argument(
+        "--run",
+        help="label with this run's model (default: the champion of the config's data root)",
+    )
+    p.add_argument("--data-container", help="the dataset whose champion labels: its container")
+    p.add_argument("--data-prefix", help="the dataset whose champion labels: its data root")
     p.add_argument("--top-k", type=int, default=3)
     args = p.parse_args(argv)
     try:
@@ -84,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             run_id=args.run,
             top_k=args.top_k,
             config_path=args.config,
+            data_container=args.data_container,
+            data_prefix=args.data_prefix,
             return_state=True,
         )
         if not state.is_completed():
@@ -92,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         result = state.result()
     for line in result["skipped"]:
         print(f"skipped {line}", file=sys.stderr)
-    print(f"{result['labelled']} images labelled by {result['model']}: {result['link']}")
+    print(
+        f"{result['labelled']} images labelled by {result['model']} ({result['chosen']}): "
+        f"{result['link']}"
+    )
     return 0
 
 

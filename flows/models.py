@@ -1,5 +1,7 @@
-"""Getting the model out: ``python -m flows.models`` lists the runs with their scores and
-promotion decisions, and downloads the champion (or any run's model) to a file.
+"""Getting the model out: ``python -m flows.models`` lists the runs with their data root and
+version, scores and promotion decisions, and downloads the champion of the config's data root
+(``data.container`` + ``data.prefix``; another with ``--set data.prefix=...``) or any run's model
+to a file.
 
     python -m flows.models --config configs/local.yaml list
     python -m flows.models --config configs/local.yaml download --to models/
@@ -27,12 +29,13 @@ from typing import TYPE_CHECKING
 from backends.blob import StorageConfigError, container_client, unreachable
 from core.config import ConfigError, PipelineConfig, load_config
 from registry.gateway import listen_address, serve
+from registry.migrate import migrate_legacy_records
 from registry.store import (
     ModelStoreError,
     RunEntry,
+    champion_of,
     download,
     list_runs,
-    model_blob,
     recorded_model_md5,
     run_file,
 )
@@ -42,14 +45,17 @@ if TYPE_CHECKING:
 
 
 def _table(entries: list[RunEntry]) -> str:
-    """One line per run: its id, the data version it trained, the accuracy of its model, and
-    the decision with its reason."""
-    width = max([len("data"), *(len(e.data) for e in entries)])
-    lines = [f"{'run':<28} {'data':<{width}} {'accuracy':>8}  decision"]
+    """One line per run: its id, the data root and version it trained, the accuracy of its
+    model, and the decision with its reason; the champion of each data root is marked."""
+    root = max([len("data root"), *(len(e.root) for e in entries)])
+    width = max([len("version"), *(len(e.data) for e in entries)])
+    lines = [f"{'run':<28} {'data root':<{root}} {'version':<{width}} {'accuracy':>8}  decision"]
     for e in entries:
         accuracy = f"{e.accuracy:.4f}" if e.accuracy is not None else "-"
         mark = "  <- champion" if e.champion else ""
-        lines.append(f"{e.run_id:<28} {e.data:<{width}} {accuracy:>8}  {e.decision}{mark}")
+        lines.append(
+            f"{e.run_id:<28} {e.root:<{root}} {e.data:<{width}} {accuracy:>8}  {e.decision}{mark}"
+        )
     return "\n".join(lines)
 
 
@@ -83,10 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "list",
-        help="every run: its data version, accuracy, and decision (promoted, not promoted, up "
-        "to date, failed at a step) with why",
+        help="every run: its data root and version, accuracy, and decision (promoted, not "
+        "promoted, up to date, failed at a step) with why; each data root's champion marked",
     )
-    get = sub.add_parser("download", help="the champion's model (or --run's) to a file")
+    get = sub.add_parser(
+        "download",
+        help="the model of the champion of the config's data root (data.container and "
+        "data.prefix; --set data.prefix=... names another) or of --run, to a file",
+    )
     get.add_argument("--run", help="a run id from `list` (default: the champion)")
     get.add_argument("--file", help="another file of the run's outputs, e.g. score.json")
     get.add_argument(
@@ -103,20 +113,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.set)
         outputs = container_client(config.output, config.retries.storage_retries)
-        base, metric = config.output.prefix, config.promotion.metric
+        base, root = config.output.prefix, config.data.root
         if args.command == "serve":
             return _serve(config, outputs, args.host, args.port)
+        migrate_legacy_records(outputs, base, root, lambda line: print(line, file=sys.stderr))
         if args.command == "list":
-            entries = list_runs(outputs, base, metric)
+            entries = list_runs(outputs, base, [root])
             print(_table(entries) if entries else "no runs yet")
             return 0
         if args.file and not args.run:
             raise ModelStoreError("--file needs --run: which run's outputs")
-        blob = (
-            run_file(base, args.run, args.file)
-            if args.file
-            else model_blob(outputs, base, metric, args.run)
-        )
+        if args.run:
+            blob = run_file(base, args.run, args.file or "model.pt")
+        else:
+            champion = champion_of(outputs, base, root)
+            blob = champion.model
+            print(
+                f"the champion of data root {root.where}: run {champion.run_id} "
+                f"({champion.metric} {champion.value:.4f}, trained on {champion.data or '?'})"
+            )
         got = download(outputs, blob, args.to, recorded_model_md5(outputs, blob))
     except (ConfigError, StorageConfigError, ModelStoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)

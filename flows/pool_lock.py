@@ -1,7 +1,10 @@
 """One run per pool at a time: a lock on this machine, and a Prefect global concurrency limit.
 
 Two runs that share a pool must not overlap: the first one's release stops the second one's
-tasks. Two mechanisms, because each covers what the other cannot:
+tasks. A run holds the pool from its data gate to its last-run record (``tasks/up_to_date.py``),
+past the pool's release, so deciding "up to date" and claiming the pool are one step: a run of
+the same inputs that waited finds that record and trains nothing, where it once trained the
+same version again. Two mechanisms, because each covers what the other cannot:
 
 - a file lock (``flock``) beside the local pool's state, ``work_dir/pools/<id>.lock``. It needs
   no server (two ``python -m flows.retrain`` in two shells, without ``PREFECT_API_URL``, each

@@ -197,24 +197,27 @@ def _retrain(
             if not fresh:
                 meter.before_release()
                 steps.append(release_pool(cluster).record)
-    cost = meter.report()
-    outputs_url = output_link(run_config.output, cluster.outputs, f"{run.output_prefix}/")
-    decision, score = promotion.value, scored.value.score
-    report(
-        run.id,
-        steps,
-        scored.value,
-        decision,
-        staged.value,
-        outputs_url,
-        run_config,
-        source,
-        cost,
-        data,
-    )
-    # Last: the record makes the next run of the same inputs end as up to date, so it is written
-    # only once this run's outcome is known (a run that fails in its report trains again).
-    remember_run(run_config, run, check.value.fingerprint, score["accuracy"], data)
+        # Still holding the pool (released above, the lock kept): a run of the same inputs
+        # waiting for it decides whether it is up to date only once this run's record is there.
+        cost = meter.report()
+        outputs_url = output_link(run_config.output, cluster.outputs, f"{run.output_prefix}/")
+        decision, score = promotion.value, scored.value.score
+        report(
+            run.id,
+            steps,
+            scored.value,
+            decision,
+            staged.value,
+            outputs_url,
+            run_config,
+            source,
+            cost,
+            data,
+        )
+        # Last: the record makes the next run of the same inputs end as up to date, so it is
+        # written only once this run's outcome is known (a run that fails in its report trains
+        # again).
+        remember_run(run_config, run, check.value.fingerprint, score["accuracy"], data)
     logger.info("run %s: accuracy %.4f, %s", run.id, score["accuracy"], decision.reason)
     record.ended(
         "promoted" if decision.promoted else "not promoted", decision.reason, score["accuracy"]

@@ -1,13 +1,15 @@
 """The last trained run: what the next run compares itself with to know it has nothing to do.
 
-``<output prefix>/models/last-run.json`` in the output container (beside the champion record)
-holds the fingerprint of the last run that trained and scored a model: the data version the gate
-saw, the code and image versions, the training settings and the number of processes, with the
-run's id, model blob and accuracy. It is written last, once the run's outcome is known (its
-model scored, the promotion decided, its report written), so a run that failed half-way never
-makes the next one skip its training.
+``<output prefix>/models/datasets/<data root>/last-run.json`` in the output container (beside
+that data root's champion record) holds the fingerprint of the last run that trained and scored
+a model on that data root: the data version the gate saw, the code and image versions, the
+training settings and the number of processes, with the run's id, model blob and accuracy. It
+is written last, once the run's outcome is known (its model scored, the promotion decided, its
+report written), so a run that failed half-way never makes the next one skip its training; the
+run holds its pool until then (flows/pool_lock.py), so a run of the same inputs waiting for that
+pool decides after the record is there.
 
-Each trained fingerprint also keeps a record of its own, ``models/trained/<digest>.json``: a
+Each trained fingerprint also keeps a record of its own, ``trained/<digest>.json``: a
 data version trained once is not trained again when a run for it comes later, after another
 version was trained (the sensor reporting a version a manual run already trained, a run named
 for an older version).
@@ -24,6 +26,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from core.data_versions import DataRoot
 from registry.layout import is_model_blob, last_run_blob, trained_blob
 from registry.record_blob import fraction, json_object, read_record, shown
 
@@ -46,7 +49,7 @@ class LastRun:
     data: dict[str, Any] | None = None  # the data version's record; None in older records
 
 
-def _parse(data: bytes) -> LastRun | str:
+def parse_last_run(data: bytes) -> LastRun | str:
     """The record in ``data``, or why it is unusable."""
     doc = json_object(data, MAX_RECORD_BYTES)
     if isinstance(doc, str):
@@ -75,9 +78,12 @@ def _parse(data: bytes) -> LastRun | str:
     )
 
 
-def read_last_run(outputs: ContainerClient, base: str) -> tuple[LastRun | None, str | None]:
-    """(the record, None), (None, None) when there is none, or (None, why it is unusable)."""
-    return _read(outputs, last_run_blob(base))
+def read_last_run(
+    outputs: ContainerClient, base: str, root: DataRoot
+) -> tuple[LastRun | None, str | None]:
+    """The last run that trained on ``root``: (the record, None), (None, None) when there is
+    none, or (None, why it is unusable)."""
+    return _read(outputs, last_run_blob(base, root))
 
 
 def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
@@ -88,28 +94,29 @@ def _read(outputs: ContainerClient, name: str) -> tuple[LastRun | None, str | No
     stored = read_record(outputs, name, MAX_RECORD_BYTES)
     if stored is None:
         return None, None
-    parsed = _parse(stored.data)
+    parsed = parse_last_run(stored.data)
     if isinstance(parsed, str):
         return None, f"{name} is unusable ({parsed})"
     return parsed, None
 
 
 def read_trained(
-    outputs: ContainerClient, base: str, fingerprint: dict[str, Any]
+    outputs: ContainerClient, base: str, root: DataRoot, fingerprint: dict[str, Any]
 ) -> LastRun | None:
-    """The run that trained exactly ``fingerprint``, if one did (an unusable record: none)."""
-    record, _ = _read(outputs, trained_blob(base, fingerprint_digest(fingerprint)))
+    """The run that trained exactly ``fingerprint`` on ``root``, if one did (an unusable
+    record: none)."""
+    record, _ = _read(outputs, trained_blob(base, root, fingerprint_digest(fingerprint)))
     return record if record is not None and record.fingerprint == fingerprint else None
 
 
-def write_last_run(outputs: ContainerClient, base: str, record: LastRun) -> None:
-    """Replace the record (one blob upload: a reader sees the old record or the new one), and
-    keep it as the record of its fingerprint."""
+def write_last_run(outputs: ContainerClient, base: str, root: DataRoot, record: LastRun) -> None:
+    """Replace ``root``'s record (one blob upload: a reader sees the old record or the new
+    one), and keep it as the record of its fingerprint."""
     body = json.dumps(asdict(record), indent=2)
     outputs.upload_blob(
-        trained_blob(base, fingerprint_digest(record.fingerprint)), body, overwrite=True
+        trained_blob(base, root, fingerprint_digest(record.fingerprint)), body, overwrite=True
     )
-    outputs.upload_blob(last_run_blob(base), body, overwrite=True)
+    outputs.upload_blob(last_run_blob(base, root), body, overwrite=True)
 
 
 def blob_exists(outputs: ContainerClient, name: str) -> bool:

@@ -1,38 +1,79 @@
 """Where the registry's records live in the output container: the one definition.
 
 Below ``output.prefix`` (``base``), so pipelines that share a container under different
-prefixes each keep their own champion and last run, as they keep their own runs::
+prefixes each keep their own records, as they keep their own runs. Below that, the champion,
+its history and the up-to-date check's records are kept per **data root** (``data.container``
+and ``data.prefix``, not the version): runs over different data roots never read or replace
+each other's champion, whatever output prefix they share::
 
     <base>/runs/<run id>/...               a run's outputs (core.run.output_prefix)
     <base>/runs/<run id>/run.json          the run's record: data version, outcome, accuracy
     <base>/runs/<run id>/promotion.json    the run's promotion decision
-    <base>/models/champion.json            the model that serves now (one flat record)
-    <base>/models/history/<run id>.json    one record per promotion
-    <base>/models/history/damaged-*.json   damaged champion records, kept when replaced
-    <base>/models/last-run.json            the last run that trained: the up-to-date check's
-    <base>/models/trained/<digest>.json    each trained fingerprint's run, by its digest
+    <base>/models/datasets/<key>/champion.json          the data root's serving model
+    <base>/models/datasets/<key>/history/<run id>.json  one record per promotion
+    <base>/models/datasets/<key>/history/damaged-*.json damaged champion records, kept
+    <base>/models/datasets/<key>/last-run.json          the last run that trained this root
+    <base>/models/datasets/<key>/trained/<digest>.json  each trained fingerprint's run
+    <base>/models/migrated.json            what the records of one champion per output prefix
+                                           became (registry/migrate.py)
     <base>/labels/<id>/predictions.csv     new images labelled by a model (flows/label.py)
 
-Run ids start with their UTC start time, so names under ``runs/`` and ``models/history/`` sort
-in the order the runs started.
+``<key>`` names the data root for a person (container and prefix, ``/`` written ``.``) and ends
+with a digest of the exact root, so two roots never share a folder. Records written before data
+roots had folders of their own are at ``<base>/models/{champion.json,history,last-run.json,
+trained}`` (``LEGACY_*``); they are read once and copied into their roots' folders.
+
+Run ids start with their UTC start time, so names under ``runs/`` and ``history/`` sort in the
+order the runs started.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+
+from core.data_versions import DataRoot
 from core.run import output_prefix
 
-CHAMPION = "models/champion.json"
-HISTORY = "models/history"
-LAST_RUN = "models/last-run.json"
-TRAINED = "models/trained"
+DATASETS = "models/datasets"
+CHAMPION = "champion.json"
+HISTORY = "history"
+LAST_RUN = "last-run.json"
+TRAINED = "trained"
 DECISION = "promotion.json"
 RUN_RECORD = "run.json"
 LABELS = "labels"
+MIGRATED = "models/migrated.json"
+# One champion per output prefix, as records were kept before data roots had folders.
+LEGACY_CHAMPION = "models/champion.json"
+LEGACY_HISTORY = "models/history"
+LEGACY_LAST_RUN = "models/last-run.json"
+LEGACY_TRAINED = "models/trained"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+MAX_KEY_NAME = 80  # characters of the readable part of a data root's folder name
 
 
 def records_blob(base: str, name: str) -> str:
-    """A record ``name`` (e.g. ``CHAMPION``) below the output prefix ``base``."""
+    """A record ``name`` (e.g. ``MIGRATED``) below the output prefix ``base``."""
     return f"{base.strip('/')}/{name}" if base.strip("/") else name
+
+
+def dataset_key(root: DataRoot) -> str:
+    """The folder name of a data root's records: readable (``training-data.digits``), and
+    unique by the digest of the exact container and prefix (names are shortened and their
+    unusual characters replaced, so the readable part alone could be shared)."""
+    prefix = root.prefix.strip("/")
+    readable = ".".join(
+        _UNSAFE.sub("_", part) for part in [root.container, *prefix.split("/")] if part
+    )
+    digest = hashlib.sha256(f"{root.container}/{prefix}".encode()).hexdigest()[:10]
+    return f"{readable[:MAX_KEY_NAME]}-{digest}"
+
+
+def dataset_folder(base: str, root: DataRoot) -> str:
+    """The folder of one data root's champion, history and up-to-date records."""
+    return records_blob(base, f"{DATASETS}/{dataset_key(root)}")
 
 
 def is_model_blob(name: object) -> bool:
@@ -50,25 +91,29 @@ def is_model_blob(name: object) -> bool:
     )
 
 
-def champion_blob(base: str) -> str:
-    return records_blob(base, CHAMPION)
+def champion_blob(base: str, root: DataRoot) -> str:
+    return f"{dataset_folder(base, root)}/{CHAMPION}"
 
 
-def last_run_blob(base: str) -> str:
-    return records_blob(base, LAST_RUN)
+def last_run_blob(base: str, root: DataRoot) -> str:
+    return f"{dataset_folder(base, root)}/{LAST_RUN}"
 
 
-def trained_blob(base: str, digest: str) -> str:
+def trained_blob(base: str, root: DataRoot, digest: str) -> str:
     """The run that trained the fingerprint whose digest is ``digest``."""
-    return records_blob(base, f"{TRAINED}/{digest}.json")
+    return f"{dataset_folder(base, root)}/{TRAINED}/{digest}.json"
 
 
-def history_blob(base: str, run_id: str) -> str:
-    return records_blob(base, f"{HISTORY}/{run_id}.json")
+def history_blob(base: str, root: DataRoot, run_id: str) -> str:
+    return f"{dataset_folder(base, root)}/{HISTORY}/{run_id}.json"
 
 
-def damaged_blob(base: str, stamp: str) -> str:
-    return records_blob(base, f"{HISTORY}/damaged-{stamp}.json")
+def damaged_blob(base: str, root: DataRoot, stamp: str) -> str:
+    return f"{dataset_folder(base, root)}/{HISTORY}/damaged-{stamp}.json"
+
+
+def migrated_blob(base: str) -> str:
+    return records_blob(base, MIGRATED)
 
 
 def runs_root(base: str) -> str:

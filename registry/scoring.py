@@ -24,13 +24,17 @@ def run_scorer(
     output_prefix: str,
     name: str,
     on_line: Callable[[str], None],
+    known_classes_only: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
     """Score ``model_blob`` on the held-out split the cluster's data holds now, as a task on
     the cluster. Returns the exit code and the report: the score, or on refusal (exit
-    ``SCORER_REFUSED``) ``{"error": why}``; None when neither was uploaded."""
+    ``SCORER_REFUSED``) ``{"error": why}``; None when neither was uploaded.
+    ``known_classes_only``: on the images of the classes the model knows, when the data's
+    classes differ from the model's."""
     from azure.core.exceptions import ResourceNotFoundError
 
-    result = cluster.run_task(scoring_task(task_id, model_blob, output_prefix, name), on_line)
+    spec = scoring_task(task_id, model_blob, output_prefix, name, known_classes_only)
+    result = cluster.run_task(spec, on_line)
     blob = (
         f"{output_prefix}/{name}.json"
         if result.exit_code == 0

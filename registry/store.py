@@ -2,12 +2,13 @@
 were, how each scored and what was decided, and a model copied out to a file.
 
 Read from what the flow writes: each run's record (``<output prefix>/runs/<run id>/run.json``:
-its data version and how it ended, ``registry/run_record.py``), its promotion decision
-(``promotion.json``, all runs from before run records have) and the champion record, so a
-listing is always the flow's own account. Every run is listed: promoted, not promoted, up to date
-(nothing trained: another run's model is the one to use), failed (at which step, and why), or
-with no outcome recorded (still running, or stopped by a crash or a cancellation); a person
-looking for a run should find it and see why it has no model.
+its data root and version and how it ended, ``registry/run_record.py``), its promotion decision
+(``promotion.json``, all runs from before run records have) and the champion record of each data
+root (``registry.champion``), so a listing is always the flow's own account. Every run is
+listed: promoted, not promoted, up to date (nothing trained: the run it matched had trained the
+same inputs), failed (at which step, and why), or with no outcome recorded (still running, or
+stopped by a crash or a cancellation); a person looking for a run should find it and see why it
+has no model.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.data_versions import DataRoot
 from core.text import printable
-from registry.champion import read_champion
+from registry.champion import Champion, champion_for
 from registry.layout import RUN_RECORD, decision_blob, run_folder, runs_root
 from registry.record_blob import fraction, json_object, read_record
 from registry.run_record import RunRecord, read_run_record
@@ -44,10 +46,11 @@ class RunEntry:
     accuracy: float | None  # None: the run trained no model it was scored on
     promoted: bool | None
     reason: str
-    champion: bool  # the model serving now
+    champion: bool  # the model serving its data root now
     outcome: str = "unfinished"  # promoted, not promoted, up to date, failed, unfinished
     data: str = "-"  # the data version it trained (or was asked for), as a person reads it
     failed_step: str | None = None
+    root: str = "-"  # the data root (container/prefix) it trained, as a person reads it
 
     @property
     def decision(self) -> str:
@@ -82,15 +85,24 @@ def data_label(data: dict[str, Any]) -> str:
     return str(version) if version else "newest (not chosen)" if data else "-"
 
 
+def record_root(data: dict[str, Any]) -> DataRoot | None:
+    """The data root a run record names (None: a record that names none)."""
+    container, prefix = data.get("container"), data.get("root")
+    if isinstance(container, str) and isinstance(prefix, str):
+        return DataRoot(container, prefix.strip("/"))
+    return None
+
+
 def _entry(run_id: str, record: RunRecord, champion: bool) -> RunEntry:
     outcome: str = record.outcome
     reason = record.reason
     if outcome == "up to date":
-        reason = f"nothing trained, run {record.matched_run}'s model is the one to use"
+        reason = f"nothing trained: the data, code and settings of run {record.matched_run}"
     elif outcome == "running":
         outcome = "unfinished"
         reason = "no outcome recorded (still running, or stopped by a crash or a cancellation)"
     promoted = {"promoted": True, "not promoted": False}.get(record.outcome)
+    root = record_root(record.data)
     return RunEntry(
         _text(run_id),
         record.accuracy,
@@ -100,6 +112,7 @@ def _entry(run_id: str, record: RunRecord, champion: bool) -> RunEntry:
         outcome,
         _text(data_label(record.data)),
         _text(record.failed_step) if record.failed_step else None,
+        _text(root.where) if root else "-",
     )
 
 
@@ -119,25 +132,58 @@ def _from_decision(container: ContainerClient, run_id: str, base: str, champion:
     )
 
 
-def list_runs(container: ContainerClient, base: str, metric: str) -> list[RunEntry]:
-    """Every run under ``<base>/runs/``, oldest first (run ids sort by start time)."""
-    champion = read_champion(container, base, metric).champion
-    root = runs_root(base)
-    entries = []
-    for item in container.walk_blobs(name_starts_with=root, delimiter="/"):
-        run_id = item.name[len(root) :].rstrip("/")
+class _Champions:
+    """The champion of each data root, read once per root."""
+
+    def __init__(self, container: ContainerClient, base: str) -> None:
+        self.container, self.base = container, base
+        self._read: dict[DataRoot, Champion | None] = {}
+
+    def __call__(self, root: DataRoot | None) -> Champion | None:
+        if root is None:
+            return None
+        if root not in self._read:
+            self._read[root] = champion_for(self.container, self.base, root).champion
+        return self._read[root]
+
+    def serving(self) -> set[str]:
+        return {c.run_id for c in self._read.values() if c is not None}
+
+
+def list_runs(
+    container: ContainerClient, base: str, roots: list[DataRoot] | None = None
+) -> list[RunEntry]:
+    """Every run under ``<base>/runs/``, oldest first (run ids sort by start time), each with
+    its data root; a run is marked as the champion when it serves its own data root. The
+    champions of ``roots`` (the config's) are marked even for runs that do not name a root
+    (runs from before run records)."""
+    champions = _Champions(container, base)
+    for root in roots or []:
+        champions(root)
+    root_folder = runs_root(base)
+    found: list[tuple[str, RunRecord | str | None]] = []
+    for item in container.walk_blobs(name_starts_with=root_folder, delimiter="/"):
+        run_id = item.name[len(root_folder) :].rstrip("/")
         if not run_id or not item.name.endswith("/"):
             continue  # a blob directly under runs/, not a run's folder
-        serving = champion is not None and champion.run_id == run_id
         record = read_run_record(container, run_folder(base, run_id))
         if isinstance(record, RunRecord):
-            entries.append(_entry(run_id, record, serving))
+            champions(record_root(record.data))
+        found.append((run_id, record))
+    serving = champions.serving()
+    entries = []
+    for run_id, record in found:
+        if isinstance(record, RunRecord):
+            champion = champions(record_root(record.data))
+            entries.append(
+                _entry(run_id, record, champion is not None and champion.run_id == run_id)
+            )
         elif isinstance(record, str):
             blob = f"{run_folder(base, run_id)}/{RUN_RECORD}"
             reason = _text(f"{blob} is unusable ({record})")
-            entries.append(RunEntry(_text(run_id), None, None, reason, serving))
+            entries.append(RunEntry(_text(run_id), None, None, reason, run_id in serving))
         else:
-            entries.append(_from_decision(container, run_id, base, serving))
+            entries.append(_from_decision(container, run_id, base, run_id in serving))
     return sorted(entries, key=lambda e: e.run_id)
 
 
@@ -159,16 +205,28 @@ def run_file(base: str, run_id: str, name: str) -> str:
     return f"{run_folder(base, run_id)}/{'/'.join(parts)}"
 
 
-def model_blob(container: ContainerClient, base: str, metric: str, run_id: str | None) -> str:
-    """The model blob of ``run_id``, or of the champion when None."""
+def champion_of(container: ContainerClient, base: str, root: DataRoot) -> Champion:
+    """The champion of the data root ``root``; ModelStoreError names the root when there is
+    none to use."""
+    read = champion_for(container, base, root)
+    if read.damaged:
+        raise ModelStoreError(
+            f"the champion record of data root {root.where} ({read.blob}) is damaged "
+            f"({read.damaged}): name a run"
+        )
+    if read.champion is None:
+        raise ModelStoreError(
+            f"there is no champion of data root {root.where} yet: no run that trained it has "
+            "been promoted (data.container and data.prefix name the dataset)"
+        )
+    return read.champion
+
+
+def model_blob(container: ContainerClient, base: str, root: DataRoot, run_id: str | None) -> str:
+    """The model blob of ``run_id``, or of the champion of ``root`` when None."""
     if run_id is not None:
         return run_file(base, run_id, "model.pt")
-    read = read_champion(container, base, metric)
-    if read.damaged:
-        raise ModelStoreError(f"the champion record is damaged ({read.damaged}): name a run")
-    if read.champion is None:
-        raise ModelStoreError("there is no champion yet: no run has been promoted")
-    return read.champion.model
+    return champion_of(container, base, root).model
 
 
 def recorded_model_md5(container: ContainerClient, blob: str) -> str | None:

@@ -1,4 +1,5 @@
-"""Label a folder of new images in Blob storage with a trained model (the champion's by default):
+"""Label a folder of new images in Blob storage with a trained model (by default the champion of
+the config's data root, ``data.container`` + ``data.prefix``: the dataset whose classes it gives):
 the images are downloaded as staging downloads data (path-safe, verified), labelled by
 ``training.predict`` (the trainer's own decoding and preprocessing), and the predictions go to
 the output container as a CSV, with a table and a link as the run's artifacts.
@@ -23,7 +24,8 @@ from backends.blob import container_client
 from core.config import BlobLocation, PipelineConfig
 from registry.gateway import output_link
 from registry.layout import labels_blob
-from registry.store import download, model_blob, recorded_model_md5
+from registry.migrate import migrate_legacy_records
+from registry.store import champion_of, download, recorded_model_md5, run_file
 
 TABLE_ROWS = 200  # what the run's table shows; the CSV holds every image
 
@@ -35,6 +37,7 @@ class Labelled:
     model: str
     labelled: int
     skipped: list[str]
+    chosen: str = ""  # whose model: the champion of which data root, or the run asked for
 
 
 @task(name="label-images", cache_policy=NONE)
@@ -51,8 +54,15 @@ def label_images(
     logger = get_run_logger()
     retries = config.retries.storage_retries
     outputs = container_client(config.output, retries)
-    base = config.output.prefix
-    model = model_blob(outputs, base, config.promotion.metric, run_id)
+    base, root = config.output.prefix, config.data.root
+    migrate_legacy_records(outputs, base, root, logger.info)
+    if run_id is None:
+        champion = champion_of(outputs, base, root)
+        model, chosen = champion.model, f"the champion of data root {root.where}"
+        chosen += f" (run {champion.run_id})"
+    else:
+        model, chosen = run_file(base, run_id, "model.pt"), f"run {run_id}"
+    logger.info("labelling with the model of %s", chosen)
     with tempfile.TemporaryDirectory(prefix="label-") as work:
         folder = Path(work) / "images"
         report = sync_to_directory(container_client(images, retries), images.prefix, folder)
@@ -92,7 +102,7 @@ def label_images(
         link,
         link_text="predictions.csv",
         key="labels-csv",
-        description=f"{len(predictions)} images labelled by {model}",
+        description=f"{len(predictions)} images labelled by {model}, {chosen}",
     )
     if unusable:
         create_markdown_artifact(
@@ -102,7 +112,7 @@ def label_images(
             key="labels-skipped",
             description=f"{len(unusable)} images skipped",
         )
-    return Labelled(blob, link, model, len(predictions), unusable)
+    return Labelled(blob, link, model, len(predictions), unusable, chosen)
 
 
 def where(location: BlobLocation) -> str:

@@ -1,5 +1,7 @@
-"""Step 8, champion/challenger (``registry.promotion``): the model becomes the champion only
-when better by ``promotion.min_improvement``, both scored on this run's test split."""
+"""Step 8, champion/challenger (``registry.promotion``): the model becomes the champion of its
+data root only when better by ``promotion.min_improvement`` on ``promotion.metric``, with no
+class's recall dropping by more than ``promotion.max_class_drop``, both scored on this run's
+test split."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from core.config import PipelineConfig
 from core.data_versions import DataVersion
 from core.run import Run
 from registry.layout import decision_blob
+from registry.migrate import migrate_legacy_records
 from registry.promotion import Challenger, Decision, challenge, rescore_on_cluster
 from tasks.steps import Done, step
 
@@ -28,33 +31,37 @@ def promote(
 ) -> Done[Decision]:
     """``score``: the scorer's report on this run's model; ``staged_version``: of the data it
     was trained and scored on; ``data``: the data version that was (which the decision and
-    the champion record name)."""
+    the champion record name). The champion challenged is that of ``config``'s data root."""
     logger = get_run_logger()
-    metric = config.promotion.metric
+    outputs = container_client(config.output, config.retries.storage_retries)
+    root = config.data.root
+    migrate_legacy_records(outputs, config.output.prefix, root, logger.info)
     challenger = Challenger(
         run.id,
-        metric,
-        float(score[metric]),
         f"{run.output_prefix}/model.pt",
         staged_version,
-        score.get("num_images"),
-        len(score.get("skipped_images") or []),
+        score,
+        root,
         f"{data.container}/{data.prefix}".rstrip("/") if data else None,
     )
     decision = challenge(
-        container_client(config.output, config.retries.storage_retries),
+        outputs,
         config.output.prefix,
         challenger,
-        config.promotion.min_improvement,
+        config.promotion,
         rescore_on_cluster(cluster, run.id, run.output_prefix, logger.info),
         decision_blob(run.output_prefix),
-        min_scored_fraction=config.promotion.min_scored_fraction,
     )
     if decision.note:
         logger.warning("promotion: %s", decision.note)
     logger.info(
-        "promotion: %s (%s)",
+        "promotion (champion of %s): %s (%s)",
+        root.where,
         "promoted" if decision.promoted else "kept champion",
         decision.reason,
     )
-    return Done(True, decision, {"promoted": decision.promoted})
+    return Done(
+        True,
+        decision,
+        {"promoted": decision.promoted, "data_root": root.where, "metric": config.promotion.metric},
+    )

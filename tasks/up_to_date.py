@@ -3,11 +3,17 @@
 A nightly run over unchanged data would otherwise allocate a pool, stage nothing new, "resume"
 a finished checkpoint, export the same model and score it again: GPU nodes paid to do nothing.
 When the data version the gate validated, the code and image versions and the training settings
-all equal those of the last run that trained (``registry/last_run.py``), or of any earlier run
-that trained exactly them, and that run's model is still there, the run is *up to date*: it
-ends before anything is provisioned, and its summary says which run and data version it
-matched. ``force`` trains anyway. So each data version is trained once however many runs ask
-for it: the relay's, the sensor's, the nightly's and a person's.
+all equal those of the last run that trained on the same data root (``registry/last_run.py``),
+or of any earlier run that trained exactly them, and that run's model is still there, the run is
+*up to date*: it ends before anything is provisioned, and its summary says which run and data
+version it matched, and which model serves the data root (its champion, which is not the
+matched run's model when that one was not promoted). ``force`` trains anyway. So each data
+version is trained once however many runs ask for it: the relay's, the sensor's, the nightly's
+and a person's.
+
+A run decides this while it holds its pool, and holds the pool until its own record is written
+(``flows/retrain.py``): a second run of the same inputs that waited for the pool finds the first
+one's record, instead of the one before it, and does not train the same data again.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from core.config import PipelineConfig
 from core.data_versions import DataVersion
 from core.run import Run
 from core.text import markdown_text
+from registry.champion import champion_for
 from registry.gateway import output_link
 from registry.last_run import LastRun, blob_exists, read_last_run, read_trained, write_last_run
 from registry.layout import LAST_RUN
+from registry.migrate import migrate_legacy_records
 from tasks.provision import SCRIPT_PACKAGES
 from tasks.steps import Done, StepRecord, step
 from tasks.validate import Validated
@@ -132,7 +140,9 @@ def decide(
     if earlier is not None:
         return True, _same(current, earlier, data)
     if last is None:
-        return False, unusable or f"no earlier trained run ({LAST_RUN} does not exist yet)"
+        return False, unusable or (
+            f"no earlier trained run on this data root (its {LAST_RUN} does not exist yet)"
+        )
     changed = differences(last.fingerprint, current, (last.data, data))
     if changed:
         return False, f"changed since run {last.run_id}: {'; '.join(changed)}"
@@ -156,14 +166,15 @@ def check_up_to_date(config: PipelineConfig, data: Validated, force: bool) -> Do
     version, and the digest of the listing it pinned), so it is known before anything is
     staged."""
     outputs = container_client(config.output, config.retries.storage_retries)
-    base = config.output.prefix
+    base, root = config.output.prefix, config.data.root
+    migrate_legacy_records(outputs, base, root, get_run_logger().info)
     current = fingerprint(config, data.listing_version)
     record = data.version.as_record()
-    last, unusable = read_last_run(outputs, base)
+    last, unusable = read_last_run(outputs, base, root)
     exists = last is not None and blob_exists(outputs, last.model)
     earlier = None
     if not force and not (last is not None and exists and last.fingerprint == current):
-        earlier = read_trained(outputs, base, current)
+        earlier = read_trained(outputs, base, root, current)
         if earlier is not None and not blob_exists(outputs, earlier.model):
             earlier = None
     fresh, why = decide(current, last, unusable, exists, force, earlier, record)
@@ -196,6 +207,7 @@ def remember_run(
     write_last_run(
         outputs,
         config.output.prefix,
+        config.data.root,
         LastRun(
             run_id=run.id,
             fingerprint=current,
@@ -223,15 +235,35 @@ def report_up_to_date(
     last = check.last
     assert last is not None  # up to date means a last run matched
     outputs = container_client(config.output, config.retries.storage_retries)
-    outputs_url = output_link(config.output, outputs, f"{last.outputs}/")
+    root = config.data.root
+    serving = champion_for(outputs, config.output.prefix, root)
+    champion = serving.champion
+    if champion is not None:
+        link = output_link(config.output, outputs, champion.model)
+        in_use = (
+            f"The model in use is the champion of {markdown_text(root.where)}: "
+            f"[{markdown_text(champion.model)}]({link}) from run "
+            f"{markdown_text(champion.run_id)} ({champion.metric} {champion.value:.4f})."
+        )
+        if champion.run_id != last.run_id:
+            in_use += (
+                f" Run {markdown_text(last.run_id)}, whose data, code and settings these are, "
+                "was not promoted: its model is not the one in use."
+            )
+    else:
+        why = f"its record is damaged ({serving.damaged})" if serving.damaged else "none yet"
+        in_use = (
+            f"No model serves {markdown_text(root.where)}: its champion record "
+            f"({markdown_text(serving.blob)}) is {markdown_text(why)}."
+        )
+    used = f"{champion.model.rsplit('/', 1)[0]}/" if champion else f"{last.outputs}/"
+    outputs_url = output_link(config.output, outputs, used)
     lines = [
         f"# Retrain {run_id}: up to date",
         "",
         f"**Nothing to train.** {markdown_text(check.why)}.",
         "",
-        f"The model in use is [{markdown_text(last.model)}]"
-        f"({output_link(config.output, outputs, last.model)}) from run "
-        f"{markdown_text(last.run_id)}.",
+        in_use,
         "",
         f"**Data:** {markdown_text(check.data.describe())} ({markdown_text(check.data.chosen)}); "
         f"the gate's listing `{check.fingerprint['data_version']}`.",
@@ -250,10 +282,12 @@ def report_up_to_date(
     return {
         "run_id": run_id,
         "up_to_date": True,
-        "accuracy": last.accuracy,
+        # The model in use: the data root's champion (the matched run's when there is none).
+        "accuracy": champion.score("accuracy") if champion else last.accuracy,
         "promoted": False,
         "reason": f"up to date with run {last.run_id}",
         "matched_run": last.run_id,
+        "champion_run": champion.run_id if champion else None,
         "data_version": check.data.version,
         "data": check.data.as_record(),
         "outputs": outputs_url,

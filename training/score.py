@@ -86,29 +86,51 @@ def predict(
     return truth, predicted
 
 
-def score(model_path: Path, data_dir: str, split: str = "test", seed: int = 0) -> dict[str, Any]:
+def score(
+    model_path: Path,
+    data_dir: str,
+    split: str = "test",
+    seed: int = 0,
+    known_classes_only: bool = False,
+) -> dict[str, Any]:
+    """The model's scores on ``split``. ``known_classes_only``: a dataset whose classes differ
+    from the model's (a class added or removed since it was trained) is scored on the images of
+    the classes the model knows, in the model's class order, and the report names the classes
+    left out; without it such a dataset is refused rather than scored wrongly."""
     from sklearn.metrics import accuracy_score, confusion_matrix, precision_recall_fscore_support
 
     model, saved = load_model(model_path)
     info = open_dataset(data_dir, saved["input_size"], seed=seed, required_splits=(split,))
     if split not in info.splits:
         raise DatasetError(f"split {split!r} not found in {data_dir} (have {sorted(info.splits)})")
-    if info.class_names != saved["class_names"]:
+    names: list[str] = saved["class_names"]
+    differ = info.class_names != names
+    if differ and not known_classes_only:
         raise DatasetError(
-            f"classes in {data_dir} {info.class_names} differ from "
-            f"the model's {saved['class_names']}"
+            f"classes in {data_dir} {info.class_names} differ from the model's {names}"
         )
     truth, predicted = predict(model, info.splits[split].dataset)
-    labels = list(range(len(info.class_names)))
+    unknown = [c for c in info.class_names if c not in names]
+    if differ:
+        # The data's class indices, as the model's; images of classes it does not know are left out.
+        index = {i: names.index(c) for i, c in enumerate(info.class_names) if c in names}
+        kept = [(index[t], p) for t, p in zip(truth, predicted, strict=True) if t in index]
+        if not kept:
+            raise DatasetError(
+                f"no {split} image in {data_dir} is of a class the model knows ({names}); "
+                f"the data's classes are {info.class_names}"
+            )
+        truth, predicted = [t for t, _ in kept], [p for _, p in kept]
+    labels = list(range(len(names)))
     precision, recall, f1, support = precision_recall_fscore_support(
         truth, predicted, labels=labels, zero_division=0
     )
-    return {
+    report = {
         "accuracy": float(accuracy_score(truth, predicted)),
         "num_images": len(truth),
         "split": split,
         "model_name": saved["model_name"],
-        "class_names": info.class_names,
+        "class_names": names,
         "per_class": {
             name: {
                 "precision": float(precision[i]),
@@ -116,11 +138,15 @@ def score(model_path: Path, data_dir: str, split: str = "test", seed: int = 0) -
                 "f1": float(f1[i]),
                 "support": int(support[i]),
             }
-            for i, name in enumerate(info.class_names)
+            for i, name in enumerate(names)
         },
         "confusion_matrix": confusion_matrix(truth, predicted, labels=labels).tolist(),
         "skipped_images": info.splits[split].skipped,
     }
+    if differ:
+        report["classes_not_scored"] = unknown  # in the data, unknown to the model
+        report["classes_not_in_data"] = [c for c in names if c not in info.class_names]
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0, help="must match training for synthetic:N")
     p.add_argument(
+        "--known-classes-only",
+        action="store_true",
+        help="score only the images of the classes the model knows when the data's classes "
+        "differ from the model's (a champion scored on a version that added or removed a "
+        "class); without it such data is refused",
+    )
+    p.add_argument(
         "--error-output",
         type=Path,
         help="when the model or data is refused (exit 2), the reason as JSON here: for a "
@@ -138,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        result = score(args.model, args.data_dir, args.split, args.seed)
+        result = score(args.model, args.data_dir, args.split, args.seed, args.known_classes_only)
     except (DatasetError, ModelFileError) as exc:
         if args.error_output:
             atomic_write_json({"error": str(exc)}, args.error_output)

@@ -149,7 +149,7 @@ def test_each_version_is_trained_once_whichever_way_it_arrives(
         assert len(_runs_for(on_new_data, container)) == 3  # nothing reported twice
 
     outputs = container_client(config.output)
-    entries = list_runs(outputs, config.output.prefix, "accuracy")
+    entries = list_runs(outputs, config.output.prefix, [config.data.root])
     assert [(e.data, e.outcome) for e in entries] == [
         ("v2", "promoted"),  # the first model
         ("v2", "up to date"),
@@ -163,17 +163,18 @@ def test_each_version_is_trained_once_whichever_way_it_arrives(
     assert all(e.accuracy is not None for e in entries if e.outcome != "up to date")
     by_id = {e.run_id: e for e in entries}
     for e in entries:
-        if e.outcome == "up to date":  # the model in use is the one trained on this version
-            matched = e.reason.split("run ", 1)[1].split("'s model", 1)[0]
+        if e.outcome == "up to date":  # it matched the run that trained this version
+            matched = e.reason.rsplit("run ", 1)[1]
             assert by_id[matched].data == e.data and by_id[matched].accuracy is not None
 
     # What a person reads: the data version and the decision of each run.
     capsys.readouterr()
     assert models(["--config", str(config_file), "list"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["run", "data", "accuracy", "decision"]
+    assert table[0].split() == ["run", "data", "root", "version", "accuracy", "decision"]
     for line, e in zip(table[1:], entries, strict=True):
-        assert line.split()[:2] == [e.run_id, e.data] and e.outcome in line
+        assert line.split()[:3] == [e.run_id, config.data.root.where, e.data]
+        assert e.outcome in line
     # Up-to-date runs rented nothing: no training step ran in the manual run.
     steps, artifacts = task_runs_and_artifacts(manual.id)
     assert "run-training" not in steps and "stage-data" not in steps

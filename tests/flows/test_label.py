@@ -44,16 +44,23 @@ def _config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, azurite: str) -> tu
 def test_new_images_are_labelled_by_the_champion_and_damaged_ones_named(
     model: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, azurite: str
 ) -> None:
+    from core.data_versions import DataRoot
     from flows.label import label
-    from registry.champion import Champion, read_champion, replace_champion
+    from registry.champion import Champion, champion_for, replace_champion
     from training.predict import predict
 
     model_path, data = model
     config, config_path = _config(tmp_path, monkeypatch, azurite)
     outputs = container_client(config.output, create=True)
     outputs.upload_blob("runs/r1/model.pt", model_path.read_bytes())
+    outputs.upload_blob("runs/r2/model.pt", model_path.read_bytes())
+    root = config.data.root
     champion = Champion("r1", "accuracy", 0.9, "runs/r1/model.pt", None, "2026-11-25T00:00:00Z")
-    replace_champion(outputs, "", champion, read_champion(outputs, "", "accuracy"))
+    replace_champion(outputs, "", root, champion, champion_for(outputs, "", root))
+    # Another dataset's champion, under the same output prefix: not the one that labels.
+    faces = DataRoot(root.container, "faces")
+    other = Champion("r2", "accuracy", 0.8, "runs/r2/model.pt", None, "2026-11-25T00:00:00Z")
+    replace_champion(outputs, "", faces, other, champion_for(outputs, "", faces))
 
     new = tmp_path / "new"
     (new / "flat").mkdir(parents=True)
@@ -70,6 +77,7 @@ def test_new_images_are_labelled_by_the_champion_and_damaged_ones_named(
 
     images = [*sorted(new.rglob("*.png")), new / "photo.jpg"]
     assert result["labelled"] == len(images) - 1 and result["model"] == "runs/r1/model.pt"
+    assert result["chosen"] == f"the champion of data root {root.where} (run r1)"
     assert len(result["skipped"]) == 1
     assert result["skipped"][0].startswith("2026-11-25/damaged.png: unreadable image")
     rows = list(
@@ -85,6 +93,15 @@ def test_new_images_are_labelled_by_the_champion_and_damaged_ones_named(
     }
     assert {r["image"]: r["label_1"] for r in rows} == expected
     assert result["link"].startswith(config.output.links_url)
+    # The run names the dataset whose champion labels (each data root has its own).
+    with_faces = label(
+        container=config.data.container,
+        prefix="2026-11-25",
+        config_path=str(config_path),
+        data_prefix="faces",
+    )
+    assert with_faces["model"] == "runs/r2/model.pt"
+    assert with_faces["chosen"] == f"the champion of data root {faces.where} (run r2)"
 
 
 def test_without_a_champion_the_run_fails_saying_so(
@@ -95,4 +112,5 @@ def test_without_a_champion_the_run_fails_saying_so(
     config, config_path = _config(tmp_path, monkeypatch, azurite)
     container_client(config.output, create=True)
     state = label(container=config.data.container, config_path=str(config_path), return_state=True)
-    assert state.is_failed() and "there is no champion yet" in str(state.message)
+    assert state.is_failed()
+    assert f"there is no champion of data root {config.data.root.where} yet" in str(state.message)

@@ -23,6 +23,7 @@ from backends.processes import read_record
 from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
 from registry.gateway import serve
+from registry.layout import champion_blob, last_run_blob
 from tests.conftest import ROOT
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from training.make_images import write_digits
@@ -91,7 +92,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert staged["shards"]["action"] == "packed"
     assert staged["shards"]["images"] == metrics["dataset"]["num_train"] + score["num_images"]
     assert metrics["dataset"]["kind"] == "image-folders (packed shards)"
-    champion = json.loads(outputs.download_blob("models/champion.json").readall())
+    champion = json.loads(outputs.download_blob(champion_blob("", config.data.root)).readall())
     assert champion["run_id"] == result["run_id"]
 
     keys = {a.key for a in artifacts if a.key}
@@ -195,7 +196,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert steps["build-image"]["status"] == "skipped"
     assert state2.result()["promoted"] is False
     assert f"against the champion's {result['accuracy']:.4f}" in state2.result()["reason"]
-    champion = json.loads(outputs.download_blob("models/champion.json").readall())
+    champion = json.loads(outputs.download_blob(champion_blob("", config.data.root)).readall())
     assert champion["run_id"] == result["run_id"]
     ddp_prefix = f"runs/{state2.result()['run_id']}"
     ddp = json.loads(outputs.download_blob(f"{ddp_prefix}/metrics.json").readall())
@@ -213,7 +214,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     steps = {s["step"]: s for s in forced.result()["steps"]}
     assert steps["run-training"]["details"]["epochs_run"] == [1]
     assert steps["run-training"]["details"]["resumed_from_epoch"] is None
-    last = json.loads(outputs.download_blob("models/last-run.json").readall())
+    last = json.loads(outputs.download_blob(last_run_blob("", config.data.root)).readall())
     assert last["run_id"] == forced.result()["run_id"]
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from azure.storage.blob import ContainerClient, ContentSettings
 
+from core.config import PromotionConfig
+from core.data_versions import DataRoot
 from core.run import output_prefix
 from flows.models import main
 from registry.champion import Champion
@@ -20,27 +22,41 @@ from registry.promotion import Challenger, challenge
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
+DIGITS = DataRoot("training-data", "digits")  # configs/local.yaml's data root
 
 
 def _no_rescore(champion: Champion) -> dict[str, float]:
     raise AssertionError("every run here scores on the same data version")
 
 
-def _run(container: ContainerClient, base: str, run_id: str, accuracy: float, model: bytes) -> None:
+def score(accuracy: float, images: int = 200) -> dict[str, Any]:
+    """A scorer's report of two classes with this accuracy (both classes equally right)."""
+    right = round(accuracy * images / 2)
+    wrong = images // 2 - right
+    return {
+        "num_images": images,
+        "class_names": ["a", "b"],
+        "confusion_matrix": [[right, wrong], [wrong, right]],
+        "skipped_images": [],
+    }
+
+
+def _run(
+    container: ContainerClient,
+    base: str,
+    run_id: str,
+    accuracy: float,
+    model: bytes,
+    root: DataRoot = DIGITS,
+) -> None:
     prefix = output_prefix(base, run_id)
     md5 = bytearray(hashlib.md5(model, usedforsecurity=False).digest())
     container.upload_blob(
         f"{prefix}/model.pt", model, content_settings=ContentSettings(content_md5=md5)
     )
-    challenger = Challenger(run_id, "accuracy", accuracy, f"{prefix}/model.pt", "v1", 100)
+    challenger = Challenger(run_id, f"{prefix}/model.pt", "v1", score(accuracy), root)
     challenge(
-        container,
-        base,
-        challenger,
-        0.0,
-        _no_rescore,
-        f"{prefix}/promotion.json",
-        min_scored_fraction=0.95,
+        container, base, challenger, PromotionConfig(), _no_rescore, f"{prefix}/promotion.json"
     )
 
 
@@ -73,7 +89,8 @@ def test_list_shows_each_run_its_decision_and_the_champion(
         "20261103-020000-cccccccc",
         "20261104-020000-dddddddd",
     ]
-    assert "0.9100  promoted: no champion yet" in rows[0] and "<- champion" not in rows[0]
+    assert "0.9100  promoted: no champion of training-data/digits yet" in rows[0]
+    assert "<- champion" not in rows[0]
     assert "0.9500  promoted" in rows[1] and rows[1].endswith("<- champion")
     assert "0.9300  not promoted" in rows[2] and "worse" in rows[2]
     assert "-  unfinished: did not reach its promotion decision" in rows[3]
@@ -144,9 +161,10 @@ def test_two_prefixes_in_one_container_have_their_own_champion_and_last_run(
         assert main(["--config", str(LOCAL), *where, "download", "--to", str(to)]) == 0
         assert to.read_bytes() == model
     record = LastRun("r", {"data_version": "v"}, "team-a/runs/r/model.pt", "team-a/runs/r", 0.9, "")
-    write_last_run(container, "team-a", record)
-    assert read_last_run(container, "team-a") == (record, None)
-    assert read_last_run(container, "team-b") == (None, None)
+    write_last_run(container, "team-a", DIGITS, record)
+    assert read_last_run(container, "team-a", DIGITS) == (record, None)
+    assert read_last_run(container, "team-b", DIGITS) == (None, None)
+    assert read_last_run(container, "team-a", DataRoot("training-data", "faces")) == (None, None)
 
 
 def _record(container: ContainerClient, run_id: str, **fields: Any) -> None:
@@ -210,24 +228,32 @@ def test_list_tells_up_to_date_failed_and_unfinished_runs_apart_and_names_the_da
 
     assert main(["--config", str(LOCAL), *where, "list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["run", "data", "accuracy", "decision"]
+    assert out[0].split() == ["run", "data", "root", "version", "accuracy", "decision"]
     rows = {line.split()[0]: line for line in out[1:]}
-    assert "v1" in rows["20261101-020000-aaaaaaaa"].split()[1]
+    assert rows["20261101-020000-aaaaaaaa"].split()[1:3] == ["training-data/images", "v1"]
     assert "0.9100  promoted: no champion yet" in rows["20261101-020000-aaaaaaaa"]
-    assert rows["20261102-020000-bbbbbbbb"].split()[1:4] == ["v1", "-", "up"]
+    assert rows["20261102-020000-bbbbbbbb"].split()[1:5] == [
+        "training-data/images",
+        "v1",
+        "-",
+        "up",
+    ]
     assert (
-        "up to date: nothing trained, run 20261101-020000-aaaaaaaa's model is the one to use"
-        in (rows["20261102-020000-bbbbbbbb"])
+        "up to date: nothing trained: the data, code and settings of run "
+        "20261101-020000-aaaaaaaa" in (rows["20261102-020000-bbbbbbbb"])
     )
     assert "newest (not chosen)" in rows["20261103-020000-cccccccc"]
     assert (
         "failed at validate-data: DataVersionError: data root" in rows["20261103-020000-cccccccc"]
     )
-    assert rows["20261104-020000-dddddddd"].split()[1] == "v7"
+    assert rows["20261104-020000-dddddddd"].split()[1:3] == ["training-data/images", "v7"]
     assert "unfinished: no outcome recorded" in rows["20261104-020000-dddddddd"]
+    assert rows["20261105-020000-eeeeeeee"].split()[1] == "training-data/digits"
     assert "digits (no versions)" in rows["20261105-020000-eeeeeeee"]
     assert "0.5000  not promoted: worse" in rows["20261105-020000-eeeeeeee"]
     assert "run.json is unusable (no run_id, or an outcome" in rows["20261106-020000-ffffffff"]
+    # A run from before run records names no data root; it is the config's root's champion.
+    assert rows["20261107-020000-gggggggg"].split()[1:3] == ["-", "-"]
     assert "0.9500  promoted" in rows["20261107-020000-gggggggg"]
     assert rows["20261107-020000-gggggggg"].endswith("<- champion")
 

@@ -57,13 +57,13 @@ def test_new_data_version_trains_on_every_image_and_compares_on_one_test_split(
     tmp_path: Path,
 ) -> None:
     v1, v2 = _two_versions(tmp_path)
-    config = make_config(tmp_path, "data.prefix=images/v1", "training.epochs=1")
+    config = make_config(tmp_path, "data.prefix=images", "training.epochs=1")
     _seed_version(config, v1, "images/v1")
-    first = retrain(config=config, return_state=True)
+    first = retrain(config=config, return_state=True)  # v1, the only complete version
     assert first.is_completed(), first.message
     _seed_version(config, v2, "images/v2")
-    # As the on-new-data deployment starts it: the event's prefix as a parameter.
-    second = retrain(config=config, data_prefix="images/v2", return_state=True)
+    # As the on-new-data deployment starts it: the data root and the event's version.
+    second = retrain(config=config, data_prefix="images", data_version="v2", return_state=True)
     assert second.is_completed(), second.message
     result = second.result()
 
@@ -97,9 +97,12 @@ def test_new_data_version_trains_on_every_image_and_compares_on_one_test_split(
     assert rescored["test_images"] == decision["challenger"]["test_images"] == score["num_images"]
     assert 0.0 <= rescored["accuracy"] <= 1.0
     baseline = rescored["accuracy"] + config.promotion.min_improvement
-    assert decision["promoted"] is (score["accuracy"] > baseline)
-    # Both data versions named: the layout of configs written before versions (each version's
-    # folder a data root of its own, with its own marker) still trains and compares.
+    # Promoted when better by the margin and no class's recall dropped by more than allowed.
+    worst = max(c["drop"] for c in decision["per_class"].values())
+    allowed = config.promotion.max_class_drop
+    assert allowed is not None
+    assert decision["promoted"] is (score["accuracy"] > baseline and worst <= allowed)
+    # Both data versions of the one data root named (its champion is the one challenged).
     v1_where, v2_where = (f"{config.data.container}/images/{v}" for v in ("v1", "v2"))
     assert decision["challenger"]["data"] == v2_where and champion["data"] == v1_where
     assert (

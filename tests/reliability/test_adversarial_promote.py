@@ -4,6 +4,7 @@ after training, never taken for "no champion", the damaged bytes kept)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,16 +13,19 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from backends.blob import container_client
+from core.data_versions import DataRoot
 from registry.champion import (
     Champion,
     ChampionMovedError,
+    champion_for,
     parse_record,
-    read_champion,
     replace_champion,
 )
-from registry.layout import CHAMPION, HISTORY
+from registry.layout import CHAMPION, champion_blob, dataset_folder
 from tests.pipeline_helpers import make_config, new_container
 from tests.reliability import report
+
+ROOT = DataRoot("c", "images")
 
 
 @pytest.fixture
@@ -37,18 +41,34 @@ def _champion(i: int, version: str = "v1") -> Champion:
         f"runs/{i}/model.pt",
         version,
         f"2026-11-23T00:00:{i % 60:02d}+00:00",
+        classes=("a", "b"),
     )
+
+
+def _score(accuracy: float, images: int, unreadable: int = 0) -> dict[str, Any]:
+    """The scorer's report (training.score) on two classes, with this accuracy."""
+    right, half = round(accuracy * images), images // 2
+    a_right = min(right, half)
+    b_right = right - a_right
+    return {
+        "accuracy": accuracy,
+        "num_images": images,
+        "class_names": ["a", "b"],
+        "confusion_matrix": [[a_right, half - a_right], [images - half - b_right, b_right]],
+        "skipped_images": [f"test/a/{i}.png: unreadable image" for i in range(unreadable)],
+    }
 
 
 def test_champion_stays_flat_over_many_promotions(outputs: ContainerClient) -> None:
     promotions = 60
     for i in range(promotions):
-        before = read_champion(outputs, "", "accuracy")
-        replace_champion(outputs, "", _champion(i), before)
-    stored = outputs.download_blob(CHAMPION).readall()
+        before = champion_for(outputs, "", ROOT)
+        replace_champion(outputs, "", ROOT, _champion(i), before)
+    stored = outputs.download_blob(champion_blob("", ROOT)).readall()
     assert len(stored) < 1024 and "previous" not in json.loads(stored)
-    assert read_champion(outputs, "", "accuracy").champion == _champion(promotions - 1)
-    history = sorted(b.name for b in outputs.list_blobs(name_starts_with=f"{HISTORY}/"))
+    assert champion_for(outputs, "", ROOT).champion == _champion(promotions - 1)
+    history_folder = f"{dataset_folder('', ROOT)}/history/"
+    history = sorted(b.name for b in outputs.list_blobs(name_starts_with=history_folder))
     assert len(history) == promotions and history[-1].endswith(
         f"{promotions - 1:06d}-abcdef12.json"
     )
@@ -61,11 +81,11 @@ def test_champion_stays_flat_over_many_promotions(outputs: ContainerClient) -> N
 
 
 def test_a_stale_read_cannot_replace_the_champion(outputs: ContainerClient) -> None:
-    before = read_champion(outputs, "", "accuracy")
-    replace_champion(outputs, "", _champion(1), before)
+    before = champion_for(outputs, "", ROOT)
+    replace_champion(outputs, "", ROOT, _champion(1), before)
     with pytest.raises(ChampionMovedError):
-        replace_champion(outputs, "", _champion(2), before)  # read before run 1 won
-    assert read_champion(outputs, "", "accuracy").champion == _champion(1)
+        replace_champion(outputs, "", ROOT, _champion(2), before)  # read before run 1 won
+    assert champion_for(outputs, "", ROOT).champion == _champion(1)
 
 
 def _nested(depth: int) -> bytes:
@@ -81,9 +101,9 @@ def _nested(depth: int) -> bytes:
 
 
 def test_records_of_the_earlier_nested_format() -> None:
-    legacy = parse_record(_nested(3), "accuracy")
+    legacy = parse_record(_nested(3))
     assert isinstance(legacy, Champion) and legacy.run_id == "r2" and legacy.data_version is None
-    assert parse_record(_nested(1200), "accuracy") == "nested too deep to read"
+    assert parse_record(_nested(1200)) == "nested too deep to read"
 
 
 DAMAGED = {
@@ -135,7 +155,7 @@ def test_damaged_champion_record_is_a_named_decision(
     raw, why = DAMAGED[case]
     config = make_config(tmp_path)
     outputs = container_client(config.output, create=True)
-    outputs.upload_blob(CHAMPION, raw)
+    outputs.upload_blob(champion_blob("", config.data.root), raw)
     cluster = LocalCluster(
         tmp_path / "work", "p", 1, tmp_path / "nfs", tmp_path / "share", outputs
     )  # a damaged record needs no re-scoring: the pool is never used
@@ -144,14 +164,14 @@ def test_damaged_champion_record_is_a_named_decision(
 
     @flow
     def promote_once() -> dict[str, Any]:
-        return promote(config, cluster, run, {"accuracy": 0.7}, "v9").value.record
+        return promote(config, cluster, run, _score(0.7, 20), "v9").value.record
 
     decision = promote_once()
     assert decision["promoted"] is True and decision["champion_record"] == "damaged"
     assert why in decision["reason"] and CHAMPION in decision["reason"]
     kept = decision["damaged_record"]["kept_as"]
     assert outputs.download_blob(kept).readall() == raw  # nothing stored is lost
-    champion = read_champion(outputs, "", "accuracy").champion
+    champion = champion_for(outputs, "", config.data.root).champion
     assert champion is not None and champion.run_id == "run-new"
     assert json.loads(outputs.download_blob("runs/run-new/promotion.json").readall()) == decision
     report.record(
@@ -192,15 +212,18 @@ def test_a_test_split_the_scorer_could_not_mostly_read_decides_nothing(
     config = make_config(tmp_path)
     assert config.promotion.min_scored_fraction == 0.95
     outputs = container_client(config.output, create=True)
+    root = config.data.root
     if champion:
-        replace_champion(outputs, "", _champion(1, "v9"), read_champion(outputs, "", "accuracy"))
+        # Its scores on the test split of v9, the data this run trained: no scoring again.
+        recorded = dataclasses.replace(
+            _champion(1, "v9"),
+            scores={"macro_f1": 0.5, "balanced_accuracy": 0.5},
+            recall={"a": 0.5, "b": 0.5},
+        )
+        replace_champion(outputs, "", root, recorded, champion_for(outputs, "", root))
     cluster = LocalCluster(tmp_path / "work", "p", 1, tmp_path / "nfs", tmp_path / "share", outputs)
     run = Run("run-new", "runs/run-new", tmp_path / "work" / "runs" / "run-new")
-    score = {
-        "accuracy": 1.0,  # better than any champion, on the images it read
-        "num_images": scored,
-        "skipped_images": [f"test/c/{i}.png: unreadable image" for i in range(unreadable)],
-    }
+    score = _score(1.0, scored, unreadable)  # better than any champion, on what it read
 
     @flow
     def promote_once() -> dict[str, Any]:
@@ -209,7 +232,7 @@ def test_a_test_split_the_scorer_could_not_mostly_read_decides_nothing(
     decision = promote_once()
     assert decision["promoted"] is promoted, decision["reason"]
     assert decision["challenger"]["unreadable_test_images"] == unreadable
-    now = read_champion(outputs, "", "accuracy").champion
+    now = champion_for(outputs, "", root).champion
     if promoted:
         assert now is not None and now.run_id == "run-new"
         return
@@ -218,7 +241,7 @@ def test_a_test_split_the_scorer_could_not_mostly_read_decides_nothing(
         f"the scorer read only {scored} of the {split} test images ({unreadable} could not be "
         "decoded), less than the 0.95 of the split promotion.min_scored_fraction asks for"
     ) in decision["reason"]
-    assert now == (_champion(1, "v9") if champion else None)
+    assert (now and now.run_id) == (_champion(1).run_id if champion else None)
     report.record(
         "adversarial",
         f"promotion: the scorer read {scored} of {split} test images"

@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 from azure.storage.blob import ContainerClient
 
+from core.data_versions import DataRoot
 from core.run import output_prefix
 from flows.models import main
-from registry.champion import read_champion
+from registry.champion import champion_for
 from registry.last_run import read_last_run
-from registry.layout import CHAMPION, LAST_RUN
+from registry.layout import LAST_RUN, champion_blob, last_run_blob
 from registry.store import list_runs
 from tests.conftest import ROOT, run_trainer
 from tests.reliability import report
@@ -31,6 +32,7 @@ from tests.reliability import report
 LOCAL = ROOT / "configs" / "local.yaml"
 HUGE = "1" + "0" * 400  # 1e400 written as an integer: JSON has no bound on them
 RUN = "20261101-020000-aaaaaaaa"
+DIGITS = DataRoot("training-data", "digits")  # configs/local.yaml's data root
 
 
 @pytest.fixture
@@ -73,8 +75,8 @@ def test_a_damaged_champion_record_is_named_by_list_and_download(
     container, where = outputs
     raw, why = CHAMPIONS[case]
     container.upload_blob(f"{output_prefix('', RUN)}/promotion.json", _record(RUN, accuracy=0.9))
-    container.upload_blob(CHAMPION, raw)
-    read = read_champion(container, "", "accuracy")
+    container.upload_blob(champion_blob("", DIGITS), raw)
+    read = champion_for(container, "", DIGITS)
     assert (read.state, read.damaged, read.raw) == ("damaged", why, raw)
     assert read.etag  # a promotion replaces it under this ETag, keeping its bytes first
 
@@ -83,7 +85,8 @@ def test_a_damaged_champion_record_is_named_by_list_and_download(
     assert RUN in listed and "<- champion" not in listed
     assert main([*where, "download", "--to", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"the champion record is damaged ({why})" in err and "Traceback" not in err
+    assert f"the champion record of data root training-data/digits ({read.blob}) is damaged" in err
+    assert f"is damaged ({why})" in err and "Traceback" not in err
     report.record(
         "adversarial",
         f"models list / download: champion.json is {case}",
@@ -136,7 +139,7 @@ def test_a_damaged_last_run_record_makes_the_run_train_and_say_why(
     }
     # The integer as digits in the JSON text (json.dumps of a str would quote it).
     body = json.dumps(record).replace(f'"{HUGE}"', HUGE).encode() if fields is not None else b""
-    outputs.upload_blob(LAST_RUN, body)
+    outputs.upload_blob(last_run_blob("", config.data.root), body)
     container = config.data.container
     version = DataVersion(container, "digits", "v1", "0x1", None, "named by the run")
 
@@ -146,7 +149,7 @@ def test_a_damaged_last_run_record_makes_the_run_train_and_say_why(
 
     result = check()
     assert result.fresh is False and f"{LAST_RUN} is unusable ({why})" in result.why
-    assert read_last_run(outputs, "")[0] is None
+    assert read_last_run(outputs, "", config.data.root)[0] is None
     report.record(
         "adversarial",
         f"up-to-date check: last-run.json is {case}",
@@ -175,7 +178,7 @@ def test_list_reads_no_more_of_a_promotion_record_than_a_record_holds(
     watched = ContainerClient.from_connection_string(
         azurite, container.container_name, raw_response_hook=count
     )
-    (entry,) = list_runs(watched, "", "accuracy")
+    (entry,) = list_runs(watched, "", [DIGITS])
     assert "is unusable (larger than 1048576 bytes)" in entry.reason
     assert 0 < sum(received) <= (1 << 20) + 1, received
     report.record(

@@ -6,7 +6,8 @@ settings that shape the model and the world size. A blob rewritten with its old 
 (Put Block List stores whatever MD5 its writer sends) made a run "up to date", and staging,
 which skipped by MD5, trained the old bytes even when forced; a change in backends/taskspec.py
 that changed the trainer's arguments was not in the fingerprint; toggling the timeline, which
-changes no weight, retrained an identical model."""
+changes no weight, retrained an identical model; two runs of one new version, the second waiting
+for the first's pool, trained it twice (the first released the pool before its record)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 from azure.storage.blob import BlobBlock, ContainerClient, ContentSettings
 
 from core.config import load_config
@@ -172,4 +175,66 @@ def test_toggling_the_timeline_trains_nothing_new() -> None:
         "adversarial",
         "training.timeline toggled, nothing else changed",
         "up to date (a timeline changes no weight); a changed setting is named alone",
+    )
+
+
+def _flow_process(config_file: Path, azurite: str) -> subprocess.Popen[str]:
+    """``python -m flows.retrain`` against the session's Prefect server, as a nightly or a
+    trigger's worker starts a run."""
+    from tests.conftest import prefect_api_env
+
+    env = {**child_env(), **prefect_api_env(), "AZURE_STORAGE_CONNECTION_STRING": azurite}
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.retrain", "--config", str(config_file)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.usefixtures("prefect_api", "horovodrun")
+def test_two_runs_of_one_new_version_train_it_once(
+    tmp_path: Path, azurite: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The nightly and the trigger for one new version, seconds apart: B waits for A's pool.
+    Before, A released the pool's lock before writing its last-run record, so B's up-to-date
+    check compared with the run before A and trained the same data again."""
+    from backends.blob import container_client
+    from registry.store import list_runs
+    from tests.pipeline_helpers import make_config, seed
+    from training.make_images import write_digits
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    config = make_config(tmp_path, "training.epochs=1")
+    source = tmp_path / "digits"
+    write_digits(source, test_fraction=0.3, seed=0, per_class=20)
+    seed(config, source)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    lock = config.work_dir / "pools" / f"{config.pool.id}.lock"
+
+    first = _flow_process(config_file, azurite)
+    deadline = time.monotonic() + 300
+    while not (lock.exists() and lock.read_text().strip()):  # A holds the pool
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
+        time.sleep(0.2)
+    second = _flow_process(config_file, azurite)
+    out_a, _ = first.communicate(timeout=900)
+    out_b, _ = second.communicate(timeout=900)
+    assert first.returncode == 0, out_a[-3000:]
+    assert second.returncode == 0, out_b[-3000:]
+    assert "is in use by" in out_b and "waiting for it" in out_b  # B waited for A
+
+    entries = list_runs(container_client(config.output), "", [config.data.root])
+    assert [e.outcome for e in entries] == ["promoted", "up to date"], [e.reason for e in entries]
+    assert entries[1].reason == (
+        f"nothing trained: the data, code and settings of run {entries[0].run_id}"
+    )
+    assert entries[1].root == config.data.root.where
+    report.record(
+        "adversarial",
+        "two runs of one new version, the second waiting for the first's pool",
+        "one trains; the other, deciding once the first's record is written, is up to date",
     )

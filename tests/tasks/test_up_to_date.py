@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from registry.last_run import LastRun, _parse
+from registry.last_run import LastRun, parse_last_run
 from staging.listing import PinnedBlob, listing_version
 from tasks.up_to_date import decide
 
@@ -72,7 +72,7 @@ def test_force_a_missing_model_and_no_record_train() -> None:
     ],
 )
 def test_a_damaged_record_is_named_not_trusted(data: bytes, why: str) -> None:
-    parsed = _parse(data)
+    parsed = parse_last_run(data)
     assert isinstance(parsed, str) and why in parsed
     fresh, reason = decide(CURRENT, None, f"unusable ({parsed})", False, False)
     assert not fresh and why in reason
@@ -133,6 +133,7 @@ def test_each_trained_fingerprint_keeps_its_run(azurite: str) -> None:
 
     from azure.storage.blob import ContainerClient
 
+    from core.data_versions import DataRoot
     from registry.last_run import read_last_run, read_trained, write_last_run
 
     outputs = ContainerClient.from_connection_string(azurite, f"trained-{uuid.uuid4().hex[:8]}")
@@ -140,9 +141,13 @@ def test_each_trained_fingerprint_keeps_its_run(azurite: str) -> None:
     first = LastRun("run-v1", CURRENT, "p/runs/run-v1/model.pt", "p/runs/run-v1", 0.9, "t", V1)
     second_fp = {**CURRENT, "data_version": "d2"}
     second = LastRun("run-v2", second_fp, "p/runs/run-v2/model.pt", "p/runs/run-v2", 0.8, "t", V2)
-    write_last_run(outputs, "p", first)
-    write_last_run(outputs, "p", second)
-    assert read_last_run(outputs, "p") == (second, None)
-    assert read_trained(outputs, "p", CURRENT) == first
-    assert read_trained(outputs, "p", {**CURRENT, "processes": 4}) is None
-    assert read_trained(outputs, "other", CURRENT) is None
+    root, faces = DataRoot("c", "images"), DataRoot("c", "faces")
+    write_last_run(outputs, "p", root, first)
+    write_last_run(outputs, "p", root, second)
+    assert read_last_run(outputs, "p", root) == (second, None)
+    assert read_trained(outputs, "p", root, CURRENT) == first
+    assert read_trained(outputs, "p", root, {**CURRENT, "processes": 4}) is None
+    assert read_trained(outputs, "other", root, CURRENT) is None
+    # Another data root's runs are not this one's: its last run and fingerprints are its own.
+    assert read_last_run(outputs, "p", faces) == (None, None)
+    assert read_trained(outputs, "p", faces, CURRENT) is None
