@@ -53,8 +53,7 @@ def test_a_unit_test_that_starts_something_fails_naming_the_marker() -> None:
     probe.write_text(PROBE)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "quick"]
-            + ["-rA", str(probe)],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *QUICK, str(probe)],
             cwd=ROOT,
             env=child_env(),
             capture_output=True,
