@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import ROOT, child_env
 
+QUICK = ("-m", "quick", "-rA")
 PROBE = """
 import socket
 import subprocess
