@@ -6,7 +6,7 @@ past the pool's release, so deciding "up to date" and claiming the pool are one 
 the same inputs that waited finds that record and trains nothing, where it once trained the
 same version again. Two mechanisms, because each covers what the other cannot:
 
-- a file lock (``flock``) beside the local pool's state, ``work_dir/pools/<id>.lock``. It needs
+- a file lock (filelock) beside the local pool's state, ``work_dir/pools/<id>.lock``. It needs
   no server (two ``python -m flows.retrain`` in two shells, without ``PREFECT_API_URL``, each
   start an ephemeral API of their own), and the kernel drops it the moment its holder dies,
   however it dies, so a killed run never leaves a lock behind to wait out or to remove by hand;
@@ -41,13 +41,13 @@ wait for each other.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+
+from filelock import FileLock, Timeout
 
 from core.config import PipelineConfig
 from core.pool_slot import ensure_limit, nfs_slot, pool_slot
@@ -61,34 +61,31 @@ LEASE_SECONDS = 120
 NFS_LOCK = ".retrain.lock"  # in a local NFS folder: held by the run that uses the folder
 
 
-def _lock(fh: IO[str], wait: bool, say: Callable[[str], None], what: str) -> bool:
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        if not wait:
-            return False
-    fh.seek(0)
-    say(f"{what} is in use by {fh.read().strip() or 'another run'}; waiting for it")
-    fcntl.flock(fh, fcntl.LOCK_EX)
-    return True
-
-
 @contextlib.contextmanager
 def _file_lock(
     path: Path, holder: dict[str, object], wait: bool, say: Callable[[str], None], what: str
 ) -> Iterator[bool]:
-    """An flock on ``path`` for the block (yields False when taken and ``wait`` is off); the
+    """A file lock on ``path`` for the block (yields False when taken and ``wait`` is off); the
     file then names ``holder`` for whoever waits."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        if not _lock(fh, wait, say, what):
+    lock = FileLock(path, preserve_lock_file=True)  # the file names its holder
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if not wait:
             yield False
             return
-        fh.truncate(0)
-        fh.write(json.dumps({**holder, "pid": os.getpid(), "since": round(time.time())}))
-        fh.flush()
+        try:
+            named = path.read_text(errors="replace").strip()
+        except OSError:
+            named = ""
+        say(f"{what} is in use by {named or 'another run'}; waiting for it")
+        lock.acquire()
+    try:
+        path.write_text(json.dumps({**holder, "pid": os.getpid(), "since": round(time.time())}))
         yield True
+    finally:
+        lock.release()
 
 
 def nfs_folder(config: PipelineConfig, shared: bool) -> tuple[str, Path]:
