@@ -21,10 +21,11 @@ import psutil
 
 from training.atomic import atomic_write_json
 
-# Two reads of one process's creation time differ only when the wall clock was stepped between
-# them (psutil adds the boot time, which the kernel moves with the clock); another process
-# given the same PID was created at least this much later.
-_SAME_PROCESS = 1.0
+# The kernel counts a process's start in clock ticks (1/100 s): two reads of one process's
+# creation time agree to that, and a later process given the same PID started in a later tick.
+# A wall clock stepped between the reads moves psutil's figure (it adds the boot time), and the
+# process then names nothing: the safe side, as nothing is signalled on an unverified word.
+_TICK = 0.005
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def read_record(path: Path) -> ProcessRecord | None:
 def _process(record: ProcessRecord) -> psutil.Process | None:
     """The recorded process while it is the one recorded (same PID, created at the same time)."""
     found = record_of(record.pid)
-    if found is None or abs(found.created - record.created) >= _SAME_PROCESS:
+    if found is None or abs(found.created - record.created) >= _TICK:
         return None
     with contextlib.suppress(psutil.Error):
         return psutil.Process(record.pid)

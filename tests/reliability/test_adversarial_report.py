@@ -45,7 +45,7 @@ def _last_run(config: Any) -> bytes | None:
     try:
         return bytes(
             container_client(config.output)
-            .download_blob(last_run_blob(config.output.prefix))
+            .download_blob(last_run_blob(config.output.prefix, config.data.root))
             .readall()
         )
     except ResourceNotFoundError:

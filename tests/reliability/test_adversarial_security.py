@@ -339,7 +339,7 @@ def test_pid_records_identify_the_process(tmp_path: Path) -> None:
         write_record(record, tmp_path / "p.pid")
         assert read_record(tmp_path / "p.pid") == record
         # Same PID, created at another time: another process.
-        assert not is_alive(type(record)(record.pid, record.created + 2))
+        assert not is_alive(type(record)(record.pid, record.created + 0.01))
     assert not is_alive(record)
     (tmp_path / "bare.pid").write_text(str(os.getpid()))  # a PID alone proves nothing
     assert read_record(tmp_path / "bare.pid") is None
