@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): $(SETUP_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	@# torch first, pinned: any looser spec pulls a multi-GB CUDA build (see README).
+	@# torch first, pinned: any looser spec pulls a multi-GB CUDA build (docs/testing.md).
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	bash scripts/install_horovod.sh $(PY)
@@ -36,17 +36,17 @@ demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py
 
 # The training image's cpu variant (docker/Dockerfile), built with buildah and pushed to the local
-# registry; nothing is built when the registry has its tag already (README, "The training image").
+# registry; nothing is built when the registry has its tag already (docs/image.md).
 image: setup
 	$(PY) scripts/image.py
 
-# The local target's Blob storage for the deployments (README, "Running it as a service"):
+# The local target's Blob storage for the deployments (docs/service.md):
 # Azurite on its default port 127.0.0.1:10000 with the demo's dataset uploaded, in the
 # foreground until Ctrl-C.
 azurite: setup
 	$(PY) scripts/demo.py --serve-storage
 
-# The whole local service in one command (README, "Running it as a service"): Azurite, PostgreSQL,
+# The whole local service in one command (docs/service.md): Azurite, PostgreSQL,
 # a Prefect server on it, the work pool and deployments, a worker, the relay and the outputs
 # gateway, each started once the one before is healthy; data and logs in .service/; Ctrl-C
 # stops them all. SERVICE_ARGS: e.g. --config configs/azure.yaml (python -m deployments.service

@@ -224,8 +224,8 @@ def measure(
     do not share the disk with the write-back of earlier ones. The small files' folders are
     kept (see :func:`run`): on an ext4 without a journal (this machine's), every file created
     within a minute or more of deleting thousands costs the kernel's inode allocator a scan
-    of the deleted ones (``recently_deleted``), about half a millisecond per file measured
-    here, paid alike by either tool and larger than either tool's own CPU per file.
+    of the deleted ones (``recently_deleted``), paid alike by either tool and larger than either
+    tool's own CPU per file (docs/performance.md).
 
     The server's CPU (Azurite's, and the delay proxy's) is counted per sync too: where it is
     larger than the client's, the server is what bounds the rate on this machine, whichever
@@ -421,8 +421,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         port = urlsplit(container.url).port or 10000
         # The large files first, before the small files' kept folders (2.4 GB in 120,000
         # files) exist: measured after them, every round of the step that came right after
-        # rclone's took 1.3-1.6x the time of its other rounds, which no scratch run without
-        # those folders showed (docs/performance.md).
+        # rclone's took longer than its other rounds, which no scratch run without those
+        # folders showed (docs/performance.md).
         large = {
             f"{d:g}": measure(conn, name, port, "raw", work, d, args) for d in args.large_delays_ms
         }

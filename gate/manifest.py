@@ -2,10 +2,10 @@
 of each image, decoded whole as the trainer will decode it (``training.images.to_rgb``).
 
 So the gate costs seconds, and no GPU is provisioned and no data copied, for a dataset that
-would fail. "Readable" means decodable: a header alone says nothing about the pixels (PNGs cut
-after 60 bytes passed a header read, and the scorer then skipped 25 of 28 test images), and
-the width and height are the picture's, after its EXIF orientation (a phone photo's stored
-pixels are its sensor's, turned).
+would fail. "Readable" means decodable: a header alone says nothing about the pixels (a PNG
+cut short passes a header read, and the scorer then skips it), and the width and height are
+the picture's, after its EXIF orientation (a phone photo's stored pixels are its sensor's,
+turned).
 
 What each read found is kept in the work folder by content: the blob's Content-MD5 and size
 from the listing (by name and ETag for a blob stored without an MD5). A nightly run over
@@ -224,7 +224,7 @@ def build_manifest(
     if blobs is None:
         blobs = list_dataset(location, retries)
     # A row per blob and the cache's entries are bulk allocations with no cycle: made with the
-    # collector paused (staging.blob.paused_gc), which on 1.38 M cached rows saved 2 of 12 s.
+    # collector paused (staging.blob.paused_gc), so it does not walk millions of rows for none.
     # Reading and decoding images steps out of the pause.
     with paused_gc() as pause:
         cache_file = cache_path(location, cache_dir)
@@ -287,8 +287,8 @@ def build_manifest(
 
 def class_counts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Images per class and split: the rows of the gate's second table."""
-    # One pass over the rows: counting per label by scanning every row was rows x classes
-    # (83 s for 30,000 rows of 1,000 classes; about an hour on an ImageNet-sized listing).
+    # One pass over the rows: counting per label by scanning every row was rows x classes,
+    # more than an ImageNet-sized listing can afford (docs/performance.md times this).
     tally = Counter((r["label"], r["split"]) for r in rows if r["label"])
     labels = sorted({label for label, _ in tally})
     return [
