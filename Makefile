@@ -66,8 +66,8 @@ azure-config:
 # Everything but the extra trials of the fault tests (marked slow; `make reliability` runs them),
 # in TEST_WORKERS processes (pytest-xdist), a test file per process at a time, the longest
 # files first (tests/durations.py; refresh its table from .work/junit.xml). Many tests wait
-# on servers, launchers and nodes part of the time: on 2 cores, 2 processes left the cores idle
-# 17% of a whole run and 3 left them idle 3% (17:16 against 19:01 of pytest, one run each).
+# on servers, launchers and nodes part of the time, so three processes keep two cores busy
+# (docs/testing.md).
 TEST_WORKERS ?= 3
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow and not gpu" \
