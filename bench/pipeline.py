@@ -9,8 +9,8 @@ data). For each, from the task runs the Prefect API recorded:
 * the critical path: the longest chain through the flow's DAG, with the measured durations;
 * orchestration overhead: wall minus critical path (task submission, state round trips to the
   API, gaps between steps);
-* the speed-up from running steps 2 to 5 (scripts, data, image, pool) concurrently: their
-  summed time over the span they took together.
+* the speed-up from running the four concurrent steps (scripts, data, image, pool) side by
+  side: their summed time over the span they took together.
 
 Also the start-up cost of ``python -m flows.retrain --help`` against ``import prefect`` alone,
 and which heavy libraries loading the flow module pulls in (it should pull in none).

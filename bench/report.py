@@ -607,7 +607,7 @@ def pipeline(r: dict[str, Any]) -> list[str]:
         ),
     )
     row(
-        "steps 2-5: summed / span / speed-up",
+        "the four concurrent steps: summed / span / speed-up",
         lambda v: (
             f"{v['steps_2_to_5']['sum_seconds']:.2f} / "
             f"{v['steps_2_to_5']['span_seconds']:.2f} s / {v['steps_2_to_5']['speedup']}x"

@@ -419,10 +419,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shard_files = sum(pack_folders(images, tars, args.tar_mb * 2**20).values())
         upload_directory(container, tars, f"{PREFIX}/tars", workers=8)
         port = urlsplit(container.url).port or 10000
-        # The large files first, before the small files' kept folders (2.4 GB in 120,000
-        # files) exist: measured after them, every round of the step that came right after
-        # rclone's took longer than its other rounds, which no scratch run without those
-        # folders showed (docs/performance.md).
+        # The large files first, before the small files' kept folders (every round's copy)
+        # exist: measured after them, every round of the step that came right after rclone's
+        # took longer than its other rounds, which no scratch run without those folders showed
+        # (docs/performance.md).
         large = {
             f"{d:g}": measure(conn, name, port, "raw", work, d, args) for d in args.large_delays_ms
         }

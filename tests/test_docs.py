@@ -1,12 +1,18 @@
 """The README and the docs pages point at things that exist: every relative link's file and
-heading, every `make` target, `python -m` module and project file they name. A page that names
-a flag, a target or a page that is gone sends a reader nowhere, and nothing else would notice."""
+heading, every `make` target, `python -m` module, option and project file they name. A page that
+names a flag, a target or a page that is gone sends a reader nowhere, and nothing else would
+notice."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -97,6 +103,83 @@ def test_every_python_module_named_exists() -> None:
         if m.split(".")[0] in {d.name for d in ROOT.iterdir() if d.is_dir()}
         and not module_exists(m)
     )
+    assert not missing, "\n".join(missing)
+
+
+# The project's commands as the pages write them: `python -m MODULE ...`, `torchrun ... -m MODULE
+# ...` or `python scripts/X.py ...`, to the end of the line or of the shell command (a `|` stays:
+# the pages write alternatives with it, `--model cnn|resnet18`, and pipe no command).
+COMMAND = re.compile(
+    r"(?:\bpython3?|\btorchrun\b[^`\n]*?) (?:-m ([A-Za-z_][\w.]*\w)|(scripts/\w+\.py))([^`;&#\n]*)"
+)
+OPTION = re.compile(r"--[a-z][\w-]*")
+SUBCOMMANDS = {"flows.models": {"list", "download", "serve"}}
+# Run in a process of its own: each command's --help as `python -m` would print it, without a
+# process per command (importing torch and Prefect once).
+HELP = """
+import contextlib, io, json, runpy, sys, traceback
+helps = {}
+for key in json.loads(sys.argv[1]):
+    module, script, sub = key.split("|")
+    sys.argv = [module or script, *([sub] if sub else []), "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
+        except SystemExit:
+            pass
+        except Exception:
+            traceback.print_exc()
+    helps[key] = out.getvalue()
+print(json.dumps(helps))
+"""
+
+
+def named_options() -> dict[str, set[str]]:
+    """Each project command the pages name (``module|script|subcommand``), with every option
+    given to it and where: ``--set training.extra_args=[--fp16-allreduce]`` gives ``--set``."""
+    folders = {d.name for d in ROOT.iterdir() if d.is_dir()}
+    named: dict[str, set[str]] = {}
+    for page in LINKED:
+        code = re.sub(r"\\\n\s*", " ", commands(page.read_text()))  # continued lines joined
+        for module, script, rest in COMMAND.findall(code):
+            if (module and module.split(".")[0] not in folders) or rest.startswith("."):
+                continue  # another project's module, or a pattern (`python -m bench.<name>`)
+            words = [w.lstrip("[(") for w in rest.split()]
+            sub = next((w for w in words if w in SUBCOMMANDS.get(module, ())), "")
+            options = {m.group() for w in words if (m := OPTION.match(w))}
+            named.setdefault(f"{module}|{script}|{sub}", set()).update(
+                f"{o} ({page.relative_to(ROOT)})" for o in options
+            )
+    return named
+
+
+@pytest.mark.processes
+def test_every_option_named_is_one_its_command_takes() -> None:
+    named = named_options()
+    keys = sorted(set(named) | {f"{k.split('|')[0]}|{k.split('|')[1]}|" for k in named})
+    done = subprocess.run(
+        [sys.executable, "-c", HELP, json.dumps(keys)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    helps = json.loads(done.stdout)
+    missing = []
+    for key, options in sorted(named.items()):
+        # A subcommand's help leaves out the options given before it (`--config`).
+        text = helps[key] + helps[f"{key.split('|')[0]}|{key.split('|')[1]}|"]
+        assert "usage:" in text, f"{key}: no help: {text[-500:]}"
+        for option in sorted(options):
+            flag = option.split()[0]
+            if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text):
+                missing.append(f"{key.strip('|').replace('|', ' ')}: {option}")
     assert not missing, "\n".join(missing)
 
 
