@@ -606,6 +606,10 @@ class TrackingConfig(_Section):
 AlertEvent = Literal["failed", "crashed", "promoted"]
 
 
+def _every_alert() -> list[AlertEvent]:
+    return ["failed", "crashed", "promoted"]
+
+
 class AlertsConfig(_Section):
     """Notifications through a Prefect notification block (``python -m deployments.setup``
     creates the automations that send them: deployments/alerts.py)."""
@@ -618,7 +622,7 @@ class AlertsConfig(_Section):
         "deployments.setup runs (RETRAIN_ALERTS_WEBHOOK_URL makes a webhook one); null: none",
     )
     on: list[AlertEvent] = Field(
-        default_factory=lambda: ["failed", "crashed", "promoted"],
+        default_factory=_every_alert,
         description="what is notified: failed (a retrain run failed, naming its step), "
         "crashed (its process died), promoted (a new champion)",
     )
