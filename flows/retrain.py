@@ -105,21 +105,39 @@ def retrain(
         data_prefix=data_prefix,
         data_version=data_version,
     )
-    effective = build_run_config(
-        request, deployment_path=deployment_config_path(deployment.id), deployed=bool(deployment.id)
-    )
-    run_config = effective.config
-    logger.info("config: %s", effective.source)
-    run = Run.start(flow_run.get_id(), run_config.output.prefix, run_config.work_dir)
-    record = RunLog(run_config, run)
+    run: Run | None = None
+    try:
+        effective = build_run_config(
+            request,
+            deployment_path=deployment_config_path(deployment.id),
+            deployed=bool(deployment.id),
+        )
+        run_config = effective.config
+        logger.info("config: %s", effective.source)
+        run = Run.start(flow_run.get_id(), run_config.output.prefix, run_config.work_dir)
+        record = RunLog(run_config, run)
+    except Exception as exc:  # a config it cannot use, a record it cannot write
+        _announce_failure(run, exc)
+        raise
     tracker = Tracker(run_config, logger.warning)
     try:
         return _retrain(run_config, effective.source, run, record, force, tracker)
     except BaseException as exc:
         if isinstance(exc, Exception):
             record.failed(exc)
+            _announce_failure(run, exc)
         tracker.end(exc)
         raise
+
+
+def _announce_failure(run: Run | None, exc: Exception) -> None:
+    """The failure as an event naming the step it came out of, for the alerts (a crash, which
+    reaches no code here, is told by Prefect's own event)."""
+    from core.run_events import run_failed
+    from registry.run_record import error_summary
+    from tasks.steps import failed_step
+
+    run_failed(run.id if run else str(flow_run.get_id()), failed_step(exc), error_summary(exc))
 
 
 def _retrain(
@@ -132,6 +150,7 @@ def _retrain(
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
+    from core.run_events import model_promoted
     from registry.gateway import output_link
     from tasks.cost import PoolMeter
     from tasks.promote import promote
@@ -215,6 +234,13 @@ def _retrain(
             )
             steps.append(promotion.record)
             tracker.decided(run, promotion.value, scored.value.metrics)
+            if promotion.value.promoted:
+                model_promoted(
+                    run.id,
+                    run_config.data.root.where,
+                    promotion.value.reason,
+                    run_config.promotion.metric,
+                )
         finally:
             if not fresh:
                 meter.before_release()
