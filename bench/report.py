@@ -651,6 +651,29 @@ def pipeline(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def tracking(r: dict[str, Any]) -> list[str]:
+    """What MLflow tracking adds to a run: each pair's difference and their median."""
+    rows = ["| | median untracked | median difference (tracked - untracked) | each pair |"]
+    rows.append("|---|---:|---:|---|")
+    for key, label in (("wall_seconds", "wall"), ("cpu_seconds", "orchestrator CPU")):
+        m = r[key]
+        share = f" ({100 * m['median_share']:+.1f}%)" if m["median_share"] is not None else ""
+        pairs = ", ".join(f"{d:+.2f}" for d in m["pair_differences"])
+        rows.append(
+            f"| {label} | {m['median_untracked']:.2f} s | {m['median_difference']:+.2f} s{share} "
+            f"| {pairs} s |"
+        )
+    return [
+        "## MLflow tracking's cost per run (`bench/tracking.py`)",
+        "",
+        f"Method: {r['method']}. Each pair runs the two in turn first; the orchestrator's CPU is",
+        "that of the flow's process, every thread (tracking's own included), not the trainer's.",
+        "",
+        *rows,
+        "",
+    ]
+
+
 def train_throughput(r: dict[str, Any]) -> list[str]:
     if "images_per_sec_per_gpu" in r:
         return [
@@ -912,6 +935,8 @@ def render(results: Path, previous: str = "") -> str:
         lines += systems.sharded_state(r)
     if (r := load("pipeline")) is not None:
         lines += pipeline(r)
+    if (r := load("tracking")) is not None:
+        lines += tracking(r)
     if (r := load("train_throughput")) is not None:
         lines += ["## Training throughput (`bench/train_throughput.py`)", "", *train_throughput(r)]
     if (r := load("nodes")) is not None:

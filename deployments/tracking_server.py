@@ -10,8 +10,10 @@ uploads and downloads (``--serve-artifacts``), so clients need no access to that
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -80,3 +82,24 @@ def describe(backend_uri: str) -> str:
     """The backend store as the status line names it (no query: a socket path is long)."""
     scheme = backend_uri.split(":", 1)[0]
     return "PostgreSQL" if scheme.startswith("postgresql") else scheme
+
+
+@contextlib.contextmanager
+def running_mlflow(state: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """An MLflow server of its own on a free loopback port, its SQLite store and artifacts in
+    ``state``, until the block ends; yields its URI (the tests' and the benchmark's)."""
+    from backends.ports import free_port
+    from deployments.supervisor import Supervisor
+
+    port = free_port()
+    artifacts = state / "artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    supervisor = Supervisor(state / "logs", say=lambda line: None)
+    backend = f"sqlite:///{state / 'mlflow.db'}"
+    try:
+        supervisor.start(
+            mlflow_component("127.0.0.1", port, backend, artifacts, env or dict(os.environ))
+        )
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        supervisor.stop()

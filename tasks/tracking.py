@@ -7,12 +7,14 @@ link back to the Prefect flow run. Its model is registered as a version of the d
 registered model (champions are per data root), and the ``champion`` alias moves to it when,
 and only when, the pipeline promotes it.
 
-Tracking never fails or stalls a run. Every call but the first goes through one background
-thread, in order, so a slow server never holds the trainer's output or a step; MLflow's HTTP
-client retries and waits as its environment says (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
-``_TIMEOUT``, ``_BACKOFF_FACTOR``), which is bounded here to seconds where the user has not
-set it; the first failure is a warning in the run's log and turns tracking off for the rest of
-the run, so a server that is down costs one bounded wait, not one per epoch.
+Tracking never fails or stalls a run. Every call goes through one background thread, in
+order, so a slow server never holds the trainer's output or a step; the run waits only for its
+MLflow run's creation and, at its end, for what is still queued, each for a bounded time.
+MLflow's HTTP client retries and waits as its environment says
+(``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``_TIMEOUT``, ``_BACKOFF_FACTOR``), bounded here to seconds
+where the user has not set them; the first failure is a warning in the run's log and turns
+tracking off for the rest of the run, so a server that is down costs one bounded wait, not one
+per epoch.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ HTTP_BOUNDS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
 }
+START_SECONDS = 90.0  # the longest the run waits for its MLflow run to be created
 FLUSH_SECONDS = 180.0  # the longest the run waits at its end for what is still queued
 REGISTRATION_WAIT_SECONDS = 30  # for a registry that creates versions asynchronously
 EPOCH_METRICS = ("train_loss", "train_accuracy", "val_accuracy", "lr", "images_per_sec")
@@ -146,7 +149,8 @@ class Tracker:
         flow_run_id: str | None = None,
         flow_run_url: str | None = None,
     ) -> None:
-        """Create the MLflow run (the one call the run waits for: its id makes the link)."""
+        """Create the MLflow run: the one call the run waits for (its id makes the link), for
+        at most ``START_SECONDS``."""
         if self.off:
             return
         for name, value in HTTP_BOUNDS.items():
@@ -174,12 +178,24 @@ class Tracker:
             self.run_id = created.info.run_id
             self.link = self._run_link()
 
-        self._call("starting the MLflow run", create)
+        created = threading.Event()
+
+        def create_then_say() -> None:
+            try:
+                create()
+            finally:
+                created.set()
+
+        self._thread = threading.Thread(target=self._work, name="mlflow-tracking", daemon=True)
+        self._thread.start()
+        self._send("starting the MLflow run", create_then_say)
+        # Bounded even where MLflow's HTTP bounds are not the wait (a plugin's sign-in).
+        if not created.wait(START_SECONDS) and not self.off:
+            self.off = f"starting the MLflow run took more than {START_SECONDS:.0f} s"
+            self.say(f"tracking: {self.off}; MLflow tracking is off for the rest of this run")
         if self.off:
             return
         params = run_params(self.config, data, code_version, staged_version)
-        self._thread = threading.Thread(target=self._work, name="mlflow-tracking", daemon=True)
-        self._thread.start()
         self._send("logging the run's parameters", lambda: self._log(params=params))
 
     def epoch(self, record: dict[str, Any]) -> None:

@@ -16,11 +16,11 @@ import pytest
 from backends.blob import container_client
 from core.config import load_config
 from core.run import Run
+from deployments.tracking_server import running_mlflow
 from flows.retrain import retrain
 from registry.promotion import Decision
 from tasks.tracking import CHAMPION_ALIAS, Tracker, registered_model_name
 from tests.pipeline_helpers import flow_run_logs, make_config, seed, task_runs_and_artifacts
-from tests.tracking_helpers import mlflow_server
 from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
@@ -33,7 +33,7 @@ def _storage(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+    with running_mlflow(tmp_path_factory.mktemp("mlflow")) as uri:
         yield uri
 
 
