@@ -9,7 +9,8 @@ interpreter, as a worker's flow run is, so the tracked one pays for importing ML
 as its calls; both talk to one Prefect API started here. Measured per run: the wall time of
 the flow, and the CPU time of the orchestrator's process (every thread; the trainer's processes
 are not in it, and are not what tracking changes). The figures: each pair's difference, their
-median, and the overhead as a share of an untracked run.
+estimate with the order of the pair cancelled out, and the overhead as a share of an untracked
+run; also what ``import mlflow`` alone costs a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -116,22 +117,53 @@ def measure(work: Path, pairs: int, epochs: int) -> dict[str, Any]:
                 print(f"pair {pair + 1}: {runs[-1]}", file=sys.stderr, flush=True)
         finally:
             prefect.stop()
-    return {"warm_up": warm_up, "runs": runs, **summary(runs)}
+    return {"warm_up": warm_up, "runs": runs, **summary(runs), "import_mlflow": import_cost()}
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each pair's difference (tracked minus untracked) and their median, for wall and CPU."""
+    """Each pair's difference (tracked minus untracked), for wall and CPU. The second run of a
+    pair may be slower or faster whatever it is (what the first left behind): the estimate is
+    the mean of the median difference of the pairs run tracked first and of those run
+    untracked first, which cancels that order effect, and the effect itself is reported."""
     found: dict[str, Any] = {}
     for key in ("wall_seconds", "cpu_seconds"):
         deltas = [r["tracked"][key] - r["untracked"][key] for r in runs]
+        groups = [
+            [d for d, r in zip(deltas, runs, strict=True) if r["first"] == first]
+            for first in ("tracked", "untracked")
+        ]
+        medians = [statistics.median(g) for g in groups if g]
+        estimate = statistics.mean(medians)
         base = statistics.median(r["untracked"][key] for r in runs)
         found[key] = {
             "pair_differences": [round(d, 3) for d in deltas],
-            "median_difference": round(statistics.median(deltas), 3),
+            "first_in_pair": [r["first"] for r in runs],
+            "difference": round(estimate, 3),
+            # Half the gap between the two orders: what running second adds or takes away.
+            "order_effect": round((medians[1] - medians[0]) / 2, 3) if len(medians) == 2 else None,
             "median_untracked": round(base, 3),
-            "median_share": round(statistics.median(deltas) / base, 3) if base else None,
+            "share": round(estimate / base, 3) if base else None,
         }
     return found
+
+
+def import_cost(repeats: int = 3) -> dict[str, float]:
+    """CPU and wall of ``import mlflow`` in a fresh interpreter (median): the part of the
+    overhead a run pays before its first call."""
+    probe = (
+        "import time, json; c, w = time.process_time(), time.perf_counter(); import mlflow; "
+        "print(json.dumps([time.process_time() - c, time.perf_counter() - w]))"
+    )
+    found = []
+    for _ in range(repeats):
+        out = subprocess.run(
+            [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    return {
+        "cpu_seconds": round(statistics.median(c for c, _ in found), 3),
+        "wall_seconds": round(statistics.median(w for _, w in found), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--pairs", type=int, default=3, help="tracked and untracked runs, in pairs")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=4,
+        help="tracked and untracked runs, in pairs (even: "
+        "as many run tracked first as untracked first)",
+    )
     p.add_argument("--epochs", type=int, default=2, help="tiny training")
     p.add_argument("--json", type=Path, help="also write the report here")
     p.add_argument("--one-run", metavar="CONFIG", help=argparse.SUPPRESS)
