@@ -123,7 +123,8 @@ def run_params(
 
 class Tracker:
     """The MLflow run of one training, or nothing when tracking is off (every method is then
-    a no-op). Methods return at once; what they log is sent by the tracker's own thread."""
+    a no-op). What the methods log is sent by the tracker's own thread: only ``start`` and
+    ``end`` wait for it, each for a bounded time."""
 
     def __init__(self, config: PipelineConfig, say: Callable[[str], None]) -> None:
         self.config = config
