@@ -33,6 +33,7 @@ FULL: dict[str, list[str]] = {
     "compile_tail": [],
     "checkpoint_stall": [],
     "sharded_state": [],
+    "tracking": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": [
@@ -57,6 +58,7 @@ QUICK: dict[str, list[str]] = {
         *("--model", "cnn", "--image-size", "32", "--variants", "ddp", "ddp_zero1"),
         *("--steps", "1", "--warmup", "1"),
     ],
+    "tracking": ["--pairs", "1", "--epochs", "1"],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.
 GPU_BENCHES = [

@@ -172,6 +172,7 @@ def run_flows(work: Path, epochs: int) -> dict[str, Any]:
             f"work_dir={work / 'work'}",
             f"pool.id=bench-{suffix}",
             f"training.epochs={epochs}",
+            "tracking.mlflow_uri=null",  # bench/tracking.py measures what tracking costs
         ],
     )
     results: dict[str, Any] = {}

@@ -651,6 +651,43 @@ def pipeline(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def tracking(r: dict[str, Any]) -> list[str]:
+    """What MLflow tracking adds to a run, the order of each pair cancelled out."""
+    rows = [
+        "| | median untracked | tracked - untracked | order effect | each pair (first run) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for key, label in (("wall_seconds", "wall"), ("cpu_seconds", "orchestrator CPU")):
+        m = r[key]
+        share = f" ({100 * m['share']:+.1f}%)" if m["share"] is not None else ""
+        order = f"±{abs(m['order_effect']):.2f} s" if m["order_effect"] is not None else "-"
+        pairs = ", ".join(
+            f"{d:+.2f} ({first})"
+            for d, first in zip(m["pair_differences"], m["first_in_pair"], strict=True)
+        )
+        rows.append(
+            f"| {label} | {m['median_untracked']:.2f} s | {m['difference']:+.2f} s{share} "
+            f"| {order} | {pairs} |"
+        )
+    imported = r["import_mlflow"]
+    return [
+        "## MLflow tracking's cost per run (`bench/tracking.py`)",
+        "",
+        f"Method: {r['method']}. After one run that is not compared (the first run of a data",
+        "version pays for what later runs reuse), each pair runs the two in turn; the estimate",
+        "is the mean of the median difference of the pairs run tracked first and of those run",
+        "untracked first, which cancels what running second adds or takes away (the order",
+        "effect). The orchestrator's CPU is the flow process's, every thread (tracking's own",
+        "included), not the trainer's.",
+        "",
+        *rows,
+        "",
+        f"`import mlflow` alone costs a fresh interpreter {imported['cpu_seconds']:.2f} s of CPU "
+        f"({imported['wall_seconds']:.2f} s wall).",
+        "",
+    ]
+
+
 def train_throughput(r: dict[str, Any]) -> list[str]:
     if "images_per_sec_per_gpu" in r:
         return [
@@ -912,6 +949,8 @@ def render(results: Path, previous: str = "") -> str:
         lines += systems.sharded_state(r)
     if (r := load("pipeline")) is not None:
         lines += pipeline(r)
+    if (r := load("tracking")) is not None:
+        lines += tracking(r)
     if (r := load("train_throughput")) is not None:
         lines += ["## Training throughput (`bench/train_throughput.py`)", "", *train_throughput(r)]
     if (r := load("nodes")) is not None:

@@ -549,6 +549,99 @@ class AzureConfig(_Section):
         return _account_url(value)
 
 
+_BLOCK_SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,98}[a-z0-9])?\Z")
+
+
+def check_tracking_uri(value: str) -> str:
+    """An MLflow tracking URI: an http(s) server, or an Azure ML workspace (``azureml://``,
+    read by the azureml-mlflow plugin). A user, password or query is refused as in every
+    other endpoint: MLflow takes its credentials from the environment (MLFLOW_TRACKING_TOKEN,
+    MLFLOW_TRACKING_USERNAME and _PASSWORD; Azure ML: DefaultAzureCredential), and the URI is
+    stored with every run."""
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme.lower() == "azureml":
+        try:
+            _url_parts(f"https://{rest}", "an azureml:// tracking URI")
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("https://", "azureml://", 1)) from None
+        return value
+    _url_parts(value, "an MLflow tracking URI (http(s)://host:port or azureml://...)")
+    return value.rstrip("/")
+
+
+class TrackingConfig(_Section):
+    """MLflow tracking of each training run, logged by the orchestrator (tasks/tracking.py)."""
+
+    mlflow_uri: str | None = Field(
+        None,
+        description="the MLflow tracking server, e.g. http://127.0.0.1:5000 (make service "
+        "starts one there), or an Azure ML workspace's azureml:// URI; null: no tracking. "
+        "Never a credential: MLflow reads MLFLOW_TRACKING_TOKEN (or _USERNAME and _PASSWORD) "
+        "from the environment. A server that does not answer is a warning, never a failed run",
+    )
+    experiment: str = Field(
+        "retrain",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f/]+$",
+        description="the MLflow experiment every training run is logged in",
+    )
+    model_name: str = Field(
+        "retrain",
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="the registered models' name, followed by the data root's (a champion, "
+        "and so the `champion` alias, is kept per data root): retrain-training-data.digits-...",
+    )
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None
+        return check_tracking_uri(value.strip())
+
+
+AlertEvent = Literal["failed", "crashed", "promoted"]
+
+
+def _every_alert() -> list[AlertEvent]:
+    return ["failed", "crashed", "promoted"]
+
+
+class AlertsConfig(_Section):
+    """Notifications through a Prefect notification block (``python -m deployments.setup``
+    creates the automations that send them: deployments/alerts.py)."""
+
+    notify_block: str | None = Field(
+        None,
+        description="the Prefect notification block that receives the alerts, as "
+        "<block type>/<name>: custom-webhook/retrain-alerts, slack-webhook/ml-team, "
+        "ms-teams-webhook/ml, sendgrid-email/oncall; it must exist on the server when "
+        "deployments.setup runs (RETRAIN_ALERTS_WEBHOOK_URL makes a webhook one); null: none",
+    )
+    on: list[AlertEvent] = Field(
+        default_factory=_every_alert,
+        description="what is notified: failed (a retrain run failed, naming its step), "
+        "crashed (its process died), promoted (a new champion)",
+    )
+
+    @field_validator("notify_block")
+    @classmethod
+    def _block(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None
+        kind, sep, name = value.strip().partition("/")
+        if not sep or not _BLOCK_SLUG.match(kind) or not _BLOCK_SLUG.match(name):
+            # Not repeated: a webhook URL pasted here is a secret (Slack's is its path).
+            raise ValueError(
+                "must be <block type>/<block name> (lowercase letters, digits and '-'), e.g. "
+                "custom-webhook/retrain-alerts; never a webhook URL (the block keeps it)"
+            )
+        return f"{kind}/{name}"
+
+
 class PipelineConfig(_Section):
     """Everything one retrain run needs. Sections mirror the steps of the flow."""
 
@@ -564,6 +657,8 @@ class PipelineConfig(_Section):
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     output: OutputLocation
     azure: AzureConfig = Field(default_factory=AzureConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     work_dir: Path = Field(Path(".work"), description="local state: run folders, logs")
 
     @model_validator(mode="after")

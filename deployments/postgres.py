@@ -169,9 +169,14 @@ class Cluster:
         )
         return proc.returncode == 0
 
-    def create_database(self) -> bool:
-        """The ``prefect`` database, once; False when it exists. Prefect's server creates its
-        tables in it (its migrations) when it starts."""
+    def sync_url(self, database: str) -> str:
+        """The SQLAlchemy URL of ``database`` for a synchronous client (psycopg): the MLflow
+        server's backend store."""
+        return f"postgresql+psycopg://{ROLE}@/{database}?host={self.data_dir}&port={SOCKET_PORT}"
+
+    def create_database(self, database: str = DATABASE) -> bool:
+        """``database`` (the ``prefect`` one by default), once; False when it exists. Each
+        server creates its tables in its own (its migrations) when it starts."""
         proc = subprocess.run(
             [
                 str(self.bin_dir / "createdb"),
@@ -181,7 +186,7 @@ class Cluster:
                 str(SOCKET_PORT),
                 "--username",
                 ROLE,
-                DATABASE,
+                database,
             ],
             env=self.environment(),
             capture_output=True,
@@ -192,4 +197,4 @@ class Cluster:
             return True
         if "already exists" in proc.stderr:
             return False
-        raise PostgresError(f"createdb {DATABASE} failed: {proc.stderr.strip()}")
+        raise PostgresError(f"createdb {database} failed: {proc.stderr.strip()}")

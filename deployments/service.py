@@ -2,8 +2,10 @@
 
 In order, each started only once the one before answers its health check: Azurite with the
 local target's dataset uploaded, PostgreSQL (its data in the state folder, ``.service/``), a
-Prefect server on it (which creates or migrates its tables as it starts), the work pool and the
-deployments of prefect.yaml, a worker, the Event Grid relay and the outputs gateway
+Prefect server on it (which creates or migrates its tables as it starts), the MLflow tracking
+server where ``tracking.mlflow_uri`` points at this machine (deployments/tracking_server.py),
+the work pool and the deployments of prefect.yaml, a worker, the Event Grid relay and the
+outputs gateway
 (deployments/supervisor.py starts and stops them). Each component prints one status line; every
 log goes to ``<state>/logs/``. Ctrl-C or SIGTERM stops them all in the reverse order, each with
 its whole process tree; runs in progress are cancelled through the API first, so their pools
@@ -129,6 +131,7 @@ def components(options: Options) -> list[Component]:
         ),
         postgres_component(postgres),
         prefect_component(options.prefect_port, postgres, env),
+        *tracking_components(config.tracking.mlflow_uri, postgres, state, env),
         Component(
             "pool",
             [sys.executable, "-m", "deployments.setup", "--config", options.config],
@@ -218,6 +221,26 @@ def deployments_file(config: str, state: Path) -> Path:
         f"--config {config}\n" + yaml.safe_dump(spec, sort_keys=False)
     )
     return copy
+
+
+def tracking_components(
+    mlflow_uri: str | None, cluster: Cluster, state: Path, env: dict[str, str]
+) -> list[Component]:
+    """The MLflow server, where the config's ``tracking.mlflow_uri`` is this machine's (its
+    runs in the service's PostgreSQL, its artifacts in the state folder); none otherwise."""
+    from deployments.tracking_server import DATABASE, local_address, mlflow_component
+
+    address = local_address(mlflow_uri)
+    if address is None:
+        return []
+
+    def create() -> str | None:
+        return f"database {DATABASE} created" if cluster.create_database(DATABASE) else None
+
+    host, port = address
+    artifacts = state / "mlflow-artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    return [mlflow_component(host, port, cluster.sync_url(DATABASE), artifacts, env, create)]
 
 
 def postgres_component(cluster: Cluster) -> Component:

@@ -4,7 +4,9 @@ Creates (idempotently) the process work pool the deployments use and, for each c
 a global concurrency limit of 1 named for its Batch pool, which the retrain flow occupies, so
 two runs (manual, nightly, new data) never fight over one pool: the second waits. A data
 version ledger kept by an older release (one Variable listing every version) becomes one record
-per version, so an upgrade reports no old version again.
+per version, so an upgrade reports no old version again. The automations that send the
+configs' alerts through their notification block (deployments/alerts.py) are created or
+updated; a block that does not exist is an error naming it (exit status 2).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def ensure(configs: list[str]) -> list[str]:
 
     from core.config import load_config
     from core.pool_slot import ensure_limit, pool_slot
+    from deployments.alerts import ensure_alerts
     from deployments.events import LEGACY_LEDGER, migrate_legacy_ledger
 
     done = []
@@ -31,10 +34,12 @@ def ensure(configs: list[str]) -> list[str]:
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=WORK_POOL, type="process"))
             done.append(f"work pool {WORK_POOL} (process) created")
-    for path in configs:
-        name = pool_slot(load_config(path).pool.id)
+    loaded = [load_config(path) for path in configs]
+    for config in loaded:
+        name = pool_slot(config.pool.id)
         if ensure_limit(name):
             done.append(f"concurrency limit {name} = 1 created")
+    done += ensure_alerts(loaded)
     migrated = migrate_legacy_ledger()
     if migrated:
         done.append(f"{migrated} data versions moved from {LEGACY_LEDGER} to one record each")
@@ -45,7 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deployments.setup", description=__doc__)
     p.add_argument("--config", action="append", default=[], help="a pipeline config (repeatable)")
     args = p.parse_args(argv)
-    for line in ensure(args.config or ["configs/local.yaml"]) or ["nothing to do"]:
+    from deployments.alerts import AlertsError
+
+    try:
+        lines = ensure(args.config or ["configs/local.yaml"])
+    except AlertsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in lines or ["nothing to do"]:
         print(line)
     return 0
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
+from prefect.utilities.urls import url_for
 
 from core.config import ConfigError, PipelineConfig
 from core.data_versions import DataVersion
@@ -28,6 +29,7 @@ from flows.pool_lock import hold_pool, local_pool_lock
 
 if TYPE_CHECKING:
     from tasks.outcome import RunLog
+    from tasks.tracking import Tracker
 
 
 def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
@@ -90,6 +92,7 @@ def retrain(
             config file.
     """
     from tasks.outcome import RunLog
+    from tasks.tracking import Tracker
 
     logger = get_run_logger()
     request = RunRequest(
@@ -102,25 +105,52 @@ def retrain(
         data_prefix=data_prefix,
         data_version=data_version,
     )
-    effective = build_run_config(
-        request, deployment_path=deployment_config_path(deployment.id), deployed=bool(deployment.id)
-    )
-    run_config = effective.config
-    logger.info("config: %s", effective.source)
-    run = Run.start(flow_run.get_id(), run_config.output.prefix, run_config.work_dir)
-    record = RunLog(run_config, run)
+    run: Run | None = None
     try:
-        return _retrain(run_config, effective.source, run, record, force)
-    except Exception as exc:
-        record.failed(exc)
+        effective = build_run_config(
+            request,
+            deployment_path=deployment_config_path(deployment.id),
+            deployed=bool(deployment.id),
+        )
+        run_config = effective.config
+        logger.info("config: %s", effective.source)
+        run = Run.start(flow_run.get_id(), run_config.output.prefix, run_config.work_dir)
+        record = RunLog(run_config, run)
+    except Exception as exc:  # a config it cannot use, a record it cannot write
+        _announce_failure(run, exc)
+        raise
+    tracker = Tracker(run_config, logger.warning)
+    try:
+        return _retrain(run_config, effective.source, run, record, force, tracker)
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            record.failed(exc)
+            _announce_failure(run, exc)
+        tracker.end(exc)
         raise
 
 
+def _announce_failure(run: Run | None, exc: Exception) -> None:
+    """The failure as an event naming the step it came out of, for the alerts (a crash, which
+    reaches no code here, is told by Prefect's own event)."""
+    from core.run_events import run_failed
+    from registry.run_record import error_summary
+    from tasks.steps import failed_step
+
+    run_failed(run.id if run else str(flow_run.get_id()), failed_step(exc), error_summary(exc))
+
+
 def _retrain(
-    run_config: PipelineConfig, source: str, run: Run, record: RunLog, force: bool
+    run_config: PipelineConfig,
+    source: str,
+    run: Run,
+    record: RunLog,
+    force: bool,
+    tracker: Tracker,
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
+    from core.run_events import model_promoted
     from registry.gateway import output_link
     from tasks.cost import PoolMeter
     from tasks.promote import promote
@@ -178,6 +208,15 @@ def _retrain(
             key = training_key(run_config, staged.value.version, scripts.value)
             if force:  # a checkpoint of the same settings would resume: start afresh
                 key = f"{key}-{run.id}"
+            flow_run_id = flow_run.get_id()
+            tracker.start(
+                run,
+                data,
+                scripts.value,
+                staged.value.version,
+                flow_run_id,
+                url_for("flow-run", obj_id=flow_run_id) if flow_run_id else None,
+            )
             # Batch retries the task itself on the same nodes; the local cluster needs Prefect to.
             trainer = run_training.with_options(
                 retries=0
@@ -185,14 +224,23 @@ def _retrain(
                 else run_config.retries.training_attempts - 1,
                 retry_delay_seconds=run_config.retries.backoff_seconds,
             )
-            steps.append(trainer(run_config, cluster, run, key).record)
+            steps.append(trainer(run_config, cluster, run, key, tracker.epoch).record)
             steps.insert(image_at, (image or image_f.result()).record)
             scored = collect_and_score(cluster, run)
             steps.append(scored.record)
+            tracker.trained(scored.value.metrics, scored.value.score)
             promotion = promote(
                 run_config, cluster, run, scored.value.score, staged.value.version, data
             )
             steps.append(promotion.record)
+            tracker.decided(run, promotion.value, scored.value.metrics)
+            if promotion.value.promoted:
+                model_promoted(
+                    run.id,
+                    run_config.data.root.where,
+                    promotion.value.reason,
+                    run_config.promotion.metric,
+                )
         finally:
             if not fresh:
                 meter.before_release()
@@ -213,7 +261,9 @@ def _retrain(
             source,
             cost,
             data,
+            tracker.link,
         )
+        tracker.reported(run)
         # Last: the record makes the next run of the same inputs end as up to date, so it is
         # written only once this run's outcome is known (a run that fails in its report trains
         # again).
@@ -222,6 +272,7 @@ def _retrain(
     record.ended(
         "promoted" if decision.promoted else "not promoted", decision.reason, score["accuracy"]
     )
+    tracker.end()
     return {
         "run_id": run.id,
         "accuracy": score["accuracy"],

@@ -56,7 +56,10 @@ def summary_markdown(
     cost: dict[str, Any] | None = None,
     charts: Charts | None = None,
     version: DataVersion | None = None,
+    tracking_url: str | None = None,
 ) -> str:
+    """``tracking_url``: the run's page on the MLflow server (a tracking URI never carries a
+    credential: the config refuses one)."""
     metrics, score = scored.metrics, scored.score
     lines = [
         f"# Retrain {run_id}",
@@ -65,6 +68,7 @@ def summary_markdown(
         f"{'**promoted**' if decision.promoted else 'not promoted'}: "
         f"{markdown_text(decision.reason)}.",
         "",
+        *([f"Tracked in MLflow: [the run's page]({tracking_url}).", ""] if tracking_url else []),
         *charts_markdown(charts or Charts()),
         "",
         "## Data",
@@ -268,7 +272,9 @@ def report(
     config_source: str,
     cost: dict[str, Any] | None = None,
     version: DataVersion | None = None,
+    tracking_url: str | None = None,
 ) -> str:
+    """``tracking_url``: the run's page on the MLflow server, linked from the summary."""
     score = scored.score
     charts = draw_charts(scored, steps)
     for name, why in charts.left_out.items():
@@ -280,7 +286,17 @@ def report(
         chart_artifact(config, run_id, name, drawn[name], link)
     create_markdown_artifact(
         summary_markdown(
-            run_id, steps, scored, decision, data, config, config_source, cost, charts, version
+            run_id,
+            steps,
+            scored,
+            decision,
+            data,
+            config,
+            config_source,
+            cost,
+            charts,
+            version,
+            tracking_url,
         ),
         key="retrain-summary",
         description=f"retrain {run_id}",

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 from uuid import UUID
@@ -78,7 +79,14 @@ def progress_record(line: str) -> dict[str, Any] | None:
 
 
 @step("run-training")
-def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -> Done[None]:
+def run_training(
+    config: PipelineConfig,
+    cluster: Cluster,
+    run: Run,
+    key: str,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+) -> Done[None]:
+    """``on_epoch``: given each epoch's ``PROGRESS`` record as it arrives (run tracking)."""
     logger = get_run_logger()
     spec = training_task(config, f"train-{run.id}", key, run.output_prefix)
     progress_id = cast(
@@ -105,6 +113,8 @@ def run_training(config: PipelineConfig, cluster: Cluster, run: Run, key: str) -
         if "epoch" not in record:
             return  # an attempt that resumed after the last epoch: nothing trained
         epochs.append(record)
+        if on_epoch is not None:
+            on_epoch(record)
         update_progress_artifact(
             progress_id,
             100.0 * record["epoch"] / record["epochs"],

@@ -44,6 +44,9 @@ def make_config(tmp_path: Path, *overrides: str) -> PipelineConfig:
             "training.epochs=3",
             "training.batch_size=16",
             "pool.processes_per_node=1",
+            # Not the MLflow server configs/local.yaml names (`make service`'s, which another
+            # program may hold here): the tracking tests start their own.
+            "tracking.mlflow_uri=null",
             *_image_builder(),
             *overrides,
         ],

@@ -1,8 +1,10 @@
 """make service (deployments/service.py): its relay secret, the runs an unclean stop left, and the
-whole service from make service to Ctrl-C, driven through a browser."""
+whole service from make service to Ctrl-C, driven through a browser: its runs tracked in its
+MLflow server, and a promotion and a failed run each told by one webhook notification."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +25,7 @@ import yaml
 
 from backends.ports import free_port
 from tests.conftest import ROOT, child_env
+from tests.deployments.test_alerts import webhook_receiver
 from tests.deployments.test_supervisor import lines_until, process_tree
 
 
@@ -81,10 +84,16 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
     # Below /tmp, not pytest's own folder (0700): PostgreSQL runs as the postgres user.
     base = Path(tempfile.mkdtemp(prefix="retrain-service-", dir="/tmp"))
     base.chmod(0o755)
-    ports = [free_port() for _ in range(4)]
-    azurite_port, prefect_port, relay_port, gateway_port = ports
+    ports = [free_port() for _ in range(5)]
+    azurite_port, prefect_port, relay_port, gateway_port, mlflow_port = ports
     config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     config["output"]["links_url"] = f"http://127.0.0.1:{gateway_port}"
+    # Its MLflow server where the config tracks runs, and its alerts to a webhook here.
+    mlflow_uri = f"http://127.0.0.1:{mlflow_port}"
+    config["tracking"] = {"mlflow_uri": mlflow_uri}
+    config["alerts"] = {"notify_block": "custom-webhook/service-alerts"}
+    receiving = contextlib.ExitStack()
+    hook = receiving.enter_context(webhook_receiver())
     # Tiny training: a tenth of the digits, in a container of its own on the service's Azurite.
     config["data"].update(container="e2e-digits", prefix="v1")
     config.update(work_dir=str(base / "work"))
@@ -101,7 +110,7 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
     make = subprocess.Popen(
         ["make", "--no-print-directory", "service", f"SERVICE_ARGS={args}"],
         cwd=ROOT,
-        env=child_env(),
+        env={**child_env(), "RETRAIN_ALERTS_WEBHOOK_URL": hook.url},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -126,6 +135,7 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
             "azurite",
             "postgres",
             "prefect",
+            "mlflow",
             "pool",
             "deploy",
             "worker",
@@ -133,6 +143,7 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
             "gateway",
         ], "\n".join(lines)
         assert "on PostgreSQL" in status["prefect"]
+        assert f"{mlflow_uri}, runs in PostgreSQL, artifacts in" in status["mlflow"]
         assert f"127.0.0.1:{relay_port}" in status["relay"]
         service = process_tree(make.pid)
         mark("the service is running")
@@ -189,6 +200,28 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
             )
         }
         assert {"chart-curves", "chart-confusion", "retrain-summary", "outputs"} <= set(artifacts)
+
+        # Tracked in the service's MLflow server, registered, and the champion alias on it
+        # (the first run of the data root is its champion); one notification says so.
+        from mlflow import MlflowClient
+
+        tracking = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
+        experiment = tracking.get_experiment_by_name("retrain")
+        (tracked,) = tracking.search_runs([experiment.experiment_id])
+        assert tracked.info.status == "FINISHED"
+        assert tracked.data.tags["prefect.flow_run_id"] == run["id"]
+        (model,) = tracking.search_registered_models()
+        assert tracking.get_model_version_by_alias(model.name, "champion").run_id == (
+            tracked.info.run_id
+        )
+        assert (
+            f"]({mlflow_uri}/#/experiments/{experiment.experiment_id}/runs/"
+            in (artifacts["retrain-summary"]["data"])
+        )
+        (promoted,) = hook.wait_for(1)
+        assert promoted["subject"] == "retrain: a new champion for e2e-digits/v1"
+        assert run["name"] in promoted["body"]
+        mark("tracked in MLflow, the promotion notified")
 
         # The Artifacts tab lists the pictures; each opens as an image the gateway serves.
         browser.navigate(f"{ui}/runs/flow-run/{run['id']}")
@@ -256,6 +289,18 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
         assert f"skipped {new / 'damaged.png'}: unreadable image" in proc.stderr
         mark("new images labelled")
 
+        # A run that fails (a data version the root does not have): one notification,
+        # naming the run and the step it failed in.
+        failing = _api(
+            api,
+            f"deployments/{deployment['id']}/create_flow_run",
+            {"parameters": {"data_version": "v9"}},
+        )
+        notices = hook.wait_for(2, seconds=300)
+        assert notices[1]["subject"] == f"retrain run {failing['name']} failed in validate-data"
+        assert f"/runs/flow-run/{failing['id']}" in notices[1]["body"]
+        mark("the failed run notified")
+
         # A long run in progress when Ctrl-C comes: cancelled, its pool released.
         _api(
             api,
@@ -276,11 +321,13 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
         if pool_state.exists():
             shutil.copyfile(pool_state, tmp_path / "pool.json")
         shutil.rmtree(base, ignore_errors=True)
+        receiving.close()
+    assert len(hook.received) == 2, hook.received  # the cancelled run tells no one
     pool_state = tmp_path / "pool.json"
     assert "the service is stopped" in rest, rest
     assert "worker      stopped (cancelled 1 run in progress)" in rest, rest
     assert json.loads(pool_state.read_text())["state"] == "released"
-    for name in ("gateway", "relay", "worker", "prefect", "postgres", "azurite"):
+    for name in ("gateway", "relay", "worker", "mlflow", "prefect", "postgres", "azurite"):
         assert f"{name:<11} stopped" in rest, rest
     alive = [p for p in service if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [p.cmdline() for p in alive]
