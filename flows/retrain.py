@@ -12,11 +12,12 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
+from prefect.states import Failed
 
 from core.config import ConfigError, PipelineConfig
 from core.data_versions import DataVersion
@@ -56,7 +57,7 @@ def retrain(
     overrides: list[str] | None = None,
     config_path: str | None = None,
     config: FormConfig | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State[Any]:
     """Retrain the image classifier: gate the data, train (Horovod or DDP), score, promote.
 
     A run whose data, code and settings are those of a run that trained ends as up to date
@@ -90,6 +91,7 @@ def retrain(
             config file.
     """
     from tasks.outcome import RunLog
+    from tasks.validate import REFUSALS
 
     logger = get_run_logger()
     request = RunRequest(
@@ -111,6 +113,11 @@ def retrain(
     record = RunLog(run_config, run)
     try:
         return _retrain(run_config, effective.source, run, record, force)
+    except REFUSALS as exc:
+        # The data gate refused the data, naming why in its artifact and its step's log: the
+        # run ends failed with that message, not as an error in the code (no traceback).
+        record.failed(exc)
+        return Failed(message=str(exc))
     except Exception as exc:
         record.failed(exc)
         raise
@@ -319,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if not state.is_completed():
             print(f"retrain failed: {state.message}", file=sys.stderr)
             return 1
-        result = state.result()
+        result = cast(dict[str, Any], state.result())  # a completed run returns its summary
     serve = (
         f"  (links open while `python -m flows.models --config {shlex.quote(str(args.config))} "
         "serve` runs)"
