@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from prefect import Flow, State, flow, get_run_logger
@@ -24,6 +23,7 @@ from core.data_versions import DataVersion
 from core.deployment_runs import deployment_config_path
 from core.run import Run
 from core.run_config import RunRequest, build_run_config
+from flows.config_args import add_config_arguments
 from flows.form import FormConfig, run_form_signature
 from flows.pool_lock import hold_pool, local_pool_lock
 
@@ -255,17 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "set them. --show-config prints the config a run would use (the file with the --set "
         "values applied) and starts nothing.",
     )
-    p.add_argument(
-        "--config", required=True, type=Path, help="a YAML file, e.g. configs/local.yaml"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override one config value (repeatable); a text field takes the value as typed, "
-        "numbers, booleans and lists are read as YAML, null clears an optional field",
-    )
+    add_config_arguments(p)
     p.add_argument(
         "--show-config",
         action="store_true",
