@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.azurite import FolderInUseError, running_azurite  # noqa: E402
+from backends.azurite import DEFAULT_PORT, FolderInUseError, running_azurite  # noqa: E402
 from backends.blob import container_client, upload_directory  # noqa: E402
 from core.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 from core.data_versions import DataRoot  # noqa: E402
@@ -44,7 +44,6 @@ from training.images import SPLITS  # noqa: E402
 from training.make_images import write_digits  # noqa: E402
 
 LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
-DEFAULT_PORT = 10000  # Azurite's own default, the one UseDevelopmentStorage=true points at
 PREFECT_PORT = 4200  # `prefect server start`'s default
 SEED_VERSION = "v1"  # the data version the seeded digits are
 
