@@ -34,6 +34,7 @@ from core.data_versions import (
     check_version_name,
     refuse_mixed,
 )
+from staging.blob import redact
 from staging.sync import UnsafeBlobNameError, safe_relative_path
 from training.atomic import file_md5
 
@@ -232,7 +233,8 @@ def upload_version(
                     done.sent.append(name)
                     done.bytes_sent += file.size
                 else:
-                    failed[name] = f"{type(problem).__name__}: {str(problem).splitlines()[0][:200]}"
+                    first = (str(problem).splitlines() or [""])[0][:200]
+                    failed[name] = redact(f"{type(problem).__name__}: {first}")
             if time.monotonic() - shown >= 10 and pending:
                 say(f"  {len(done.sent)} of {len(todo)} files sent")
                 shown = time.monotonic()
@@ -256,26 +258,11 @@ def _complete(
     container: ContainerClient, root: DataRoot, version: str, names: dict[str, LocalFile]
 ) -> None:
     """The marker, last: only once a fresh listing shows every file with its size and MD5 and
-    nothing else, and only where no marker is (another uploader's completion is not replaced)."""
+    nothing else, and never over a marker already there."""
     from azure.core.exceptions import ResourceExistsError
     from azure.storage.blob import ContentSettings
 
-    stored = _stored(container, root.folder(version))
-    wrong = [n for n, f in names.items() if stored.get(n) != (f.size, f.md5)]
-    other = sorted(set(stored) - set(names))
-    if wrong or other:
-        raise UploadError(
-            f"not marking {root.folder(version)} complete: "
-            + "; ".join(
-                part
-                for part in (
-                    f"{len(wrong)} blobs differ from the files ({_names(wrong)})" if wrong else "",
-                    f"{len(other)} blobs were added meanwhile ({_names(other)})" if other else "",
-                )
-                if part
-            )
-            + ": another upload to the same version? Run the command again once it is done"
-        )
+    _same_files(container, root, version, names)
     empty = ContentSettings(content_md5=bytearray(base64.b64decode(EMPTY_MD5)))
     try:
         container.upload_blob(
@@ -286,7 +273,28 @@ def _complete(
             content_settings=empty,
         )
     except ResourceExistsError:
-        raise UploadError(
-            f"{root.marker(version)} was written by someone else while this upload ran: "
-            f"version {version} of {root.where} is complete as they left it"
-        ) from None
+        # This write, its answer lost and the SDK's retry refused; or another upload of the
+        # same folder that finished first. Either way complete, if the files are still these.
+        _same_files(container, root, version, names)
+
+
+def _same_files(
+    container: ContainerClient, root: DataRoot, version: str, names: dict[str, LocalFile]
+) -> None:
+    """UploadError unless the version's blobs are exactly ``names``, each with its file's size
+    and MD5 (the marker aside)."""
+    stored = _stored(container, root.folder(version))
+    stored.pop(root.marker(version), None)
+    wrong = [n for n, f in names.items() if stored.get(n) != (f.size, f.md5)]
+    other = sorted(set(stored) - set(names))
+    if not (wrong or other):
+        return
+    found = []
+    if wrong:
+        found.append(f"{len(wrong)} blobs differ from the files ({_names(wrong)})")
+    if other:
+        found.append(f"{len(other)} blobs were added meanwhile ({_names(other)})")
+    raise UploadError(
+        f"{root.folder(version)} is not these files: {'; '.join(found)}. Another upload to the "
+        "same version? Run the command again once it is done, or choose another --version"
+    )

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from backends.blob import StorageConfigError, container_client, unreachable
 from backends.version_upload import UploadError, local_files, upload_version
 from core.config import ConfigError, PipelineConfig
+from core.data_versions import check_version_name
 from flows.config_args import add_config_arguments, config_from
 
 if TYPE_CHECKING:
@@ -70,6 +71,10 @@ def upload(args: argparse.Namespace, config: PipelineConfig) -> int:
     from gate.folder import check_folder
 
     source: Path = args.source
+    try:  # before the folder is read: a name no version can have fails at once
+        check_version_name(args.version)
+    except ValueError as exc:
+        raise UploadError(f"--version: {exc}") from None
     files = local_files(source, args.workers)
     print(
         f"checking {source} as the data gate will ({len(files)} files; images are decoded "

@@ -130,6 +130,9 @@ def test_a_broken_folder_fails_before_anything_is_uploaded(
     assert "would fail the data gate; nothing was uploaded" in said
     assert "photos.zip" in said and "digit_7 (0 test images)" in said
     assert not container_client(_config(sets).data).exists()  # not even its container
+    # A version name that is no folder name fails at once, before the folder is read.
+    assert data(["--config", LOCAL, *sets, "upload", str(folder), "--version", "v1/train"]) == 2
+    assert "--version: 'v1/train' is not a version name" in capsys.readouterr().err
 
 
 def test_an_interrupted_upload_is_finished_by_the_same_command(
@@ -218,3 +221,124 @@ def test_a_root_of_loose_files_takes_no_version(
     said = capsys.readouterr().err
     assert "uploading version v1 is refused" in said and "loose files (train/)" in said
     assert _stored(config, "v1") == {}
+
+
+def test_an_upload_through_storage_faults_stores_every_byte_with_its_md5(
+    azurite: str, tmp_path: Path
+) -> None:
+    """Resets, 503s, slow and lost answers (the write done, its answer gone) on every kind of
+    request, a large file in parallel blocks among them: the SDK's retries carry the upload
+    through, every blob holds its file's bytes and MD5, and the marker is written (a lost
+    answer to it is not taken for another upload's)."""
+    from azure.storage.blob import ContainerClient
+
+    from backends.blob import API_VERSION
+    from backends.version_upload import local_files, upload_version
+    from core.data_versions import DataRoot
+    from tests.reliability import report
+    from tests.reliability.fault_proxy import FaultProxy
+
+    folder = tmp_path / "mine"
+    write_digits(folder, test_fraction=0.25, seed=0, per_class=10)
+    (folder / "big.bin").write_bytes(random_bytes(3_000_000))  # sent in parallel blocks
+    files = local_files(folder)
+    parts = dict(p.split("=", 1) for p in azurite.split(";") if "=" in p)
+    port = int(parts["BlobEndpoint"].rsplit(":", 1)[1].split("/")[0])
+    name = f"faults-{uuid.uuid4().hex[:10]}"
+    direct = ContainerClient.from_connection_string(azurite, name, api_version=API_VERSION)
+    direct.create_container()
+    proxy = FaultProxy(port, rate=0.15, seed=5, faults=("reset", "503", "slow", "lost"))
+    try:
+        faulty = ContainerClient.from_connection_string(
+            proxy.connection_string(parts["AccountName"], parts["AccountKey"]),
+            name,
+            api_version=API_VERSION,
+            retry_total=6,
+            # The storage SDK's ExponentialRetry reads these: waits of about 0.2 s.
+            initial_backoff=0,
+            increment_base=0.2,
+            random_jitter_range=0.05,
+            max_single_put_size=1 << 20,
+            max_block_size=256 << 10,
+        )
+        done = upload_version(faulty, DataRoot(name, "mine"), "v1", files, workers=4)
+    finally:
+        proxy.close()
+    assert len(done.sent) == len(files) and done.marker == "mine/v1/_SUCCESS"
+    for file in files:
+        blob = direct.get_blob_client(f"mine/v1/{file.rel}")
+        stored = blob.get_blob_properties().content_settings.content_md5
+        assert base64.b64encode(bytes(stored)).decode() == file.md5, file.rel
+        assert _md5_of(blob.download_blob().readall()) == file.md5, file.rel
+    assert direct.get_blob_client("mine/v1/_SUCCESS").exists()
+    assert sum(proxy.injected.values()) > 0
+    report.record(
+        "storage",
+        f"data version upload ({len(files)} files, one of 3 MB in blocks)",
+        "complete, every blob's bytes and stored MD5 match its file, marker written",
+        files=len(files),
+        faults=dict(proxy.injected),
+        requests=proxy.requests,
+    )
+    direct.delete_container()
+
+
+def test_a_lost_answer_to_the_marker_is_not_taken_for_another_upload(
+    azurite: str, tmp_path: Path
+) -> None:
+    """The marker is written only where none is (If-None-Match): when the answer to that write
+    is lost, the SDK's retry finds the marker the write left. That is this upload's, and the
+    version is complete with these files; it was reported as another upload's, and failed."""
+    from azure.storage.blob import ContainerClient
+
+    from backends.blob import API_VERSION
+    from backends.version_upload import local_files, upload_version
+    from core.data_versions import DataRoot
+    from tests.reliability.fault_proxy import FaultProxy
+
+    folder = tmp_path / "mine"
+    write_digits(folder, test_fraction=0.25, seed=0, per_class=10)
+    files = local_files(folder)
+
+    class LoseTheMarkersAnswer(FaultProxy):
+        """Every blob a single PUT, the marker's the last: its answer is lost."""
+
+        puts = 0
+
+        def _choose(self, method: str) -> str | None:
+            if method == "PUT":
+                self.puts += 1
+                if self.puts == len(files) + 1:
+                    self.injected["lost"] += 1
+                    return "lost"
+            return super()._choose(method)
+
+    parts = dict(p.split("=", 1) for p in azurite.split(";") if "=" in p)
+    port = int(parts["BlobEndpoint"].rsplit(":", 1)[1].split("/")[0])
+    name = f"lost-{uuid.uuid4().hex[:10]}"
+    ContainerClient.from_connection_string(
+        azurite, name, api_version=API_VERSION
+    ).create_container()
+    proxy = LoseTheMarkersAnswer(port)
+    try:
+        faulty = ContainerClient.from_connection_string(
+            proxy.connection_string(parts["AccountName"], parts["AccountKey"]),
+            name,
+            api_version=API_VERSION,
+            initial_backoff=0,
+            increment_base=0.2,
+        )
+        done = upload_version(faulty, DataRoot(name, "mine"), "v1", files, workers=1)
+    finally:
+        proxy.close()
+    assert proxy.injected["lost"] == 1 and done.marker == "mine/v1/_SUCCESS"
+
+
+def random_bytes(n: int) -> bytes:
+    import random
+
+    return random.Random(3).randbytes(n)
+
+
+def _md5_of(data: bytes) -> str:
+    return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
