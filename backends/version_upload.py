@@ -219,10 +219,16 @@ def upload_version(
     )
     failed: dict[str, str] = {}
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    queue = iter(todo)
+    pending: dict[Future[None], tuple[str, LocalFile]] = {}
+
+    def top_up() -> None:
+        """A few files per worker in flight, not a future per file of the folder up front."""
+        while len(pending) < 4 * max(1, workers) and (item := next(queue, None)) is not None:
+            pending[pool.submit(_put, container, *item)] = item
+
     try:
-        pending: dict[Future[None], tuple[str, LocalFile]] = {
-            pool.submit(_put, container, n, f): (n, f) for n, f in todo
-        }
+        top_up()
         shown = time.monotonic()
         while pending:
             finished, _ = wait(pending, timeout=5, return_when=FIRST_COMPLETED)
@@ -235,6 +241,7 @@ def upload_version(
                 else:
                     first = (str(problem).splitlines() or [""])[0][:200]
                     failed[name] = redact(f"{type(problem).__name__}: {first}")
+            top_up()
             if time.monotonic() - shown >= 10 and pending:
                 say(f"  {len(done.sent)} of {len(todo)} files sent")
                 shown = time.monotonic()

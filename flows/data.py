@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from backends.blob import StorageConfigError, container_client, unreachable
 from backends.version_upload import UploadError, local_files, upload_version
-from core.config import ConfigError, PipelineConfig
+from core.config import ConfigError, PipelineConfig, hide_credentials
 from core.data_versions import check_version_name
 from flows.config_args import add_config_arguments, config_from
 
@@ -100,7 +100,7 @@ def upload(args: argparse.Namespace, config: PipelineConfig) -> int:
     )
     print(f"data version {args.version} of {root.where} is complete: {done.marker} written last")
     given = ["--config", str(args.config), *[a for s in args.set for a in ("--set", s)]]
-    command = shlex.join(["python", "-m", "flows.retrain", *given])
+    command = hide_credentials(shlex.join(["python", "-m", "flows.retrain", *given]))
     print(f"train it: {command}  (the newest complete version; --set data.version=... names one)")
     return 0
 

@@ -229,17 +229,18 @@ def demo_run(demo: Path, config_path: Path, overrides: list[str], keep: Keep | N
             links = held.enter_context(outputs_gateway(config))
         from flows.retrain import main as run_flow
 
-        code = run_flow(flow_args)
+        code = ran = run_flow(flow_args)  # 0 or 1: a flow run was made; 2: none started
         if code == 0:  # the model a person would take away, on disk
             from flows.models import main as models
 
             print("the champion's model, copied out of Blob storage:")
             code = models([*given, "download", "--to", str(demo)])
-        flow_run = flow_run_made(began)
+        flow_run = flow_run_made(began) if ran in (0, 1) else None
         if keep:
             return _kept(config, keep, api_url, links, flow_run, code)
     print(f"demo finished in {time.perf_counter() - started:.0f}s; Azurite stopped")
-    print(look_at_the_run(api_url, flow_run))
+    if ran in (0, 1):
+        print(look_at_the_run(api_url, flow_run))
     return code
 
 
