@@ -106,7 +106,12 @@ def upload(args: argparse.Namespace, config: PipelineConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.data", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m flows.data",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="upload SRC --version NAME [--workers N] [--delete-extra]: SRC as data version "
+        "NAME of the config's data root (python -m flows.data upload --help)",
+    )
     add_config_arguments(p)
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser(
