@@ -33,7 +33,7 @@ $(STAMP): $(SETUP_INPUTS)
 	@touch $@
 
 demo: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/demo.py $(DEMO_ARGS)
 
 # The training image's cpu variant (docker/Dockerfile), built with buildah and pushed to the local
 # registry; nothing is built when the registry has its tag already (docs/image.md).

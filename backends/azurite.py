@@ -34,6 +34,7 @@ from backends.processes import stop
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCOUNT = "devstoreaccount1"
+DEFAULT_PORT = 10000  # Azurite's own default: where `make azurite` serves the local target
 DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 LOCK_FILE = "azurite.lock"  # in the data folder: whoever holds it runs Azurite on that folder
 

@@ -24,6 +24,7 @@ This module holds the rules only (no storage client): the listing that feeds the
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -114,7 +115,8 @@ class Complete:
     name: str
     etag: str
     # The marker's Last-Modified: when the version became complete. Storage keeps it to the
-    # second; markers written in the same second are ordered by the versions' names.
+    # second; markers written in the same second are ordered by the versions' names
+    # (:func:`in_completion_order`).
     completed_at: datetime
 
 
@@ -173,8 +175,26 @@ def _names(items: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
+_NUMBER = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """A version name as people number versions: its runs of digits compared as numbers, so
+    v10 comes after v9 and 2024-1-10 after 2024-1-9 (as text, "v9" > "v10"). The text itself
+    breaks the last ties (v01 and v1)."""
+    parts = _NUMBER.split(name)  # text, number, text, ...: the kinds line up between names
+    return (tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name)
+
+
+def in_completion_order(complete: list[Complete]) -> list[Complete]:
+    """Complete versions, the one completed first first: by their markers' times, and those of
+    one second (storage keeps no finer time) by :func:`natural_key`. The one order every
+    chooser of "the newest" uses: the runs, the sensor and the messages that list versions."""
+    return sorted(complete, key=lambda c: (c.completed_at, natural_key(c.name)))
+
+
 def _newest(complete: list[Complete]) -> Complete:
-    return max(complete, key=lambda c: (c.completed_at, c.name))
+    return in_completion_order(complete)[-1]
 
 
 def loose_files(survey: Survey) -> list[str]:
@@ -188,7 +208,7 @@ def refuse_mixed(survey: Survey) -> None:
     """DataVersionError when loose files and complete versions share the root, naming both
     and saying how to move the loose files into a version."""
     root, loose = survey.root, loose_files(survey)
-    complete = sorted(survey.complete, key=lambda c: (c.completed_at, c.name))
+    complete = in_completion_order(survey.complete)
     versions = [c.name for c in complete]
     if not (complete and loose):
         return
@@ -211,7 +231,7 @@ def choose(survey: Survey, requested: str | None) -> DataVersion:
     root = survey.root
     where = root.where
     loose = loose_files(survey)
-    complete = sorted(survey.complete, key=lambda c: (c.completed_at, c.name))
+    complete = in_completion_order(survey.complete)
     versions = [c.name for c in complete]
     if requested:
         found = next((c for c in complete if c.name == requested), None)

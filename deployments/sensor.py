@@ -28,7 +28,7 @@ from prefect.runtime import deployment
 from backends.blob import container_client
 from backends.data_root import survey
 from core.config import load_config
-from core.data_versions import MARKER, DataRoot, refuse_mixed
+from core.data_versions import MARKER, DataRoot, in_completion_order, refuse_mixed
 from core.deployment_runs import check_config_path, deployment_config_path
 from deployments.events import (
     BUSY,
@@ -55,7 +55,7 @@ def find_versions(
         refuse_mixed(found)
         ready = [
             DataReady(name, root.prefix, c.name, "sensor", root.marker(c.name), c.etag)
-            for c in sorted(found.complete, key=lambda c: (c.completed_at, c.name))
+            for c in in_completion_order(found.complete)
         ]
         if not ready and found.root_marker_etag:
             own = root.marker(None)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.blob import StorageConfigError, container_client, unreachable
-from core.config import ConfigError, PipelineConfig, load_config
+from core.config import ConfigError, PipelineConfig
+from flows.config_args import add_config_arguments, config_from
 from registry.gateway import listen_address, serve
 from registry.migrate import migrate_legacy_records
 from registry.store import (
@@ -84,8 +84,7 @@ def _serve(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.models", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, type=Path, help="the config the runs used")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    add_config_arguments(p, "the config the runs used")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "list",
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway.add_argument("--port", type=int, help="default: output.links_url's, else 4280")
     args = p.parse_args(argv)
     try:
-        config = load_config(args.config, args.set)
+        config = config_from(args)
         outputs = container_client(config.output, config.retries.storage_retries)
         base, root = config.output.prefix, config.data.root
         if args.command == "serve":

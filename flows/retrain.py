@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import deployment, flow_run
+from prefect.states import Failed
 from prefect.utilities.urls import url_for
 
 from core.config import ConfigError, PipelineConfig
@@ -24,6 +24,7 @@ from core.data_versions import DataVersion
 from core.deployment_runs import deployment_config_path
 from core.run import Run
 from core.run_config import RunRequest, build_run_config
+from flows.config_args import add_config_arguments
 from flows.form import FormConfig, run_form_signature
 from flows.pool_lock import hold_pool, local_pool_lock
 
@@ -58,7 +59,7 @@ def retrain(
     overrides: list[str] | None = None,
     config_path: str | None = None,
     config: FormConfig | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State[Any]:
     """Retrain the image classifier: gate the data, train (Horovod or DDP), score, promote.
 
     A run whose data, code and settings are those of a run that trained ends as up to date
@@ -93,6 +94,7 @@ def retrain(
     """
     from tasks.outcome import RunLog
     from tasks.tracking import Tracker
+    from tasks.validate import REFUSALS
 
     logger = get_run_logger()
     request = RunRequest(
@@ -122,6 +124,13 @@ def retrain(
     tracker = Tracker(run_config, logger.warning)
     try:
         return _retrain(run_config, effective.source, run, record, force, tracker)
+    except REFUSALS as exc:
+        # The data gate refused the data, naming why in its artifact and its step's log: the
+        # run ends failed with that message, not as an error in the code (no traceback).
+        record.failed(exc)
+        _announce_failure(run, exc)
+        tracker.end(exc)
+        return Failed(message=str(exc))
     except BaseException as exc:
         if isinstance(exc, Exception):
             record.failed(exc)
@@ -299,17 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "set them. --show-config prints the config a run would use (the file with the --set "
         "values applied) and starts nothing.",
     )
-    p.add_argument(
-        "--config", required=True, type=Path, help="a YAML file, e.g. configs/local.yaml"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override one config value (repeatable); a text field takes the value as typed, "
-        "numbers, booleans and lists are read as YAML, null clears an optional field",
-    )
+    add_config_arguments(p)
     p.add_argument(
         "--show-config",
         action="store_true",
@@ -370,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         if not state.is_completed():
             print(f"retrain failed: {state.message}", file=sys.stderr)
             return 1
-        result = state.result()
+        result = cast(dict[str, Any], state.result())  # a completed run returns its summary
     serve = (
         f"  (links open while `python -m flows.models --config {shlex.quote(str(args.config))} "
         "serve` runs)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.text import markdown_text
+from gate.manifest import class_counts
 
 
 class DataValidationError(RuntimeError):
@@ -15,6 +16,14 @@ class DataValidationError(RuntimeError):
 def examples(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
     """File names behind a failed column expectation, so the report points at the data."""
     column = record["column"]
+    if record["table"] == "classes" and column.endswith("_images") and record["examples"]:
+        # A count alone ("e.g. 0") names nothing: the classes with that count do.
+        bad, split = set(record["examples"]), column.removesuffix("_images")
+        return [
+            f"{c['label']} ({c[column]} {split} images)"
+            for c in class_counts(rows)
+            if str(c[column]) in bad
+        ][:5]
     if record["table"] != "images" or not column or not record["examples"]:
         return record["examples"]
     if column == "problem":  # the sentence itself names the shard or the split

@@ -77,21 +77,37 @@ def summary_markdown(
         f"{data.files} files staged (their digest `{data.version}`): "
         f"{data.downloaded} downloaded, {data.unchanged} unchanged.",
         "",
-        "## Steps",
-        "",
-        "| step | status | seconds | details |",
-        "|---|---|---|---|",
+        *steps_markdown(steps),
     ]
-    for s in steps:
-        details = ", ".join(
-            f"{k}={v}" for k, v in s.details.items() if not isinstance(v, (dict, list))
-        )
-        lines.append(f"| {s.step} | {s.status} | {s.seconds:.2f} | {markdown_text(details)} |")
     lines += ["", *epochs_markdown(steps, metrics)]
     lines += ["", *cost_markdown(cost)]
     if config is not None:
         lines += [*config_markdown(config, config_source)]
     return "\n".join(lines)
+
+
+def steps_markdown(steps: list[StepRecord]) -> list[str]:
+    """Each step's status and time in a table, and what it found in a list below it. The
+    Prefect UI draws a table's columns at fixed widths and cuts a cell's text at its edge, never
+    wrapping it: the details (paths, links, digests) in a column of their own showed a few
+    words of each. A list item wraps."""
+    lines = [
+        "## Steps",
+        "",
+        "| step | status | seconds |",
+        "|---|---|---|",
+        *(f"| {s.step} | {s.status} | {s.seconds:.2f} |" for s in steps),
+    ]
+    found = []
+    for s in steps:
+        details = ", ".join(
+            f"{k}={v}" for k, v in s.details.items() if not isinstance(v, (dict, list))
+        )
+        if details:
+            found.append(f"- `{s.step}`: {markdown_text(details)}")
+    if found:
+        lines += ["", "What each step found:", "", *found]
+    return lines
 
 
 def data_lines(version: DataVersion | None) -> list[str]:

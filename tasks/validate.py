@@ -9,6 +9,7 @@ is trained is what was validated.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,15 +19,35 @@ from prefect.artifacts import create_markdown_artifact
 from backends.blob import container_client, upload_directory
 from backends.data_root import resolve
 from core.config import PipelineConfig
-from core.data_versions import DataVersion
+from core.data_versions import DataVersion, DataVersionError
 from core.run import Run
 from gate.docs_assets import DocsAssetError, localize
 from gate.manifest import build_manifest, list_dataset
-from gate.report import failure, gate_markdown
+from gate.report import DataValidationError, failure, gate_markdown
 from gate.verdicts import judge
 from registry.gateway import output_link
 from staging.listing import listing_blob, listing_json, listing_version
 from tasks.steps import Done, step
+
+# The gate's refusals: the data cannot be trained (or the version asked for does not exist),
+# and the message names the files, the versions and what to do. A run the gate refuses ends
+# failed with that message (flows/retrain.py); a traceback would only say where in the gate
+# the refusal was raised, so none is logged with it.
+REFUSALS: tuple[type[Exception], ...] = (DataValidationError, DataVersionError)
+
+
+class _RefusalsWithoutTraceback(logging.Filter):
+    """Prefect logs a failed task's exception with its traceback: for the gate's refusals, the
+    message alone (the record is kept, its traceback dropped)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], REFUSALS):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+logging.getLogger("prefect.task_runs").addFilter(_RefusalsWithoutTraceback())
 
 
 def gate_cache_dir(config: PipelineConfig) -> Path:

@@ -42,6 +42,23 @@ def test_the_newest_complete_version_is_the_one_whose_marker_came_last() -> None
     assert choose(survey({"v1": 0}), None).chosen == "the only complete version"
 
 
+@pytest.mark.parametrize(
+    ("names", "newest"),
+    [(("v9", "v10"), "v10"), (("2024-1-9", "2024-1-10"), "2024-1-10"), (("v2", "v10b"), "v10b")],
+)
+def test_markers_of_one_second_are_ordered_by_the_numbers_in_their_names(
+    names: tuple[str, str], newest: str
+) -> None:
+    """Storage keeps a marker's time to the second: versions completed in the same second are
+    told apart by name, read as people number versions (v10 after v9), not as text."""
+    same = {name: 0 for name in names}
+    for layout in (same, dict(reversed(list(same.items())))):
+        chosen = choose(survey(layout), None)
+        assert (chosen.version, chosen.chosen) == (newest, "the newest of 2 complete versions")
+    with pytest.raises(DataVersionError, match=rf"{newest}, {names[0]} \(newest first\)"):
+        choose(survey(same), "v7")
+
+
 def test_a_named_version_is_chosen_whatever_is_newer() -> None:
     chosen = choose(survey({"v1": 0, "v2": 5}), "v1")
     assert (chosen.version, chosen.chosen) == ("v1", "named by the run")

@@ -131,3 +131,37 @@ def test_a_root_without_versions_is_validated_whole(
     assert version.version is None and version.marker_etag
     listing = _pinned(config, "r-flat")
     assert listing["prefix"] == "images" and len(listing["blobs"]) == images
+
+
+def test_versions_completed_in_one_second_are_ordered_by_their_numbers(
+    config: PipelineConfig, small_folders: Path, tmp_path: Path
+) -> None:
+    """Storage keeps a marker's time to the second: v9 and v10 completed in one second were
+    ordered as text, and the run trained v9, calling it the newest."""
+    from tests.reliability import report
+
+    container = container_client(config.data, create=True)
+    for name in ("v9", "v10"):
+        upload_directory(container, small_folders, f"images/{name}")
+    for _ in range(5):  # both markers in one second (a retry when a second boundary fell between)
+        times = {
+            container.upload_blob(f"images/{name}/_SUCCESS", b"", overwrite=True)
+            .get_blob_properties()
+            .last_modified
+            for name in ("v10", "v9")
+        }
+        if len(times) == 1:
+            break
+    assert len(times) == 1, times
+    state = _gate(config, tmp_path, "r-same-second")
+    assert state.is_completed(), state.message
+    version = state.result().value.version
+    assert (version.version, version.chosen) == ("v10", "the newest of 2 complete versions")
+    assert _pinned(config, "r-same-second")["prefix"] == "images/v10"
+    report.record(
+        "adversarial",
+        "data versions v9 and v10 whose _SUCCESS markers share a second",
+        "v10 chosen, the newest (numbers in names compared as numbers)",
+        before_fix="v9 chosen and called the newest (names compared as text)",
+        versions="v9, v10",
+    )

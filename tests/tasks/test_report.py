@@ -140,3 +140,54 @@ def test_a_progress_line_with_another_line_glued_to_it_still_counts_its_epoch() 
     assert progress_record('[rank 0] x PROGRESS {"epochs": 2}') == {"epochs": 2}
     assert progress_record("PROGRESS {cut") is None
     assert progress_record("PROGRESS [1, 2]") is None
+
+
+def test_the_steps_table_holds_no_text_the_ui_would_cut() -> None:
+    """The Prefect UI draws a table's columns at fixed widths and cuts a cell at its edge
+    (``white-space: nowrap; overflow: hidden``): the details column showed a few words of each
+    step's details. Every cell of the summary's tables is short; the details are in a list,
+    each whole, as written."""
+    import html
+    import re
+
+    from markdown_it import MarkdownIt
+
+    from registry.promotion import Decision
+    from tasks.provision import StagedData
+    from tasks.report import summary_markdown
+    from tasks.train_and_score import Scored
+
+    run_id = "20261125-205247-3ba5a668"
+    docs = f"http://127.0.0.1:4280/runs/{run_id}/data_docs/index.html"
+    steps = [
+        StepRecord(
+            "validate-data",
+            "ran",
+            11.27,
+            {"images": 1797, "listing": f"runs/{run_id}/data-listing.json", "data_docs": docs},
+        ),
+        StepRecord("upload-scripts", "skipped", 0.06, {}),
+        StepRecord(
+            "run-training",
+            "ran",
+            43.51,
+            {"task": f"train-{run_id}", "checkpoint_key": "f7ffa5e87dc6a4c5", "epochs_run": [1]},
+        ),
+    ]
+    score = {"accuracy": 0.9, "num_images": 10, "per_class": {}}
+    markdown = summary_markdown(
+        run_id,
+        steps,
+        Scored(METRICS, score, []),
+        Decision(True, "no champion yet", "", {}),
+        StagedData("47859ce8fb14dfc0", 1797, 0, 1797),
+    )
+    rendered = MarkdownIt("commonmark").enable("table").render(markdown)
+    cells = [html.unescape(c) for c in re.findall(r"<td>(.*?)</td>", rendered)]
+    assert "validate-data" in cells and "43.51" in cells
+    assert max(len(c) for c in cells) <= 20, [c for c in cells if len(c) > 20]
+    text = html.unescape(re.sub(r"<[^>]+>", "", rendered))
+    assert f"validate-data: images=1797, listing=runs/{run_id}/data-listing.json, " in text
+    assert f"data_docs={docs}" in text and "<a " not in rendered  # text, not a link
+    assert f"run-training: task=train-{run_id}, checkpoint_key=f7ffa5e87dc6a4c5" in text
+    assert "upload-scripts:" not in text  # a step with nothing to say has no line

@@ -1,0 +1,36 @@
+"""``--config`` and ``--set``: how every command that reads a pipeline config is given one
+(``python -m flows.retrain``, ``flows.models``, ``flows.data``, ``scripts/demo.py``), with one
+spelling, one meaning and one way to load the result, so a person learns them once."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from core.config import PipelineConfig, load_config
+
+SET_HELP = (
+    "override one config value (repeatable); a text field takes the value as typed, numbers, "
+    "booleans and lists are read as YAML, null clears an optional field"
+)
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    config_help: str = "a YAML file, e.g. configs/local.yaml",
+    default: Path | None = None,
+) -> None:
+    """``--config FILE`` (required unless ``default`` names one) and ``--set SECTION.FIELD=VALUE``
+    (repeatable, applied in order after the file)."""
+    parser.add_argument(
+        "--config", required=default is None, default=default, type=Path, help=config_help
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help=SET_HELP
+    )
+
+
+def config_from(args: argparse.Namespace) -> PipelineConfig:
+    """The config the options name: the file, then each ``--set``; ConfigError names the field
+    and where its value came from."""
+    return load_config(args.config, args.set)
