@@ -209,6 +209,9 @@ def demo_run(demo: Path, config_path: Path, overrides: list[str], keep: Keep | N
     if reason:  # the local cluster runs the trainer on this machine's files either way
         print(f"the training image is not built: {reason}")
         flow_args += ["--set", "image.builder=none"]
+    if config.tracking.mlflow_uri and not _answers(config.tracking.mlflow_uri):
+        print(f"no MLflow server at {config.tracking.mlflow_uri}: this run is not tracked")
+        flow_args += ["--set", "tracking.mlflow_uri=null"]
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.temporary_server import kept_server
@@ -242,6 +245,20 @@ def demo_run(demo: Path, config_path: Path, overrides: list[str], keep: Keep | N
     if ran in (0, 1):
         print(look_at_the_run(api_url, flow_run))
     return code
+
+
+def _answers(url: str) -> bool:
+    """Whether a tracking server answers at ``url`` (``make service`` starts one; the demo
+    alone does not, and its run then says one line instead of a warning per request)."""
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        return True  # an Azure ML workspace: the run's own tracking reports what it finds
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=3):
+            return True
+    except OSError:
+        return False
 
 
 def _run_page(api_url: str | None, flow_run: str | None) -> str:

@@ -55,6 +55,7 @@ def test_the_demo_says_where_its_run_is_and_keep_leaves_it_open(tmp_path: Path) 
         "training.epochs=1",
         "pool.processes_per_node=1",
         "image.builder=none",
+        f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}",  # nothing listens there
     ]
     command = [
         sys.executable,
@@ -77,6 +78,9 @@ def test_the_demo_says_where_its_run_is_and_keep_leaves_it_open(tmp_path: Path) 
     trained = re.search(r"^run (\S+): test accuracy", first.stdout, re.M)
     assert trained, first.stdout
     assert (tmp_path / "demo" / "model.pt").is_file()
+    # No tracking server: one line says so, and the run does not warn on every request.
+    assert ": this run is not tracked" in first.stdout, first.stdout
+    assert "Connection refused" not in first.stdout + first.stderr
 
     # Then with --keep: a run of the same inputs (up to date), on a Prefect server it keeps up.
     azurite, prefect = free_port(), free_port()
