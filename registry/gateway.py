@@ -104,6 +104,7 @@ def printable(text: str) -> str:
 _TEXT = "text/plain; charset=utf-8"
 OUTPUT_TYPES = {
     ".pt": "application/octet-stream",  # a PyTorch checkpoint: downloaded, not shown
+    ".onnx": "application/octet-stream",  # the same model as ONNX (training/onnx_export.py)
     ".json": "application/json",
     ".txt": _TEXT,
     ".log": _TEXT,
