@@ -18,6 +18,7 @@ from tests.conftest import ROOT, child_env, run_trainer, trainer_command
 from training.checkpoint import (
     DAY_SECONDS,
     FINISHED,
+    MARKER,
     CheckpointWriteError,
     CheckpointWriter,
     atomic_save,
@@ -84,9 +85,15 @@ def test_keeps_newest_checkpoints_only(tmp_path: Path) -> None:
     assert [e for e, _ in list_checkpoints(tmp_path / "out" / "checkpoints")] == [4, 3]
 
 
-def _folder(root: Path, name: str, files: dict[str, bytes], days_ago: float = 0.0) -> Path:
+def _folder(
+    root: Path, name: str, files: dict[str, bytes], days_ago: float = 0.0, ours: bool = True
+) -> Path:
+    """A checkpoint folder as the trainer leaves it (with its marker), or, not ``ours``, a
+    folder someone else made with these files."""
     folder = root / name
     folder.mkdir(parents=True)
+    if ours:
+        (folder / MARKER).write_text('{"created_by": "training.train"}')
     for file, data in files.items():
         (folder / file).write_bytes(data)
     when = time.time() - days_ago * DAY_SECONDS
@@ -116,6 +123,7 @@ def test_checkpoint_folders_no_run_will_resume_are_removed(tmp_path: Path) -> No
     assert removed[failed_long_ago].startswith("unfinished, last written 8.0 days ago (kept 7)")
     assert all(not folder.exists() for folder in removed)
     assert own.is_dir() and failed_today.is_dir() and (foreign / "README").is_file()
+    assert (own / MARKER).is_file()
     # 0 days: nothing unfinished is kept either (but what is being trained, and others' files).
     assert dict(prune_checkpoint_folders(own, unfinished_days=0)) == {
         failed_today: "unfinished, last written 0.0 days ago (kept 0)"
@@ -140,6 +148,63 @@ def test_the_trainer_marks_its_folder_finished_and_prunes_when_asked(tmp_path: P
     assert done.returncode == 0, done.output
     assert f"removed checkpoint folder {stale}: unfinished, last written 2.0 days" in done.output
     assert not stale.exists() and (root / "0000000000000010" / FINISHED).is_file()
+    assert (root / "0000000000000010" / MARKER).is_file()  # created here: the trainer's
+
+
+@pytest.mark.processes
+def test_pruning_removes_only_folders_the_trainer_created(tmp_path: Path) -> None:
+    """Through the trainer's command line, as the pipeline's training task runs it. Before:
+    an empty 30-day-old folder, another tool's folder holding only finished.json and a user's
+    kept checkpoint-12.pt were deleted; with --checkpoint-dir a symbolic link, the folders
+    beside the link's target were pruned instead of those beside the link."""
+    from tests.reliability import report
+
+    root = tmp_path / "nfs" / "checkpoints"
+    elsewhere = tmp_path / "scratch"
+    theirs = {
+        "empty": _folder(root, "empty", {}, days_ago=30, ours=False),
+        "another tool's finished.json": _folder(
+            root, "tool-run", {FINISHED: b'{"status": "done"}'}, ours=False
+        ),
+        "a user's checkpoint-12.pt": _folder(
+            root, "kept", {"checkpoint-12.pt": b"weights"}, days_ago=30, ours=False
+        ),
+        # Beside the link's target: the trainer's own kind of folder, but not beside the link.
+        "beside the link's target": _folder(
+            elsewhere, "0000000000000001", {FINISHED: b"{}", "checkpoint-1.pt": b"x"}
+        ),
+    }
+    finished = _folder(root, "0000000000000002", {FINISHED: b"{}", "checkpoint-3.pt": b"x"})
+    link = root / "0000000000000003"  # to a folder the user made on a larger disk
+    (elsewhere / "0000000000000003").mkdir()
+    link.symlink_to(elsewhere / "0000000000000003", target_is_directory=True)
+
+    done = run_trainer(
+        1,
+        "synthetic:200",
+        tmp_path / "out",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        str(link),
+        "--prune-checkpoint-folders",
+        "1",
+    )
+
+    assert done.returncode == 0, done.output
+    assert not finished.exists(), done.output  # the trainer's, beside the link: pruned
+    kept = {what: folder.is_dir() for what, folder in theirs.items()}
+    assert kept == dict.fromkeys(theirs, True), done.output
+    assert (theirs["a user's checkpoint-12.pt"] / "checkpoint-12.pt").read_bytes() == b"weights"
+    # The user's folder: trained in, but not marked as the trainer's (it did not create it).
+    target = elsewhere / "0000000000000003"
+    assert (target / FINISHED).is_file() and not (target / MARKER).exists()
+    report.record(
+        "adversarial",
+        "--prune-checkpoint-folders beside an empty 30-day-old folder, another tool's folder "
+        "holding only finished.json, a user's checkpoint-12.pt; --checkpoint-dir a symlink",
+        "only folders the trainer created (its marker) removed, beside the link, not its target",
+    )
 
 
 def test_the_writer_snapshots_the_state_it_was_given(tmp_path: Path) -> None:
