@@ -216,6 +216,8 @@ def test_model_onnx_labels_as_model_pt_does_without_torch(
     probabilities, in a process that cannot import torch."""
     from tests.isolated import run_refusing
 
+    refused = run_refusing(("torch",), "import torch\n", tmp_path)
+    assert refused.returncode != 0 and "torch is refused in this process" in refused.stderr
     model_path, data = trained
     onnx_path = model_path.with_name("model.onnx")
     images = sorted((data / "test").rglob("*.png"))
