@@ -151,62 +151,6 @@ def test_the_trainer_marks_its_folder_finished_and_prunes_when_asked(tmp_path: P
     assert (root / "0000000000000010" / MARKER).is_file()  # created here: the trainer's
 
 
-@pytest.mark.processes
-def test_pruning_removes_only_folders_the_trainer_created(tmp_path: Path) -> None:
-    """Through the trainer's command line, as the pipeline's training task runs it. Before:
-    an empty 30-day-old folder, another tool's folder holding only finished.json and a user's
-    kept checkpoint-12.pt were deleted; with --checkpoint-dir a symbolic link, the folders
-    beside the link's target were pruned instead of those beside the link."""
-    from tests.reliability import report
-
-    root = tmp_path / "nfs" / "checkpoints"
-    elsewhere = tmp_path / "scratch"
-    theirs = {
-        "empty": _folder(root, "empty", {}, days_ago=30, ours=False),
-        "another tool's finished.json": _folder(
-            root, "tool-run", {FINISHED: b'{"status": "done"}'}, ours=False
-        ),
-        "a user's checkpoint-12.pt": _folder(
-            root, "kept", {"checkpoint-12.pt": b"weights"}, days_ago=30, ours=False
-        ),
-        # Beside the link's target: the trainer's own kind of folder, but not beside the link.
-        "beside the link's target": _folder(
-            elsewhere, "0000000000000001", {FINISHED: b"{}", "checkpoint-1.pt": b"x"}
-        ),
-    }
-    finished = _folder(root, "0000000000000002", {FINISHED: b"{}", "checkpoint-3.pt": b"x"})
-    link = root / "0000000000000003"  # to a folder the user made on a larger disk
-    (elsewhere / "0000000000000003").mkdir()
-    link.symlink_to(elsewhere / "0000000000000003", target_is_directory=True)
-
-    done = run_trainer(
-        1,
-        "synthetic:200",
-        tmp_path / "out",
-        "--epochs",
-        "1",
-        "--checkpoint-dir",
-        str(link),
-        "--prune-checkpoint-folders",
-        "1",
-    )
-
-    assert done.returncode == 0, done.output
-    assert not finished.exists(), done.output  # the trainer's, beside the link: pruned
-    kept = {what: folder.is_dir() for what, folder in theirs.items()}
-    assert kept == dict.fromkeys(theirs, True), done.output
-    assert (theirs["a user's checkpoint-12.pt"] / "checkpoint-12.pt").read_bytes() == b"weights"
-    # The user's folder: trained in, but not marked as the trainer's (it did not create it).
-    target = elsewhere / "0000000000000003"
-    assert (target / FINISHED).is_file() and not (target / MARKER).exists()
-    report.record(
-        "adversarial",
-        "--prune-checkpoint-folders beside an empty 30-day-old folder, another tool's folder "
-        "holding only finished.json, a user's checkpoint-12.pt; --checkpoint-dir a symlink",
-        "only folders the trainer created (its marker) removed, beside the link, not its target",
-    )
-
-
 def test_the_writer_snapshots_the_state_it_was_given(tmp_path: Path) -> None:
     """The step goes on changing the weights while the file is written: the file holds them as
     they were when save returned."""
