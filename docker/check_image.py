@@ -91,6 +91,30 @@ def check_gpu(torch_cuda: str, torch_nccl: str, build: dict[str, str]) -> list[s
     return seen
 
 
+def check_onnx() -> str:
+    """Rank 0 exports model.onnx and runs it before keeping it (training/onnx_export.py): the
+    exporter (onnx, onnxscript) and onnxruntime must work together in the image."""
+    import numpy as np
+    import onnxruntime
+    import torch
+
+    layer = torch.nn.Linear(3, 2).eval()
+    sample = torch.ones(2, 3)
+    try:
+        program = torch.onnx.export(layer, (sample,), dynamo=True, verbose=False)
+        session = onnxruntime.InferenceSession(
+            program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        (got,) = session.run(None, {session.get_inputs()[0].name: sample.numpy()})
+    except Exception as exc:
+        fail(f"ONNX export or onnxruntime fails in the image: {type(exc).__name__}: {exc}")
+    with torch.no_grad():
+        want = layer(sample).numpy()
+    if not np.allclose(got, want, atol=1e-5):
+        fail(f"onnxruntime computes {got.tolist()} where torch computes {want.tolist()}")
+    return f"onnxruntime {onnxruntime.__version__}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", choices=["gpu", "cpu"], required=True)
@@ -118,6 +142,7 @@ def main() -> None:
             fail(f"the cpu variant has torch's CUDA {torch.version.cuda} build")
         if hvd.nccl_built():
             fail("the cpu variant's Horovod was built with NCCL")
+    seen.append(check_onnx())
     print(f"check_image: {args.variant} image ok: " + "; ".join(seen))
     print(f"check_image: torch {metadata.version('torch')} requires {metadata.requires('torch')}")
 

@@ -7,6 +7,7 @@ to a file.
     python -m flows.models --config configs/local.yaml download --to models/
     python -m flows.models --config configs/local.yaml download --run RUN_ID --to model.pt
     python -m flows.models --config configs/local.yaml download --run RUN_ID --file score.json
+    python -m flows.models --config configs/local.yaml download --file model.onnx
     python -m flows.models --config configs/local.yaml serve
 
 ``serve`` runs the outputs gateway (registry.gateway): the links in a run's artifacts
@@ -97,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         "data.prefix; --set data.prefix=... names another) or of --run, to a file",
     )
     get.add_argument("--run", help="a run id from `list` (default: the champion)")
-    get.add_argument("--file", help="another file of the run's outputs, e.g. score.json")
+    get.add_argument(
+        "--file",
+        help="another file of the run's (or the champion's) outputs, e.g. model.onnx or score.json",
+    )
     get.add_argument(
         "--to", default=".", help="a file, or a folder (an existing one, or one ending with /)"
     )
@@ -120,13 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             entries = list_runs(outputs, base, [root])
             print(_table(entries) if entries else "no runs yet")
             return 0
-        if args.file and not args.run:
-            raise ModelStoreError("--file needs --run: which run's outputs")
         if args.run:
             blob = run_file(base, args.run, args.file or "model.pt")
         else:
             champion = champion_of(outputs, base, root)
-            blob = champion.model
+            blob = run_file(base, champion.run_id, args.file) if args.file else champion.model
             print(
                 f"the champion of data root {root.where}: run {champion.run_id} "
                 f"({champion.metric} {champion.value:.4f}, trained on {champion.data or '?'})"

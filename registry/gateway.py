@@ -16,15 +16,24 @@ SVG cannot read the other outputs through the gateway).
 
 from __future__ import annotations
 
+import asyncio
 import html
 import logging
 import mimetypes
 import socket
+import threading
 import unicodedata
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlsplit
+
+import uvicorn
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from backends.blob import blob_link, join
 
@@ -34,6 +43,8 @@ if TYPE_CHECKING:
     from core.config import OutputLocation
 
 DEFAULT_PORT = 4280
+# The most of a request's line and headers buffered before they are complete.
+MAX_REQUEST_HEAD = 65536
 LOG = logging.getLogger(__name__)
 _HTML = "text/html; charset=utf-8"
 # On every answer. Whatever a stored file is (a page, an SVG, a type set by whoever wrote the
@@ -104,6 +115,7 @@ def printable(text: str) -> str:
 _TEXT = "text/plain; charset=utf-8"
 OUTPUT_TYPES = {
     ".pt": "application/octet-stream",  # a PyTorch checkpoint: downloaded, not shown
+    ".onnx": "application/octet-stream",  # the same model as ONNX (training/onnx_export.py)
     ".json": "application/json",
     ".txt": _TEXT,
     ".log": _TEXT,
@@ -153,132 +165,227 @@ def listing_html(container: ContainerClient, folder: str) -> str | None:
     )
 
 
-def make_handler(
-    container: ContainerClient, prefix: str, hosts: set[str]
-) -> type[BaseHTTPRequestHandler]:
-    """A request handler serving ``container`` below ``prefix`` to requests whose Host header
-    is one of ``hosts`` (lower-case ``host:port``)."""
-    from azure.core.exceptions import AzureError, ResourceNotFoundError
+class BlobStream(StreamingResponse):
+    """A blob's bytes as stored, its length announced. A storage failure once the status and
+    length are out (a blob deleted or overwritten while it streams) cannot become an error
+    answer, which would land inside the file: the response ends short of its length, and the
+    connection closes, which is what tells the client the download failed."""
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "retrain-outputs"
-        sys_version = ""
-        head_sent = False  # whether this answer's status line and headers are out
+    def __init__(self, name: str, chunks: Iterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(chunks, 200, headers)
+        self.name = name
 
-        def do_GET(self) -> None:
-            self._answer(body=True)
+    async def stream_response(self, send: Send) -> None:
+        from azure.core.exceptions import AzureError
 
-        def do_HEAD(self) -> None:
-            self._answer(body=False)
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except AzureError as exc:
+            # The exception's text can hold the storage request; only its kind is logged.
+            LOG.warning(
+                "storage error while sending %s: %s", printable(self.name), type(exc).__name__
+            )
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        def _answer(self, body: bool) -> None:
-            self.head_sent = False
-            if (self.headers.get("Host") or "").lower() not in hosts:
-                self._text(421, "this gateway does not answer for that host name\n", body)
-                return
-            try:
-                name = blob_name(prefix, self.path)
-                if name.endswith("/") or not name:
-                    self._folder(name, body)
-                else:
-                    self._file(name, body)
-            except BadPath as exc:
-                self._text(400, f"bad path: {exc}\n", body)
-            except AzureError as exc:
-                # The exception's text can hold the storage request; only its kind goes out.
-                kind = type(exc).__name__
-                if self.head_sent:
-                    # A blob deleted or overwritten while it streams: the status and length are
-                    # out, so an error answer would land inside the file. Closing the connection
-                    # short of the length is what tells the client the download failed.
-                    LOG.warning("storage error while sending %s: %s", printable(self.path), kind)
-                    self.close_connection = True
-                elif isinstance(exc, ResourceNotFoundError):
-                    self._text(404, "no such output\n", body)
-                else:
-                    LOG.warning("storage error for %s: %s", printable(self.path), kind)
-                    self._text(502, f"Blob storage failed ({kind})\n", body)
 
-        def _folder(self, name: str, body: bool) -> None:
-            if not body:  # whether it exists: one entry of its listing, not all of them
-                entries = container.walk_blobs(
-                    name_starts_with=name, delimiter="/", results_per_page=1
-                )
-                found = next(iter(entries), None)
-                if found is None and name:
-                    self._text(404, "no such output\n", body)
-                else:  # the page's length is not known without the page: none is sent
-                    self._head(200, _HTML, None)
-                return
-            page = listing_html(container, name)
-            if page is None:
-                self._text(404, "no such output\n", body)
-                return
-            self._send(200, _HTML, page.encode(), body)
+def _text(status: int, text: str) -> Response:
+    return PlainTextResponse(text, status)
 
-        def _file(self, name: str, body: bool) -> None:
-            blob = container.get_blob_client(name)
-            if not blob.exists():
-                if next(iter(container.list_blobs(name_starts_with=f"{name}/")), None):
-                    # A folder asked for without its slash: its page's relative links need it.
-                    self.send_response(301)
-                    self.send_header("Location", f"{target_path(self.path)}/")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                raise ResourceNotFoundError("no such blob")
-            if not body:
-                props = blob.get_blob_properties()
-                self._file_head(name, props.content_settings, props.size)
-                return
-            # Stored bytes as they are: a blob written gzip-compressed (Content-Encoding) goes
-            # out compressed with its encoding named, as Blob storage itself would send it; the
-            # SDK's decompressing would make the body longer than the length announced.
-            stream = blob.download_blob(decompress=False)
-            self._file_head(name, stream.properties.content_settings, stream.size)
-            for chunk in stream.chunks():
-                self.wfile.write(chunk)
 
-        def _file_head(self, name: str, settings: ContentSettings, size: int) -> None:
-            encoding = {"Content-Encoding": settings.content_encoding}
-            self._head(200, content_type(name, settings.content_type), size, encoding)
+class OutputsApp:
+    """The gateway's answers: ``container`` below ``prefix``, GET and HEAD only. Storage is
+    read in a worker thread (the storage SDK blocks)."""
 
-        def _text(self, status: int, text: str, body: bool) -> None:
-            self._send(status, "text/plain; charset=utf-8", text.encode(), body)
+    def __init__(self, container: ContainerClient, prefix: str) -> None:
+        self.container, self.prefix = container, prefix
 
-        def _send(self, status: int, kind: str, data: bytes, body: bool) -> None:
-            self._head(status, kind, len(data))
-            if body:
-                self.wfile.write(data)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        target = _request_target(scope)
+        response = await run_in_threadpool(self.answer, target, scope["method"] == "HEAD")
+        await response(scope, receive, send)
 
-        def _head(
-            self,
-            status: int,
-            kind: str,
-            length: int | None,
-            extra: dict[str, str | None] | None = None,
-        ) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            if length is not None:
-                self.send_header("Content-Length", str(length))
-            for header, value in (extra or {}).items():
-                if value:
-                    self.send_header(header, value)
-            self.end_headers()
-            self.head_sent = True
+    def answer(self, target: str, head: bool) -> Response:
+        from azure.core.exceptions import AzureError, ResourceNotFoundError
 
-        def end_headers(self) -> None:
-            """Every answer's headers end here, http.server's own included (its error pages for
-            a malformed request line, an unsupported method, a URI too long, and redirects)."""
-            for header, value in SAFETY_HEADERS.items():
-                self.send_header(header, value)
-            super().end_headers()
+        try:
+            name = blob_name(self.prefix, target)
+            if name.endswith("/") or not name:
+                return self._folder(name, head)
+            return self._file(name, target, head)
+        except BadPath as exc:
+            return _text(400, f"bad path: {exc}\n")
+        except ResourceNotFoundError:
+            return _text(404, "no such output\n")
+        except AzureError as exc:
+            # The exception's text can hold the storage request; only its kind goes out.
+            kind = type(exc).__name__
+            LOG.warning("storage error for %s: %s", printable(target), kind)
+            return _text(502, f"Blob storage failed ({kind})\n")
 
-        def log_message(self, format: str, *args: Any) -> None:
-            LOG.info("%s %s", self.address_string(), printable(format % args))
+    def _folder(self, name: str, head: bool) -> Response:
+        if head:  # whether it exists: one entry of its listing, not all of them
+            entries = self.container.walk_blobs(
+                name_starts_with=name, delimiter="/", results_per_page=1
+            )
+            if next(iter(entries), None) is None and name:
+                return _text(404, "no such output\n")
+            found = Response(status_code=200, media_type=_HTML)
+            del found.headers["content-length"]  # the page's length is not known without it
+            return found
+        page = listing_html(self.container, name)
+        if page is None:
+            return _text(404, "no such output\n")
+        return HTMLResponse(page)
 
-    return Handler
+    def _file(self, name: str, target: str, head: bool) -> Response:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        blob = self.container.get_blob_client(name)
+        if not blob.exists():
+            if next(iter(self.container.list_blobs(name_starts_with=f"{name}/")), None):
+                # A folder asked for without its slash: its page's relative links need it.
+                return Response(status_code=301, headers={"Location": f"{target_path(target)}/"})
+            raise ResourceNotFoundError("no such blob")
+        if head:
+            props = blob.get_blob_properties()
+            return Response(
+                status_code=200, headers=_file_headers(name, props.content_settings, props.size)
+            )
+        # Stored bytes as they are: a blob written gzip-compressed (Content-Encoding) goes out
+        # compressed with its encoding named, as Blob storage itself would send it; the SDK's
+        # decompressing would make the body longer than the length announced.
+        stream = blob.download_blob(decompress=False)
+        headers = _file_headers(name, stream.properties.content_settings, stream.size)
+        return BlobStream(name, stream.chunks(), headers)
+
+
+def _file_headers(name: str, settings: ContentSettings, size: int) -> dict[str, str]:
+    headers = {
+        "Content-Type": content_type(name, settings.content_type),
+        "Content-Length": str(size),
+    }
+    if settings.content_encoding:
+        headers["Content-Encoding"] = settings.content_encoding
+    return headers
+
+
+def _request_target(scope: Scope) -> str:
+    """The request's path and query as the client sent them (still encoded). A leading ``//``
+    is one ``/``: never read as a host name."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    target = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
+    return "/" + target.lstrip("/") if target.startswith("//") else target
+
+
+class RequestLog:
+    """Logs each request line, its control characters escaped (a terminal would act on an
+    escape sequence in it), with its status, as the answer starts."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        target, method = _request_target(scope), scope["method"]
+        client = (scope.get("client") or ("-", 0))[0]
+
+        async def logged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                LOG.info("%s %s %s %s", client, method, printable(target), message["status"])
+            await send(message)
+
+        await self.app(scope, receive, logged)
+
+
+class ReadOnly:
+    """GET and HEAD only, whoever asks: 501 for any other method."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            response = _text(501, "this gateway only reads: GET and HEAD\n")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class HostCheck:
+    """Answers only requests addressed to the gateway's own host names (``host:port``, lower
+    case), so a web page cannot reach it through DNS rebinding: 421 otherwise. Starlette's
+    TrustedHostMiddleware compares the name alone, without the port (another port of an
+    allowed name would pass) and misreads a bracketed IPv6 host, hence this one."""
+
+    def __init__(self, app: ASGIApp, hosts: set[str]) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and Headers(scope=scope).get("host", "").lower() not in self.hosts
+        ):
+            response = _text(421, "this gateway does not answer for that host name\n")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(container: ContainerClient, prefix: str, hosts: set[str]) -> ASGIApp:
+    """The gateway as an ASGI application: ``container`` below ``prefix``, to requests whose
+    Host header is one of ``hosts`` (lower-case ``host:port``)."""
+    return RequestLog(ReadOnly(HostCheck(OutputsApp(container, prefix), hosts)))
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol (h11) with two things uvicorn lacks: a deadline for a
+    request to arrive (a client that sends half a request line, or opens a connection and
+    waits, would hold it for good), and the safety headers on the answer uvicorn writes itself
+    to a malformed request (every other answer gets them from its ``headers`` setting)."""
+
+    request_timeout = 30.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._deadline()
+
+    def _deadline(self) -> None:
+        """Close the connection unless another request has begun by then."""
+        waiting_since = self.cycle
+
+        def drop() -> None:
+            if self.cycle is waiting_since and not self.transport.is_closing():
+                self.transport.close()
+
+        self.loop.call_later(self.request_timeout, drop)
+
+    def send_400_response(self, msg: str) -> None:
+        import h11
+
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"connection", b"close"),
+            *((k.lower().encode(), v.encode()) for k, v in SAFETY_HEADERS.items()),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=msg.encode("ascii")),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
 
 
 def _host_headers(hostname: str, port: int, default: int) -> set[str]:
@@ -322,21 +429,52 @@ def serve(
     port: int = DEFAULT_PORT,
     links_url: str | None = None,
     request_timeout: float = 30.0,
-) -> ThreadingHTTPServer:
+) -> Gateway:
     """A started-on-demand server (call ``serve_forever``); port 0 picks a free port, which
-    ``server.server_address`` then tells."""
-    server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
-    server = server_class((host, port), BaseHTTPRequestHandler)
-    bound = server.server_address[1]
-    handler = make_handler(container, prefix, host_names(host, int(bound), links_url))
-    # A client that never finishes its request would hold its thread for good without it.
-    handler.timeout = request_timeout
-    server.RequestHandlerClass = handler
-    server.daemon_threads = True
-    return server
+    ``server_address`` then tells."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    bound = int(sock.getsockname()[1])
+    app = create_app(container, prefix, host_names(host, bound, links_url))
+    protocol = type("GatewayProtocol", (_Protocol,), {"request_timeout": request_timeout})
+    config = uvicorn.Config(
+        app,
+        http=protocol,
+        ws="none",
+        lifespan="off",
+        loop="asyncio",
+        log_config=None,  # the process's own logging stays as it is
+        access_log=False,  # each request is logged by the app, escaped
+        server_header=False,
+        headers=list(SAFETY_HEADERS.items()),  # on every answer, errors included
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD,
+        timeout_graceful_shutdown=5,
+    )
+    return Gateway(uvicorn.Server(config), sock)
 
 
-class _IPv6Server(ThreadingHTTPServer):
-    """``links_url`` may name ``[::1]``: the server must then listen on an IPv6 socket."""
+class Gateway:
+    """The gateway's server: ``serve_forever`` runs it (in the calling thread) until
+    ``shutdown`` (from any thread) or Ctrl-C."""
 
-    address_family = socket.AF_INET6
+    def __init__(self, server: uvicorn.Server, sock: socket.socket) -> None:
+        self.server, self.socket = server, sock
+        self.server_address = sock.getsockname()
+        self._running = threading.Event()
+        self._stopped = threading.Event()
+
+    def serve_forever(self) -> None:
+        self._running.set()
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop serving, and return once ``serve_forever`` has."""
+        self.server.should_exit = True
+        if self._running.is_set():
+            self._stopped.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()

@@ -229,19 +229,26 @@ def model_blob(container: ContainerClient, base: str, root: DataRoot, run_id: st
     return champion_of(container, base, root).model
 
 
+# The model files whose MD5 the trainer records in metrics.json, and under which key.
+RECORDED_MD5 = {"model.pt": "model_md5", "model.onnx": "onnx_md5"}
+
+
 def recorded_model_md5(container: ContainerClient, blob: str) -> str | None:
-    """The MD5 (base64) the trainer recorded for the model ``blob`` in the ``metrics.json``
-    beside it, or None (not a run's model, or a run from before the trainer recorded it).
+    """The MD5 (base64) the trainer recorded for the model ``blob`` (``model.pt`` or
+    ``model.onnx``) in the ``metrics.json`` beside it, or None (not a run's model, or a run
+    from before the trainer recorded it).
 
     Blob storage stores an MD5 only for a blob uploaded in one request (64 MB and less with the
     SDK's defaults; Batch's output files never): a ResNet-50 model is uploaded in blocks, so
     without this nothing would check it. ``metrics.json`` is small enough to carry the
     service's own MD5, which the download of it checks."""
-    if not blob.endswith("/model.pt"):
+    folder, _, name = blob.rpartition("/")
+    key = RECORDED_MD5.get(name)
+    if not folder or key is None:
         return None
-    stored = read_record(container, f"{blob.rsplit('/', 1)[0]}/metrics.json", MAX_METRICS_BYTES)
+    stored = read_record(container, f"{folder}/metrics.json", MAX_METRICS_BYTES)
     doc = None if stored is None else json_object(stored.data, stored.limit)
-    value = doc.get("model_md5") if isinstance(doc, dict) else None
+    value = doc.get(key) if isinstance(doc, dict) else None
     return value if isinstance(value, str) and value else None
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import io
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -22,10 +22,17 @@ from prefect.cache_policies import NONE
 
 from backends.blob import container_client
 from core.config import BlobLocation, PipelineConfig
+from core.text import markdown_text
 from registry.gateway import output_link
 from registry.layout import labels_blob
 from registry.migrate import migrate_legacy_records
 from registry.store import champion_of, download, recorded_model_md5, run_file
+from training.images import is_image_name
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
+
+    from staging.listing import PinnedBlob
 
 TABLE_ROWS = 200  # what the run's table shows; the CSV holds every image
 
@@ -49,7 +56,7 @@ def label_images(
     top_k: int = 3,
 ) -> Labelled:
     from staging.sync import sync_to_directory
-    from training.predict import Prediction, images_in, predict, write_csv
+    from training.predict import Prediction, predict, write_csv
 
     logger = get_run_logger()
     retries = config.retries.storage_retries
@@ -63,23 +70,24 @@ def label_images(
     else:
         model, chosen = run_file(base, run_id, "model.pt"), f"run {run_id}"
     logger.info("labelling with the model of %s", chosen)
+    source = container_client(images, retries)
+    files, unusable = image_blobs(source, images.prefix)
     with tempfile.TemporaryDirectory(prefix="label-") as work:
         folder = Path(work) / "images"
-        report = sync_to_directory(container_client(images, retries), images.prefix, folder)
+        report = sync_to_directory(source, images.prefix, folder, listing=list(files.values()))
         logger.info("downloaded %d files from %s", report.total_files, where(images))
         model_file = download(
             outputs, model, Path(work) / "model.pt", recorded_model_md5(outputs, model)
         )
         logger.info("model %s, checked against %s", model, model_file.checked)
-        predictions, skipped = predict(model_file.path, images_in(folder), top_k)
-        prefix = images.prefix.strip("/")
-
-        def blob_name(path: str) -> str:
-            relative = Path(path).relative_to(folder).as_posix()
-            return f"{prefix}/{relative}" if prefix else relative
-
-        predictions = [Prediction(blob_name(p.image), p.top) for p in predictions]
-        unusable = [f"{blob_name(str(path))}: {why}" for path, why in skipped]
+        by_path = {str(folder / path): blob.name for path, blob in files.items()}
+        predictions, skipped = predict(model_file.path, list(map(Path, by_path)), top_k)
+        predictions = [Prediction(by_path[p.image], p.top) for p in predictions]
+        for path, why in skipped:
+            # The reason may quote the file's path here (Pillow's messages do): the blob's name
+            # stands in for it, and nothing of this machine's folders reaches the artifacts.
+            name = by_path[str(path)]
+            unusable.append(f"{name}: {why.replace(str(path), name).replace(work, '...')}")
     for line in unusable:
         logger.warning("skipped %s", line)
     if not predictions:
@@ -106,13 +114,47 @@ def label_images(
     )
     if unusable:
         create_markdown_artifact(
+            # Names as text: a blob's name is whoever uploaded it's, and in a code span a
+            # backtick in it would end the span (and what follows would render).
             "\n".join(
-                ["## Images that could not be labelled", "", *(f"- `{s}`" for s in unusable)]
+                [
+                    "## Images that could not be labelled",
+                    "",
+                    *(f"- {markdown_text(s)}" for s in unusable),
+                ]
             ),
             key="labels-skipped",
             description=f"{len(unusable)} images skipped",
         )
     return Labelled(blob, link, model, len(predictions), unusable, chosen)
+
+
+def image_blobs(container: ContainerClient, prefix: str) -> tuple[dict[str, PinnedBlob], list[str]]:
+    """The image blobs below ``prefix`` that can be downloaded as files (by their path below
+    it), and one line for each
+    image that cannot, saying why: a name no file can have (``a//b.png``, ``../x.png``), or one
+    whose path another image needs as a folder. Such a name is skipped, not the whole run."""
+    from staging.listing import pin
+    from staging.sync import UnsafeBlobNameError, safe_relative_path
+
+    prefix = prefix.strip("/")
+    below = container.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
+    blobs = [pin(b) for b in below if is_image_name(b.name)]
+    usable: dict[str, PinnedBlob] = {}
+    skipped: list[str] = []
+    for blob in blobs:
+        try:
+            usable[str(safe_relative_path(blob.name, prefix))] = blob
+        except UnsafeBlobNameError as exc:
+            skipped.append(f"{blob.name}: not a name a file can have ({exc})")
+    kept = {}
+    for path, blob in usable.items():
+        clash = next((p for p in PurePosixPath(path).parents if str(p) in usable), None)
+        if clash is not None:
+            skipped.append(f"{blob.name}: needs {clash} as a folder, but that is an image")
+        else:
+            kept[path] = blob
+    return kept, skipped
 
 
 def where(location: BlobLocation) -> str:

@@ -23,7 +23,13 @@ The policy (:func:`prune_checkpoint_folders`, run by the trainer at start when a
 - a folder whose training did not finish is kept for ``DAYS`` after its last write, so that a
   re-run of a failed or killed run resumes, then removed;
 - a folder holding anything but checkpoints is left alone (with a warning): only what the
-  trainer wrote is removed.
+  trainer wrote is removed;
+- only a folder the trainer created is ever removed: it writes :data:`MARKER` into a folder
+  when it creates it for its first checkpoint. A folder it did not create (a user's, another
+  tool's, one made by hand for ``--checkpoint-dir``, or one from before the marker) holds no
+  marker and is never touched, whatever it holds or however old it is;
+- the folders looked at are those beside ``--checkpoint-dir`` as given: when it is a symbolic
+  link, beside the link, never beside its target.
 
 Writing does not hold the training step (:class:`CheckpointWriter`): the state is copied to host
 memory, which is all the step waits for, and a background thread serialises it, writes it under
@@ -35,8 +41,8 @@ leaves the newest complete checkpoint in place.
 from __future__ import annotations
 
 import logging
+import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -55,10 +61,14 @@ REQUIRED_KEYS = {"format_version", "epoch", "model", "optimizer", "args", "histo
 # Written beside the checkpoints once the model was exported from them: the folder's training
 # is over, no later attempt of that run needs it.
 FINISHED = "finished.json"
-# What a checkpoint folder holds: checkpoints, the finished marker, and atomic_write's temp
-# files (".<name>.<random>.tmp") left by a writer that died.
+# Written into a checkpoint folder by the trainer that created it: only such a folder is ever
+# pruned.
+MARKER = "checkpoint-folder.json"
+# What a checkpoint folder holds: checkpoints, the two markers, and atomic_write's temp files
+# (".<name>.<random>.tmp") left by a writer that died.
 _OWN_FILE = re.compile(
-    r"^(checkpoint-\d+\.pt|finished\.json|\.(checkpoint-\d+\.pt|finished\.json)\..+\.tmp)$"
+    r"^(checkpoint-\d+\.pt|finished\.json|checkpoint-folder\.json"
+    r"|\.(checkpoint-\d+\.pt|finished\.json|checkpoint-folder\.json)\..+\.tmp)$"
 )
 DAY_SECONDS = 86_400
 
@@ -165,6 +175,20 @@ def prune_checkpoints(directory: Path, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def claim_folder(directory: Path) -> bool:
+    """Create ``directory`` and write :data:`MARKER` into it, when it does not exist yet: the
+    folder is then the trainer's to prune. A folder that exists already is left unmarked (it
+    is someone else's, or an earlier attempt's, which marked it when it created it)."""
+    try:
+        directory.mkdir(parents=True)
+    except FileExistsError:
+        return False
+    atomic_write_json(
+        {"created_by": "training.train", "created_at": round(time.time())}, directory / MARKER
+    )
+    return True
+
+
 def mark_finished(directory: Path, epochs: int) -> None:
     """Say in ``directory`` that its training is over (the model was exported from it)."""
     atomic_write_json({"epochs": epochs, "finished_at": round(time.time())}, directory / FINISHED)
@@ -174,21 +198,44 @@ def _last_write(folder: Path, files: list[Path]) -> float:
     return max([folder.stat().st_mtime, *(f.stat().st_mtime for f in files)])
 
 
+def _remove_own(folder: Path, entries: list[Path]) -> bool:
+    """Delete the trainer's files in ``folder``, then the folder: a file that appeared since
+    it was looked at keeps it (with everything not the trainer's)."""
+    for entry in entries:
+        entry.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError as exc:
+        log.warning("checkpoint folder %s not removed: %s", folder, exc.strerror or exc)
+        return False
+    return True
+
+
 def prune_checkpoint_folders(
     keep: Path, unfinished_days: float, now: float | None = None
 ) -> list[tuple[Path, str]]:
     """Remove the checkpoint folders beside ``keep`` that no run will resume (the policy in
     the module docstring); the folders removed, each with why."""
     now = time.time() if now is None else now
-    keep = keep.resolve()
+    given = Path(os.path.abspath(keep))  # beside the path as given: a link is not followed
+    own = keep.resolve()
     removed: list[tuple[Path, str]] = []
-    if not keep.parent.is_dir():
+    if not given.parent.is_dir():
         return removed
-    for folder in sorted(keep.parent.iterdir()):
-        if folder.resolve() == keep or folder.is_symlink() or not folder.is_dir():
+    for folder in sorted(given.parent.iterdir()):
+        if folder == given or folder.is_symlink() or not folder.is_dir():
             continue
+        if folder.resolve() == own:
+            continue
+        marker = folder / MARKER
+        if marker.is_symlink() or not marker.is_file():
+            continue  # not created by the trainer: never its to remove
         entries = list(folder.iterdir())
-        strangers = [e.name for e in entries if not (e.is_file() and _OWN_FILE.match(e.name))]
+        strangers = [
+            e.name
+            for e in entries
+            if e.is_symlink() or not (e.is_file() and _OWN_FILE.match(e.name))
+        ]
         if strangers:
             log.warning(
                 "checkpoint folder %s also holds %s: not the trainer's alone, left as it is",
@@ -203,8 +250,7 @@ def prune_checkpoint_folders(
             if idle_days < unfinished_days:
                 continue  # a re-run of the run that left it may still resume from it
             why = f"unfinished, last written {idle_days:.1f} days ago (kept {unfinished_days:g})"
-        shutil.rmtree(folder, ignore_errors=True)
-        if not folder.exists():
+        if _remove_own(folder, entries):
             removed.append((folder, why))
     return removed
 
@@ -240,12 +286,16 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._path: Path | None = None
         self.stalls: list[float] = []  # seconds each save held its caller
+        self._claimed = False
 
     def save(self, state: dict[str, Any], epoch: int) -> float:
         """Snapshot ``state`` and start writing it as ``checkpoint-<epoch>.pt``; returns the
         seconds the caller was held (the previous write's remainder, if any, and the copy)."""
         started = time.perf_counter()
         self.wait()
+        if not self._claimed:
+            claim_folder(self.directory)  # marked as the trainer's when this creates it
+            self._claimed = True
         snapshot = host_copy(state)
         path = checkpoint_path(self.directory, epoch)
         self._path = path

@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from training.images import to_rgb
+from training.model_input import to_model_array
 
 # Collects one picklable value from every rank (Horovod's allgather_object in the trainer), so
 # work such as verifying images can be split across ranks.
@@ -49,18 +48,6 @@ class DatasetInfo:
 
 
 def to_model_input(image: Image.Image, size: int) -> torch.Tensor:
-    """Resize the shorter side to ``size``, centre-crop, as RGB; return uint8 CHW.
-
-    Every image becomes the 8-bit RGB picture it shows (``training.images.to_rgb``: the EXIF
-    orientation applied, 16-bit scaled, transparency composited), so one model fits all inputs.
-    """
-    image = to_rgb(image)
-    w, h = image.size
-    scale = size / min(w, h)
-    if (w, h) != (size, size):
-        nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-        image = image.resize((nw, nh), Image.Resampling.BILINEAR)
-        left, top = (nw - size) // 2, (nh - size) // 2
-        image = image.crop((left, top, left + size, top + size))
-    array = np.asarray(image, dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+    """Resize the shorter side to ``size``, centre-crop, as RGB; return uint8 CHW
+    (``training.model_input.to_model_array``, the one way every reader does it)."""
+    return torch.from_numpy(to_model_array(image, size))

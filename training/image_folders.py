@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
+import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from training.dataset import DatasetError, DatasetInfo, Gather, SplitData, to_model_input
 from training.images import REQUIRED_SPLITS, SPLITS, is_image_name, open_image
-from training.webdataset import ShardError, TarMember, is_tar_name, shard_members
-
-# An image the readers decode: a loose file, or an image inside a WebDataset tar shard.
-ImageSource = Path | TarMember
+from training.model_input import ImageSource, decode_array, opened
+from training.webdataset import ShardError, is_tar_name, shard_members
 
 
 class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
@@ -36,28 +34,18 @@ class ImageFolderSplit(Dataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
         try:
-            with open_image(_opened(path)) as image:
+            with open_image(opened(path)) as image:
                 return to_model_input(image, self.size), label
         except (OSError, UnidentifiedImageError, ValueError) as exc:
             raise DatasetError(f"cannot decode image {path}: {exc}") from exc
 
 
-def _opened(source: ImageSource) -> Path | IO[bytes]:
-    """What Pillow opens: the file, or the bytes of a tar member read at its offset."""
-    return source.open() if isinstance(source, TarMember) else source
-
-
 def decode_checked(path: ImageSource, size: int | None) -> torch.Tensor | str | None:
     """Fully decode ``path`` (a valid header is not enough): the model input at ``size``, or
-    None when no size is asked for; a string saying why when the file is unusable."""
-    try:
-        if (path.size if isinstance(path, TarMember) else path.stat().st_size) == 0:
-            return "zero-byte file"
-        with open_image(_opened(path)) as image:
-            image.load()
-            return None if size is None else to_model_input(image, size)
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
-        return f"unreadable image ({type(exc).__name__}: {exc})"
+    None when no size is asked for; a string saying why when the file is unusable
+    (``training.model_input.decode_array``, as a tensor)."""
+    verdict = decode_array(path, size)
+    return torch.from_numpy(verdict) if isinstance(verdict, np.ndarray) else verdict
 
 
 def _check_image(path: ImageSource) -> str | None:

@@ -1,13 +1,21 @@
 """Label new images with a trained model::
 
-    python -m training.predict --model model.pt (IMAGES... | --dir D) [--top-k K] [--output F]
+    python -m training.predict --model model.pt|model.onnx (IMAGES... | --dir D) [--top-k K]
+        [--output F]
 
 Each image is decoded, resized and centre-cropped exactly as the trainer and the scorer read
-their data (``training.image_folders.decode_checked``: PNG or JPEG by name and content, any size
-or mode, made RGB at the model's input size), then classified in batches, on the GPU when there
-is one. One CSV row per image: its path, then the ``K`` most likely classes, each with its
-probability (softmax), the likeliest first. An image that cannot be used (unreadable, empty, not
-a PNG or JPEG) is named on stderr and skipped; the others are still labelled.
+their data (``training.model_input.decode_array``: PNG or JPEG by name and content, any size or
+mode, made RGB at the model's input size), then classified in batches. ``model.pt`` runs with
+PyTorch, on the GPU when there is one; ``model.onnx`` with onnxruntime on the CPU, and then torch
+is never imported (``training.onnx_model``). One CSV row per image: its path, then the ``K``
+most likely classes, each with its probability (softmax), the likeliest first. An image that
+cannot be used (unreadable, empty, not a PNG or JPEG) is named on stderr and skipped; the others
+are still labelled.
+
+Every cell of the CSV is quoted, and a name that begins with ``=``, ``+``, ``-``, ``@``, a tab
+or a carriage return is written with a ``'`` before it (OWASP's rule against CSV injection):
+image and class names come from whoever named the files, and a spreadsheet would run such a
+cell as a formula.
 
 Exit status: 0 when at least one image was labelled (skipped ones are on stderr), 2 when the
 model file cannot be used, nothing was given, or no image could be read.
@@ -22,14 +30,17 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
-import torch
+import numpy as np
 
 from training.atomic import atomic_write
-from training.image_folders import decode_checked
 from training.images import is_image_name
-from training.score import ModelFileError, load_model
+from training.model_file import ModelFileError
+from training.model_input import decode_array
+
+# OWASP's CSV injection rule: a cell starting with one of these is a formula to a spreadsheet.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 class PredictError(ValueError):
@@ -42,6 +53,50 @@ class Prediction:
     top: list[tuple[str, float]]  # class name and probability, likeliest first
 
 
+class Classifier(Protocol):
+    """A trained model as ``predict`` uses it, whichever file it came from."""
+
+    class_names: list[str]
+    input_size: int
+
+    def probabilities(self, images: np.ndarray) -> np.ndarray:
+        """Softmax probabilities of a uint8 ``(N, 3, S, S)`` batch, ``(N, classes)``."""
+        ...
+
+
+class TorchClassifier:
+    """A ``model.pt`` on ``device`` (default: the GPU when there is one)."""
+
+    def __init__(self, path: Path, device: str | None) -> None:
+        import torch
+
+        from training.score import load_model
+
+        model, saved = load_model(path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model.to(self.device)
+        self.class_names: list[str] = saved["class_names"]
+        self.input_size: int = saved["input_size"]
+
+    def probabilities(self, images: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            batch = torch.from_numpy(images).to(self.device).float()
+            return torch.softmax(self.model(batch).float(), dim=1).cpu().numpy()
+
+
+def load_classifier(path: Path, device: str | None = None) -> Classifier:
+    """``model.onnx`` (by its suffix) with onnxruntime, anything else as a ``model.pt``."""
+    if path.suffix.lower() == ".onnx":
+        if device not in (None, "cpu"):
+            raise PredictError(f"--device {device}: model.onnx runs on the CPU (onnxruntime)")
+        from training.onnx_model import OnnxModel
+
+        return OnnxModel(path)
+    return TorchClassifier(path, device)
+
+
 def images_in(folder: Path) -> list[Path]:
     """Every image file under ``folder`` (its sub-folders too), in a stable order."""
     if not folder.is_dir():
@@ -51,7 +106,7 @@ def images_in(folder: Path) -> list[Path]:
 
 def _decoded(
     paths: Iterable[Path], size: int, skipped: list[tuple[Path, str]]
-) -> Iterator[tuple[Path, torch.Tensor]]:
+) -> Iterator[tuple[Path, np.ndarray]]:
     for path in paths:
         if not is_image_name(path):
             skipped.append((path, "not a .png, .jpg or .jpeg file"))
@@ -59,17 +114,17 @@ def _decoded(
         if not path.is_file():
             skipped.append((path, "no such file"))
             continue
-        verdict = decode_checked(path, size)
-        if isinstance(verdict, torch.Tensor):
+        verdict = decode_array(path, size)
+        if isinstance(verdict, np.ndarray):
             yield path, verdict
         else:
             skipped.append((path, verdict or "unreadable image"))
 
 
 def _batches(
-    items: Iterable[tuple[Path, torch.Tensor]], size: int
-) -> Iterator[list[tuple[Path, torch.Tensor]]]:
-    batch: list[tuple[Path, torch.Tensor]] = []
+    items: Iterable[tuple[Path, np.ndarray]], size: int
+) -> Iterator[list[tuple[Path, np.ndarray]]]:
+    batch: list[tuple[Path, np.ndarray]] = []
     for item in items:
         batch.append(item)
         if len(batch) == size:
@@ -79,7 +134,6 @@ def _batches(
         yield batch
 
 
-@torch.no_grad()
 def predict(
     model_path: Path,
     paths: Sequence[Path],
@@ -89,36 +143,40 @@ def predict(
 ) -> tuple[list[Prediction], list[tuple[Path, str]]]:
     """The predictions for the usable images among ``paths`` and, for the others, why each
     was skipped. Decoding is lazy, a batch at a time, so memory stays flat."""
-    model, saved = load_model(model_path)
-    names: list[str] = saved["class_names"]
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model.to(target)
+    model = load_classifier(Path(model_path), device)
+    names = model.class_names
     k = max(1, min(top_k, len(names)))
     skipped: list[tuple[Path, str]] = []
     predictions: list[Prediction] = []
-    for batch in _batches(_decoded(paths, saved["input_size"], skipped), batch_size):
-        images = torch.stack([tensor for _, tensor in batch]).to(target).float()
-        probabilities = torch.softmax(model(images).float(), dim=1)
-        values, indices = probabilities.topk(k, dim=1)
-        for (path, _), row_values, row_indices in zip(
-            batch, values.tolist(), indices.tolist(), strict=True
-        ):
-            top = [(names[i], p) for i, p in zip(row_indices, row_values, strict=True)]
+    for batch in _batches(_decoded(paths, model.input_size, skipped), batch_size):
+        probabilities = model.probabilities(np.stack([array for _, array in batch]))
+        # The likeliest first; of equal ones, the first class (as argmax picks).
+        order = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
+        for (path, _), row, indices in zip(batch, probabilities, order, strict=True):
+            top = [(names[i], float(row[i])) for i in indices]
             predictions.append(Prediction(str(path), top))
     return predictions, skipped
 
 
+def csv_text(value: str) -> str:
+    """``value`` as a spreadsheet shows it as text: OWASP's rule, a ``'`` before a cell that
+    would start a formula."""
+    return f"'{value}" if value.startswith(FORMULA_STARTS) else value
+
+
 def write_csv(predictions: Sequence[Prediction], out: TextIO, top_k: int) -> None:
     k = max((len(p.top) for p in predictions), default=top_k)
-    writer = csv.writer(out, lineterminator="\n")
+    # Every cell quoted: a separator inside a name (a ';' where the spreadsheet's locale splits
+    # on it) cannot start a new cell there.
+    writer = csv.writer(out, lineterminator="\n", quoting=csv.QUOTE_ALL)
     header = ["image"]
     for rank in range(1, k + 1):
         header += [f"label_{rank}", f"probability_{rank}"]
     writer.writerow(header)
     for p in predictions:
-        row = [p.image]
+        row = [csv_text(p.image)]
         for name, probability in p.top:
-            row += [name, f"{probability:.6f}"]
+            row += [csv_text(name), f"{probability:.6f}"]
         writer.writerow(row)
 
 
@@ -128,12 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", type=Path, required=True, help="a model.pt the trainer wrote")
+    p.add_argument(
+        "--model", type=Path, required=True, help="a model.pt or model.onnx the trainer wrote"
+    )
     p.add_argument("images", nargs="*", type=Path, help="image files to label")
     p.add_argument("--dir", type=Path, help="label every image under this folder")
     p.add_argument("--top-k", type=int, default=3, help="classes per image (default 3)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when there is one)")
+    p.add_argument(
+        "--device",
+        help="cpu, cuda or cuda:N for a model.pt (default: cuda when there is one); "
+        "a model.onnx runs on the CPU",
+    )
     p.add_argument("--output", type=Path, help="the CSV file (default: standard output)")
     args = p.parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:

@@ -21,14 +21,8 @@ from training.atomic import atomic_write_json
 from training.data import open_dataset
 from training.dataset import DatasetError
 from training.images import SPLITS
+from training.model_file import ModelFileError, check_class_names, check_input_size
 from training.models import MODELS, build_model
-
-
-class ModelFileError(ValueError):
-    """The model file is missing, damaged or not one the trainer wrote."""
-
-
-MAX_INPUT_SIZE = 4096  # pixels; the trainer's configs stop far below
 
 
 def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -51,15 +45,12 @@ def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         raise ModelFileError(
             f"model file {path} lacks {sorted(missing)}: not written by training.train"
         )
-    names, model_name, size = saved["class_names"], saved["model_name"], saved["input_size"]
-    if not (isinstance(names, list) and len(names) >= 2 and all(isinstance(n, str) for n in names)):
-        raise ModelFileError(f"model file {path}: class_names is not a list of class names")
+    names, model_name = check_class_names(path, saved["class_names"]), saved["model_name"]
+    check_input_size(path, saved["input_size"])
     if model_name not in MODELS:
         raise ModelFileError(
             f"model file {path}: model_name {model_name!r} is not one of {sorted(MODELS)}"
         )
-    if type(size) is not int or not 8 <= size <= MAX_INPUT_SIZE:
-        raise ModelFileError(f"model file {path}: input_size {size!r} is not 8..{MAX_INPUT_SIZE}")
     if not isinstance(saved["state_dict"], dict):
         raise ModelFileError(f"model file {path}: state_dict is not a dict of tensors")
     model = build_model(model_name, len(names))

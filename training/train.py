@@ -37,6 +37,7 @@ from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo, SplitData
 from training.distributed import GradientOptions, UsageError, World
 from training.models import build_model
+from training.onnx_export import ExportError, check_images, write_onnx
 from training.shards import ShardSplit
 
 log = dist.log
@@ -573,8 +574,18 @@ def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks ended with different weights: {digests}")
     metrics = _metrics(job, test, digests, time.perf_counter() - started)
+    failed = None
     if job.world.is_root:
-        _write_outputs(job, metrics, writer)
+        try:
+            _write_outputs(job, metrics, writer)
+        except ExportError as exc:
+            failed = str(exc)
+    # Every rank learns whether rank 0's export failed, so all stop with the same error
+    # instead of waiting for it at the end of the job.
+    failed = cast(str | None, dist.broadcast_object(failed))
+    if failed is not None:
+        raise ExportError(failed)
+    if job.world.is_root:
         ckpt.mark_finished(job.args.checkpoints, job.args.epochs)  # after the model is out
     return metrics
 
@@ -611,20 +622,31 @@ def _metrics(
 
 
 def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
-    """model.pt (with what the scorer needs to read it), metrics.json, the last scalar."""
+    """model.pt (with what the scorer needs to read it), model.onnx (checked against it on
+    the test split: training.onnx_export), metrics.json, the last scalar."""
     args = job.args
-    ckpt.atomic_save(
-        {
-            "state_dict": job.trainer.model.state_dict(),
-            "class_names": job.data.class_names,
-            "model_name": args.model,
-            "input_size": args.input_size(),
-        },
-        args.output_dir / "model.pt",
+    saved = {
+        "state_dict": job.trainer.model.state_dict(),
+        "class_names": job.data.class_names,
+        "model_name": args.model,
+        "input_size": args.input_size(),
+    }
+    ckpt.atomic_save(saved, args.output_dir / "model.pt")
+    onnx_path = args.output_dir / "model.onnx"
+    onnx_path.unlink(missing_ok=True)  # an earlier attempt's is not this model's
+    check = write_onnx(saved, check_images(job.data.splits["test"].dataset), onnx_path)
+    log.info(
+        "model.onnx: top class agrees with PyTorch on %d of %d test images, probabilities "
+        "within %.2g",
+        round(check.top1_agreement * check.images),
+        check.images,
+        check.max_prob_diff,
     )
+    metrics["onnx"] = check.as_metrics()
     # Blob storage keeps no MD5 of a model uploaded in blocks (over 64 MB, or by Batch's output
-    # files): the one recorded here is what a download of the model is checked against.
+    # files): the ones recorded here are what a download of either file is checked against.
     metrics["model_md5"] = file_md5(args.output_dir / "model.pt")
+    metrics["onnx_md5"] = file_md5(onnx_path)
     atomic_write_json(metrics, args.output_dir / "metrics.json")
     if writer is not None:
         writer.add_scalar("test/accuracy", metrics["test_accuracy"], args.epochs)
@@ -683,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         run(args, world)
-    except (DatasetError, NonFiniteLossError, UsageError) as exc:
+    except (DatasetError, NonFiniteLossError, UsageError, ExportError) as exc:
         write_line(sys.stderr, f"[rank {world.rank}] error: {exc}")
         dist.shutdown(together=False)
         return 2

@@ -25,6 +25,7 @@ from flows.retrain import retrain
 from registry.gateway import serve
 from registry.layout import champion_blob, last_run_blob
 from tests.conftest import ROOT
+from tests.isolated import label_with_onnxruntime_alone
 from tests.pipeline_helpers import flow_run_logs, make_config, seed, task_runs_and_artifacts
 from training.make_images import write_digits
 from training.webdataset import pack_folders
@@ -72,6 +73,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     names = {b.name[len(prefix) + 1 :] for b in outputs.list_blobs(name_starts_with=prefix + "/")}
     for expected in (
         "model.pt",
+        "model.onnx",
         "metrics.json",
         "score.json",
         "timeline.json",
@@ -132,6 +134,18 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert "static/vendor/jquery/dist/jquery.min.js" in page
     assert not re.findall(r'<(?:script|link)[^>]*(?:src|href)="https?://', page)
     assert result["outputs"] == f"http://127.0.0.1:{port}/{prefix}/"
+    # The model as ONNX, fetched through the gateway, labels the test split with onnxruntime
+    # alone (docs/onnx.md's example, in a process that cannot import torch or this project)
+    # exactly as well as the trainer measured with PyTorch.
+    with urllib.request.urlopen(f"{result['outputs']}model.onnx", timeout=60) as response:
+        assert response.headers["Content-Type"] == "application/octet-stream"
+        (tmp_path / "model.onnx").write_bytes(response.read())
+    assert metrics["onnx"]["top1_agreement"] == 1.0
+    alone = label_with_onnxruntime_alone(
+        tmp_path / "model.onnx", digits_source / "test", tmp_path / "alone"
+    )
+    assert alone["images"] == metrics["dataset"]["num_test"]
+    assert alone["right"] / alone["images"] == metrics["test_accuracy"]
     gateway.shutdown()
 
     # Steps 2 to 5 ran concurrently: each of the short ones started while staging, the long

@@ -270,3 +270,39 @@ def test_a_failure_is_recorded_without_secrets() -> None:
     assert "c2VjcmV0" not in line and "a2V5a2V5" not in line and "\n" not in line
     keyed = error_summary(ValueError("AccountKey=a2V5a2V5;AccountName=a " + "x" * 400))
     assert "a2V5a2V5" not in keyed and len(keyed) <= 300
+
+
+def test_model_onnx_downloads_for_the_champion_and_any_run_checked_against_the_trainer(
+    outputs: tuple[ContainerClient, list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`download --file model.onnx`: the champion's (no --run needed) or a named run's, checked
+    against the MD5 the trainer recorded for it in metrics.json (onnx_md5)."""
+    import base64
+
+    container, where = outputs
+    for run_id, accuracy, data in (
+        ("20261101-020000-aaaaaaaa", 0.91, b"first onnx"),
+        ("20261102-020000-bbbbbbbb", 0.95, b"second onnx"),
+    ):
+        _run(container, "team", run_id, accuracy, b"model.pt bytes")
+        prefix = output_prefix("team", run_id)
+        digest = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+        container.upload_blob(f"{prefix}/model.onnx", data)
+        container.upload_blob(f"{prefix}/metrics.json", json.dumps({"onnx_md5": digest}))
+    download = ["--config", str(LOCAL), *where, "download", "--file", "model.onnx"]
+    assert main([*download, "--to", str(tmp_path)]) == 0
+    assert (tmp_path / "model.onnx").read_bytes() == b"second onnx"
+    assert "the MD5 the trainer recorded)" in capsys.readouterr().out
+    first = tmp_path / "first.onnx"
+    assert main([*download, "--run", "20261101-020000-aaaaaaaa", "--to", str(first)]) == 0
+    assert first.read_bytes() == b"first onnx"
+    # A file changed after the trainer wrote it is refused, and nothing is left behind.
+    prefix = output_prefix("team", "20261102-020000-bbbbbbbb")
+    container.upload_blob(f"{prefix}/model.onnx", b"other onnx", overwrite=True)
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    assert main([*download, "--to", str(changed)]) == 2
+    assert "do not match the MD5 the trainer recorded" in capsys.readouterr().err
+    assert list(changed.iterdir()) == []

@@ -1,5 +1,5 @@
 """Smaller edges of the service: the demo's scratch data, the outputs gateway's answers that
-http.server writes itself, a HEAD of a large folder, and the relay's first token check.
+its HTTP server writes itself, a HEAD of a large folder, and the relay's first token check.
 
 (A ``links_url`` with a path, whose links all answered 404, is refused at load:
 test_adversarial_run_config.py and tests/registry/test_gateway.py.)"""
@@ -60,7 +60,7 @@ def outputs(azurite: str) -> ContainerClient:
 
 
 def _raw(port: int, request: bytes) -> tuple[int, dict[str, str]]:
-    """One request written byte for byte (http.server answers a malformed one itself)."""
+    """One request written byte for byte (the HTTP server answers a malformed one itself)."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(request)
         data = b""
@@ -78,24 +78,31 @@ def _raw(port: int, request: bytes) -> tuple[int, dict[str, str]]:
     ("case", "request_bytes", "status"),
     [
         ("a method it does not serve", b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 501),
-        ("a request line over 64 KB", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+        (
+            "a control character in the request line",
+            b"GET /\x1b[2J HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+            400,
+        ),
+        ("a request without a Host header", b"GET / HTTP/1.1\r\n\r\n", 400),
+        ("a request line over 64 KB", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 400),
         (
             "a header line over 64 KB",
             b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: " + b"a" * 70000 + b"\r\n\r\n",
-            431,
+            421,
         ),
         (
             "more than 100 headers",
             b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(120)) + b"\r\n",
-            431,
+            400,
         ),
     ],
 )
 def test_http_servers_own_answers_carry_the_gateways_headers(
     case: str, request_bytes: bytes, status: int, outputs: ContainerClient
 ) -> None:
-    """Before: the error pages http.server writes itself went out without nosniff, the sandbox
-    policy, no-store and no-referrer."""
+    """Before (under http.server): the error pages it wrote itself went out without nosniff,
+    the sandbox policy, no-store and no-referrer. Under uvicorn, its own answer to a malformed
+    request carries them as the gateway's answers do."""
     server = serve(outputs, "", "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -108,7 +115,7 @@ def test_http_servers_own_answers_carry_the_gateways_headers(
         assert headers.get(header.lower()) == value, (case, headers)
     report.record(
         "adversarial",
-        f"gateway: {case} (http.server answers {status} itself)",
+        f"gateway: {case} (answered {status})",
         "the answer carries nosniff, the sandbox policy, no-store and no-referrer",
     )
 

@@ -18,6 +18,7 @@ from tests.conftest import ROOT, child_env, run_trainer, trainer_command
 from training.checkpoint import (
     DAY_SECONDS,
     FINISHED,
+    MARKER,
     CheckpointWriteError,
     CheckpointWriter,
     atomic_save,
@@ -84,9 +85,15 @@ def test_keeps_newest_checkpoints_only(tmp_path: Path) -> None:
     assert [e for e, _ in list_checkpoints(tmp_path / "out" / "checkpoints")] == [4, 3]
 
 
-def _folder(root: Path, name: str, files: dict[str, bytes], days_ago: float = 0.0) -> Path:
+def _folder(
+    root: Path, name: str, files: dict[str, bytes], days_ago: float = 0.0, ours: bool = True
+) -> Path:
+    """A checkpoint folder as the trainer leaves it (with its marker), or, not ``ours``, a
+    folder someone else made with these files."""
     folder = root / name
     folder.mkdir(parents=True)
+    if ours:
+        (folder / MARKER).write_text('{"created_by": "training.train"}')
     for file, data in files.items():
         (folder / file).write_bytes(data)
     when = time.time() - days_ago * DAY_SECONDS
@@ -116,6 +123,7 @@ def test_checkpoint_folders_no_run_will_resume_are_removed(tmp_path: Path) -> No
     assert removed[failed_long_ago].startswith("unfinished, last written 8.0 days ago (kept 7)")
     assert all(not folder.exists() for folder in removed)
     assert own.is_dir() and failed_today.is_dir() and (foreign / "README").is_file()
+    assert (own / MARKER).is_file()
     # 0 days: nothing unfinished is kept either (but what is being trained, and others' files).
     assert dict(prune_checkpoint_folders(own, unfinished_days=0)) == {
         failed_today: "unfinished, last written 0.0 days ago (kept 0)"
@@ -140,6 +148,7 @@ def test_the_trainer_marks_its_folder_finished_and_prunes_when_asked(tmp_path: P
     assert done.returncode == 0, done.output
     assert f"removed checkpoint folder {stale}: unfinished, last written 2.0 days" in done.output
     assert not stale.exists() and (root / "0000000000000010" / FINISHED).is_file()
+    assert (root / "0000000000000010" / MARKER).is_file()  # created here: the trainer's
 
 
 def test_the_writer_snapshots_the_state_it_was_given(tmp_path: Path) -> None:

@@ -206,3 +206,120 @@ def test_the_scorer_takes_a_folder_with_only_the_split_it_scores(
     assert (
         proc.returncode == 2 and f"missing split: {only_test / 'val'} does not exist" in proc.stderr
     )
+
+
+@pytest.mark.processes
+def test_model_onnx_labels_as_model_pt_does_without_torch(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The trainer's model.onnx gives every image the label model.pt gives it, with the same
+    probabilities, in a process that cannot import torch."""
+    from tests.isolated import run_refusing
+
+    refused = run_refusing(("torch",), "import torch\n", tmp_path)
+    assert refused.returncode != 0 and "torch is refused in this process" in refused.stderr
+    model_path, data = trained
+    onnx_path = model_path.with_name("model.onnx")
+    images = sorted((data / "test").rglob("*.png"))
+    Image.new("RGBA", (50, 30), (0, 0, 255, 100)).save(tmp_path / "other-size.png")
+    images.append(tmp_path / "other-size.png")
+    (tmp_path / "damaged.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    images.append(tmp_path / "damaged.png")
+    listed = tmp_path / "images.txt"
+    listed.write_text("\n".join(map(str, images)))
+    args = ["--model", str(onnx_path), "--top-k", "3", "--output", str(tmp_path / "onnx.csv")]
+    code = (
+        "from training.predict import main\n"
+        f"code = main({args!r} + open({str(listed)!r}).read().split('\\n'))\n"
+        "assert code == 0, code\n"
+    )
+    env = {**child_env(), "PYTHONPATH": str(ROOT)}
+    proc = run_refusing(("torch",), code, tmp_path, env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"skipped {tmp_path / 'damaged.png'}: unreadable image" in proc.stderr
+    with_pt = _run(
+        "training.predict", "--model", model_path, "--output", tmp_path / "pt.csv", *images
+    )
+    assert with_pt.returncode == 0, with_pt.stderr
+    onnx_rows, pt_rows = _rows(tmp_path / "onnx.csv"), _rows(tmp_path / "pt.csv")
+    assert len(onnx_rows) == len(images) - 1
+    assert [(r["image"], r["label_1"]) for r in onnx_rows] == [
+        (r["image"], r["label_1"]) for r in pt_rows
+    ]
+    for ours, theirs in zip(onnx_rows, pt_rows, strict=True):
+        for k in (1, 2, 3):
+            key = f"probability_{k}"
+            assert float(ours[key]) == pytest.approx(float(theirs[key]), abs=2e-6)
+
+
+@pytest.mark.processes
+def test_a_file_that_is_no_trainers_onnx_model_is_named(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import onnx
+
+    model_path, _ = trained
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "junk.onnx").write_bytes(b"\x08\x07 not protobuf at all")
+    proc = _run("training.predict", "--model", tmp_path / "junk.onnx", tmp_path / "a.png")
+    assert proc.returncode == 2
+    assert f"model file {tmp_path / 'junk.onnx'} cannot be read" in proc.stderr
+    # A real ONNX model without the trainer's metadata.
+    bare = onnx.load(model_path.with_name("model.onnx"))
+    del bare.metadata_props[:]
+    onnx.save(bare, tmp_path / "bare.onnx")
+    proc = _run("training.predict", "--model", tmp_path / "bare.onnx", tmp_path / "a.png")
+    assert proc.returncode == 2
+    assert "lacks the metadata classes (a JSON list) and input_size" in proc.stderr
+    proc = _run(
+        "training.predict",
+        "--model",
+        model_path.with_name("model.onnx"),
+        "--device",
+        "cuda",
+        tmp_path / "a.png",
+    )
+    assert proc.returncode == 2 and "model.onnx runs on the CPU" in proc.stderr
+
+
+HOSTILE_NAMES = [
+    "=cmd|' -C calc'!A0.png",
+    '=HYPERLINK("http:evil.example","open").png',
+    "@SUM(1+1).png",
+    "+1+1.png",
+    "-2+3.png",
+    "a;=1+1.png",
+]
+
+
+@pytest.mark.processes
+def test_image_names_reach_the_csv_as_text_not_formulas(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """OWASP's CSV-injection rule: a cell that begins with = + - @ (or a tab or carriage
+    return) gets a ' before it, and every cell is quoted (a ';' cannot start a new cell).
+    Before: the names went into the CSV as they are, and a spreadsheet ran them."""
+    model_path, _ = trained
+    for name in HOSTILE_NAMES:
+        Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / name)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.predict",
+            "--model",
+            str(model_path),
+            "--",
+            *HOSTILE_NAMES,
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert all(line.startswith('"') for line in lines), lines
+    images = [row[0] for row in csv.reader(lines[1:])]
+    assert images == [name if name.startswith("a;") else f"'{name}" for name in HOSTILE_NAMES]

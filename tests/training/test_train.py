@@ -110,6 +110,34 @@ def test_outputs_are_complete(two_rank_run: Result) -> None:
     assert len(progress) == 3  # rank 0 only: one line per epoch, not one per rank
 
 
+def test_model_onnx_is_checked_and_written_beside_model_pt(two_rank_run: Result) -> None:
+    """Rank 0 exports model.onnx (any batch size, the classes and the input size in its
+    metadata), checked against PyTorch on the test split, both figures in metrics.json."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from training.atomic import file_md5
+    from training.onnx_export import TOLERANCE
+
+    out, metrics = two_rank_run.output_dir, two_rank_run.metrics
+    check = metrics["onnx"]
+    assert check["images"] == min(128, metrics["dataset"]["num_test"])
+    assert check["top1_agreement"] == 1.0
+    assert 0 <= check["max_prob_diff"] <= check["tolerance"] == TOLERANCE
+    assert metrics["onnx_md5"] == file_md5(out / "model.onnx")
+    session = ort.InferenceSession(out / "model.onnx", providers=["CPUExecutionProvider"])
+    meta = session.get_modelmeta().custom_metadata_map
+    assert json.loads(meta["classes"]) == metrics["class_names"]
+    assert meta["input_size"] == "32"
+    (images,) = session.get_inputs()
+    assert (images.name, images.type, images.shape[1:]) == ("images", "tensor(float)", [3, 32, 32])
+    assert isinstance(images.shape[0], str)  # a named dimension: any batch size
+    for batch in (1, 5):
+        pixels = np.random.default_rng(batch).integers(0, 256, (batch, 3, 32, 32))
+        (logits,) = session.run(None, {"images": pixels.astype(np.float32)})
+        assert logits.shape == (batch, len(metrics["class_names"]))
+
+
 def test_ranks_hold_identical_weights(two_rank_run: Result) -> None:
     digests = two_rank_run.metrics["weights_digest_per_rank"]
     saved = torch.load(two_rank_run.output_dir / "model.pt", weights_only=True)
