@@ -36,7 +36,7 @@ from training.batches import ShardBatches
 from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo, SplitData
 from training.distributed import GradientOptions, UsageError, World
-from training.models import build_model
+from training.models import MODEL_FORMAT_VERSION, build_model, upgrade_state_dict
 from training.shards import ShardSplit
 
 log = dist.log
@@ -305,13 +305,14 @@ def _resume(
     Weights and optimizer state reach the other ranks through the broadcast that follows,
     so only one process reads the (possibly remote) checkpoint file.
     """
-    found = (
-        ckpt.newest_valid_checkpoint(
-            args.checkpoints, lambda state: ckpt.mismatch(state, model, optimizer)
-        )
-        if world.is_root
-        else None
-    )
+
+    def fits(state: dict[str, Any]) -> str | None:
+        # A checkpoint written before the ResNets took torchvision's names resumes under them.
+        if isinstance(state["model"], dict):
+            state["model"] = upgrade_state_dict(args.model, state["model"])
+        return ckpt.mismatch(state, model, optimizer)
+
+    found = ckpt.newest_valid_checkpoint(args.checkpoints, fits) if world.is_root else None
     rngs: list[Any] | None = None
     if found is not None:
         model.load_state_dict(found["model"])
@@ -615,6 +616,7 @@ def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
     args = job.args
     ckpt.atomic_save(
         {
+            "format_version": MODEL_FORMAT_VERSION,
             "state_dict": job.trainer.model.state_dict(),
             "class_names": job.data.class_names,
             "model_name": args.model,
