@@ -101,6 +101,28 @@ def test_a_checkpoint_of_the_old_resnet_names_resumes(tmp_path: Path) -> None:
     assert [e["epoch"] for e in result.metrics["epochs"]] == [1, 2]
 
 
+@pytest.mark.processes
+def test_a_run_started_from_weights_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """A retry resumes the checkpoint, not the starting weights (the file may be gone by then),
+    and still records what the training started from."""
+    args = ("--epochs", "1", "--batch-size", "16")
+    first = run_trainer(1, "synthetic:80", tmp_path / "first", *args)
+    assert first.returncode == 0, first.output
+    start = tmp_path / "start.pt"
+    shutil.copy(tmp_path / "first" / "model.pt", start)
+    out = tmp_path / "out"
+    begun = run_trainer(1, "synthetic:80", out, *args, "--init-from", str(start))
+    assert begun.returncode == 0, begun.output
+    start.unlink()
+    again = run_trainer(
+        1, "synthetic:80", out, "--epochs", "2", "--batch-size", "16", "--init-from", str(start)
+    )
+    assert again.returncode == 0, again.output
+    assert again.metrics["resumed_from_epoch"] == 1
+    assert again.metrics["init_from"] == begun.metrics["init_from"]
+    assert again.metrics["init_from"]["source"] == str(start)
+
+
 def test_atomic_save_leaves_old_file_when_writing_fails(tmp_path: Path) -> None:
     target = tmp_path / "checkpoint-1.pt"
     atomic_save({"epoch": 1}, target)
