@@ -148,8 +148,7 @@ def _copy_from_data(config: PipelineConfig, blob: str, outputs: Any) -> tuple[st
             stream = data.download_blob(blob)
         except ResourceNotFoundError:
             raise InitFromConfigError(
-                f"init_from data:{blob}: no such blob in the data container "
-                f"{config.data.container}"
+                f"init_from data:{blob}: no such blob in the data container {config.data.container}"
             ) from None
         with open(local, "wb") as fh:
             for chunk in stream.chunks():
@@ -172,8 +171,7 @@ def _location(config: PipelineConfig, start: InitFrom, outputs: Any) -> Start:
     if start.kind == "output":
         if not blob_exists(outputs, start.path):
             raise InitFromConfigError(
-                f"init_from {asked}: no such blob in the output container "
-                f"{config.output.container}"
+                f"init_from {asked}: no such blob in the output container {config.output.container}"
             )
         resolved = f"output:{start.path}"
         return Start(_with(config, resolved), asked, resolved, f"from the blob {start.path}")
