@@ -33,6 +33,7 @@ FULL: dict[str, list[str]] = {
     "compile_tail": [],
     "checkpoint_stall": [],
     "sharded_state": [],
+    "warm_start": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": [
@@ -57,6 +58,7 @@ QUICK: dict[str, list[str]] = {
         *("--model", "cnn", "--image-size", "32", "--variants", "ddp", "ddp_zero1"),
         *("--steps", "1", "--warmup", "1"),
     ],
+    "warm_start": ["--epochs", "2", "--v1-epochs", "1", "--seeds", "0"],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.
 GPU_BENCHES = [
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         name: ["--source", str(args.scratch / "source"), "--work", str(args.scratch / name)]
         for name in ("staging", "loading", "trainer", "feed")
     }
-    for name in ("nodes", "gate_scale", "checkpoint_stall", "sharded_state"):
+    for name in ("nodes", "gate_scale", "checkpoint_stall", "sharded_state", "warm_start"):
         where[name] = ["--work", str(args.scratch / name)]
     try:
         for name in chosen:
