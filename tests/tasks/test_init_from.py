@@ -136,3 +136,21 @@ def test_a_file_on_nfs_must_exist_on_the_local_target(tmp_path: Path) -> None:
     (config.nfs.local_dir / "weights").mkdir(parents=True)
     (config.nfs.local_dir / "weights" / "r.pth").write_bytes(MODEL)
     assert resolve_start(_with(config, "nfs:weights/r.pth")).resolved == "nfs:weights/r.pth"
+
+
+def test_a_new_champion_is_a_new_input(tmp_path: Path) -> None:
+    """The resolved weights are part of the up-to-date fingerprint and the checkpoint key: a
+    run from another champion's model neither counts as up to date nor resumes its checkpoints."""
+    from tasks.train_and_score import training_key
+    from tasks.up_to_date import differences, fingerprint
+
+    config = make_config(tmp_path)
+    a = _with(config, "output:runs/20261101-000000-aaaaaaaa/model.pt")
+    b = _with(config, "output:runs/20261102-000000-bbbbbbbb/model.pt")
+    changed = differences(fingerprint(a, "listing"), fingerprint(b, "listing"))
+    assert changed == [
+        "training.init_from 'output:runs/20261101-000000-aaaaaaaa/model.pt' -> "
+        "'output:runs/20261102-000000-bbbbbbbb/model.pt'"
+    ]
+    assert training_key(a, "v", "code") != training_key(b, "v", "code")
+    assert differences(fingerprint(config, "listing"), fingerprint(config, "listing")) == []
