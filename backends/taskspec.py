@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from core.config import PipelineConfig
+from core.init_from import parse_init_from
 from staging.listing import listing_blob
 from training.args import settings_argv
 
@@ -141,9 +143,13 @@ def training_task(
     words = [*paths, *(shlex.quote(v) for v in values)]
     launch = node_path(MOUNTS_DIR, SHARE_MOUNT, "training", "launch.sh")
     prepare = node_path(MOUNTS_DIR, SHARE_MOUNT, "training", "prepare_node.sh")
+    start = starting_weights(config, output_prefix)
     return TaskSpec(
         id=task_id,
-        command_line=_bash(f"{PYTHONPATH}; bash {launch} {' '.join(words)}"),
+        command_line=_bash(
+            f"{PYTHONPATH}; {start.place}bash {launch} {' '.join([*words, *start.words])}"
+        ),
+        resources=start.resources,
         instances=config.pool.nodes,
         coordination_command=_bash(f"bash {prepare}"),
         environment={
@@ -158,6 +164,52 @@ def training_task(
         ],
         max_retries=config.retries.training_attempts - 1,
     )
+
+
+INIT_FROM_DIR = "init-from"  # below the task's working dir and the NFS folder
+# A run's model in the output container: the run id is recorded with what a training started from.
+_RUN_MODEL = re.compile(r"(?:^|/)runs/([^/]+)/model\.pt$")
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    """How the training task reaches ``training.init_from``: the trainer's words, the blob it
+    downloads and the command that puts that file where every node sees it."""
+
+    words: list[str] = field(default_factory=list)
+    resources: list[ResourceSpec] = field(default_factory=list)
+    place: str = ""  # a shell command ending in "&& ", run before the launcher
+
+
+def starting_weights(config: PipelineConfig, output_prefix: str) -> StartSpec:
+    """The trainer's ``--init-from`` for the run's resolved ``training.init_from``
+    (``core/init_from.py``).
+
+    A file below NFS is read where it is. A blob of the output container reaches the primary
+    node as a resource file, and is copied from there into the NFS folder (written under a
+    temporary name, then renamed) before the launcher starts: rank 0 may run on any node, and
+    every node mounts NFS. A value no run has resolved yet (``champion``, ``data:``, a URL, as
+    ``--plan`` shows a config) names the blob as a placeholder."""
+    value = config.training.init_from
+    if value is None:
+        return StartSpec()
+    start = parse_init_from(value)
+    if start.kind == "nfs":
+        return StartSpec(["--init-from", node_path(MOUNTS_DIR, NFS_MOUNT, *start.path.split("/"))])
+    blob = start.path if start.kind == "output" else f"{{{start} resolved by the run}}"
+    name = blob.rsplit("/", 1)[-1]
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    downloaded = node_path(WORKING_DIR, INIT_FROM_DIR, name)
+    folder = node_path(MOUNTS_DIR, NFS_MOUNT, INIT_FROM_DIR, digest)
+    target = node_path(MOUNTS_DIR, NFS_MOUNT, INIT_FROM_DIR, digest, name)
+    partial = node_path(MOUNTS_DIR, NFS_MOUNT, INIT_FROM_DIR, digest, f".{name}.partial")
+    place = (
+        f"mkdir -p {folder} && cp -f {downloaded} {partial}.$$ && mv -f {partial}.$$ {target} && "
+    )
+    words = ["--init-from", target]
+    if run := _RUN_MODEL.search(blob):
+        words += ["--init-from-run", shlex.quote(run.group(1))]
+    return StartSpec(words, [ResourceSpec(blob, f"{INIT_FROM_DIR}/{name}")], place)
 
 
 # Settings that change no weight of the trained model: a Horovod timeline records the run.

@@ -34,6 +34,7 @@ FULL: dict[str, list[str]] = {
     "checkpoint_stall": [],
     "sharded_state": [],
     "tracking": [],
+    "warm_start": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": [
@@ -59,6 +60,7 @@ QUICK: dict[str, list[str]] = {
         *("--steps", "1", "--warmup", "1"),
     ],
     "tracking": ["--pairs", "1", "--epochs", "1"],
+    "warm_start": ["--epochs", "2", "--v1-epochs", "1", "--seeds", "0"],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.
 GPU_BENCHES = [
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         name: ["--source", str(args.scratch / "source"), "--work", str(args.scratch / name)]
         for name in ("staging", "loading", "trainer", "feed")
     }
-    for name in ("nodes", "gate_scale", "checkpoint_stall", "sharded_state"):
+    for name in ("nodes", "gate_scale", "checkpoint_stall", "sharded_state", "warm_start"):
         where[name] = ["--work", str(args.scratch / name)]
     try:
         for name in chosen:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report_systems as systems
+from bench.report_warm_start import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RESULTS = ROOT / "docs" / "bench-gpu"
@@ -957,6 +958,8 @@ def render(results: Path, previous: str = "") -> str:
         lines += nodes(r)
     if (r := load("image")) is not None:
         lines += image(r, "## The training image, cpu variant (`bench/image.py`)")
+    if (r := load("warm_start")) is not None:
+        lines += warm_start(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.data_versions import DataRoot, check_version_name
+from core.init_from import parse_init_from, url_location
 from training.args import TrainingSettings, about, extra_option_owner, field_metadata
 
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
@@ -411,6 +412,15 @@ class TrainingConfig(TrainingSettings):
     # A run records a Horovod timeline unless told not to: it costs little next to a run, and
     # is the first thing to read when one is slow. The trainer alone writes one when asked.
     timeline: bool = field(default=True, metadata=field_metadata(TrainingSettings, "timeline"))
+    init_from: str | None = field(
+        default=None,
+        metadata=about(
+            "what training starts from: null (random weights), champion (the data root's "
+            "champion; from scratch while there is none), nfs:<path> (a file below the NFS "
+            "folder), output:<blob> or data:<blob> (a blob in the configured output or data "
+            "container), or a URL into one of them; see docs/warm-start.md"
+        ),
+    )
     extra_args: list[str] = field(
         default_factory=list,
         metadata=about(
@@ -418,6 +428,13 @@ class TrainingConfig(TrainingSettings):
             "quoted; not the data, output and checkpoint paths, nor a setting of this section"
         ),
     )
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, value: str | None) -> str | None:
+        if value is None or value.strip() in ("", "null"):
+            return None  # a cleared form field
+        return str(parse_init_from(value))
 
     @field_validator("extra_args")
     @classmethod
@@ -660,6 +677,23 @@ class PipelineConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     work_dir: Path = Field(Path(".work"), description="local state: run folders, logs")
+
+    @model_validator(mode="after")
+    def _init_from_allowed(self) -> PipelineConfig:
+        """A URL to start from must point into the configured data or output container: no
+        run may bring an account (and a credential) of its own."""
+        if self.training.init_from is not None:
+            start = parse_init_from(self.training.init_from)
+            if start.kind == "url":
+                url_location(start.path, self.init_from_accounts())
+        return self
+
+    def init_from_accounts(self) -> dict[str, tuple[str | None, str]]:
+        """The accounts and containers ``training.init_from`` may name, by role."""
+        return {
+            "data": (self.data.account_url, self.data.container),
+            "output": (self.output.account_url, self.output.container),
+        }
 
     @model_validator(mode="after")
     def _azure_complete(self) -> PipelineConfig:

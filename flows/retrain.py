@@ -162,6 +162,7 @@ def _retrain(
     from core.run_events import model_promoted
     from registry.gateway import output_link
     from tasks.cost import PoolMeter
+    from tasks.init_from import resolve_init_from
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
     from tasks.report import report
@@ -188,7 +189,14 @@ def _retrain(
             run_config = run_config.model_copy(
                 update={"data": run_config.data.pinned(data.version)}
             )
-            target = target_for(run_config)
+            if run_config.training.init_from is not None:
+                # What training starts from, resolved and checked before anything is
+                # provisioned; the resolved weights are an input like the data (the checkpoint
+                # key, the up-to-date fingerprint).
+                start = resolve_init_from(run_config, run)
+                steps.append(start.record)
+                run_config = start.value.config
+                target = target_for(run_config)
             check = check_up_to_date(run_config, gate.value, force)
             steps.append(check.record)
             fresh = check.value.fresh

@@ -35,6 +35,9 @@ EngineName = Literal["horovod", "ddp"]
 MODEL_INPUT_SIZES: dict[str, int] = {"cnn": 32, "resnet18": 224, "resnet50": 224}
 
 BOUNDS = ("ge", "gt", "le")
+# Fine-tuning when starting from weights, as measured by bench/warm_start.py (docs/trainer.md).
+DEFAULT_HEAD_ONLY_EPOCHS = 0
+DEFAULT_BACKBONE_LR_SCALE = 1.0
 
 
 def about(description: str, **bounds: float | bool) -> dict[str, Any]:
@@ -116,6 +119,27 @@ class TrainingSettings:
         ),
     )
 
+    head_only_epochs: int | None = field(
+        default=None,
+        metadata=about(
+            "when starting from weights: epochs at the start in which only the classifier "
+            "learns (the backbone's rate is 0); default 0 (docs/trainer.md says how the "
+            "defaults were measured)",
+            ge=0,
+            le=1000,
+        ),
+    )
+    backbone_lr_scale: float | None = field(
+        default=None,
+        metadata=about(
+            "when starting from weights: the backbone's learning rate as a fraction of the "
+            "classifier's; default 1",
+            gt=0,
+            le=1,
+            allow_inf_nan=False,
+        ),
+    )
+
     def input_size(self) -> int:
         """The side in pixels of every image the trainer reads, and so of the packed shards."""
         return self.image_size or default_input_size(self.model)
@@ -131,8 +155,26 @@ class TrainerArgs(TrainingSettings):
     checkpoint_dir: Path | None = field(
         default=None, metadata=about("default: <output-dir>/checkpoints")
     )
+    init_from: Path | None = field(
+        default=None,
+        metadata=about(
+            "start from these weights instead of random ones: a model.pt of this trainer (the "
+            "network and the rows of the classes both know are carried, by class name) or a "
+            "state dict of the same network, such as torchvision's ImageNet weights; read by "
+            "rank 0, sent to every rank"
+        ),
+    )
+    init_from_run: str | None = field(
+        default=None,
+        metadata=about("the run whose model --init-from is, recorded in metrics.json"),
+    )
     warmup_epochs: float = field(
-        default=1.0, metadata=about("epochs of linear warm-up to the scaled rate", ge=0)
+        default=1.0,
+        metadata=about(
+            "epochs of linear warm-up to the scaled rate (from the single-worker rate; from 0 "
+            "when starting from weights)",
+            ge=0,
+        ),
     )
     momentum: float = field(default=0.9, metadata=about("SGD momentum", ge=0))
     weight_decay: float = field(default=5e-4, metadata=about("SGD weight decay", ge=0))
@@ -224,6 +266,10 @@ def flag(name: str) -> str:
 PIPELINE_OPTIONS = ("data_dir", "output_dir", "checkpoint_dir", "prune_checkpoint_folders")
 
 
+# What a pipeline's run sets from its ``training.init_from`` (the weights it resolved and checked).
+INIT_FROM_OPTIONS = ("init_from", "init_from_run")
+
+
 def extra_option_owner(word: str) -> str | None:
     """Who sets the trainer option in ``word`` (``--name`` or ``--name=value``) when a pipeline
     runs the trainer: "the pipeline" for its paths and pruning, ``training.<field>`` for a
@@ -235,6 +281,8 @@ def extra_option_owner(word: str) -> str | None:
     name = word[2:].split("=", 1)[0].replace("-", "_")
     if name in PIPELINE_OPTIONS:
         return "the pipeline"
+    if name in INIT_FROM_OPTIONS:
+        return "training.init_from"
     if name in {f.name for f in fields(TrainingSettings)}:
         return f"training.{name}"
     return None

@@ -2,10 +2,18 @@
 
 Every model takes uint8-range float input and owns its normalisation, so a saved ``model.pt``
 scores images without any preprocessing contract beyond "resize to ``input_size``".
+
+The ResNets are torchvision's architecture under torchvision's parameter names (``conv1``,
+``bn1``, ``layer1`` .. ``layer4``, each block's ``conv1``/``bn1``/``conv2``/``bn2``[/``conv3``/
+``bn3``]/``downsample``, ``fc``), so the state dicts torchvision publishes (ImageNet weights)
+load into them strictly; tests/training/test_models.py checks this against torchvision's own
+code. Model files written before that used other names; :func:`upgrade_state_dict` renames
+their keys.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -13,6 +21,11 @@ from torch import nn
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+# A model.pt's layout: 1 (no version written) named the ResNets' layers this project's own way;
+# 2 names them as torchvision does.
+MODEL_FORMAT_VERSION = 2
+# build_model's Sequential: the normalisation, then the network (its state dict keys start "1.").
+NETWORK = "1"
 
 
 class Normalize(nn.Module):
@@ -52,87 +65,104 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
+def _conv(cin: int, cout: int, kernel: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, bias=False)
+
+
 class BasicBlock(nn.Module):
     expansion = 1
 
-    def __init__(self, cin: int, width: int, stride: int) -> None:
+    def __init__(self, cin: int, width: int, stride: int, downsample: nn.Module | None) -> None:
         super().__init__()
-        cout = width * self.expansion
-        self.body = nn.Sequential(
-            *_conv_bn(cin, width, stride), nn.ReLU(inplace=True), *_conv_bn(width, cout)
-        )
-        self.shortcut = _shortcut(cin, cout, stride)
+        self.conv1 = _conv(cin, width, 3, stride)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv(width, width * self.expansion, 3)
+        self.bn2 = nn.BatchNorm2d(width * self.expansion)
+        self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.shortcut(x))
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
 
 
 class Bottleneck(nn.Module):
+    """ResNet v1.5: the stride is on the 3x3 convolution, as in torchvision's weights."""
+
     expansion = 4
 
-    def __init__(self, cin: int, width: int, stride: int) -> None:
+    def __init__(self, cin: int, width: int, stride: int, downsample: nn.Module | None) -> None:
         super().__init__()
         cout = width * self.expansion
-        self.body = nn.Sequential(
-            *_conv_bn(cin, width, kernel=1),
-            nn.ReLU(inplace=True),
-            *_conv_bn(width, width, stride),
-            nn.ReLU(inplace=True),
-            *_conv_bn(width, cout, kernel=1),
-        )
+        self.conv1 = _conv(cin, width, 1)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = _conv(width, width, 3, stride)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = _conv(width, cout, 1)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
         # Zero-init the last BN so each block starts as identity: stabler large-batch training.
-        last_bn = self.body[-1]
-        assert isinstance(last_bn, nn.BatchNorm2d)
-        nn.init.zeros_(last_bn.weight)
-        self.shortcut = _shortcut(cin, cout, stride)
+        nn.init.zeros_(self.bn3.weight)
+        self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.shortcut(x))
-
-
-def _shortcut(cin: int, cout: int, stride: int) -> nn.Module:
-    if stride == 1 and cin == cout:
-        return nn.Identity()
-    return nn.Sequential(*_conv_bn(cin, cout, stride, kernel=1))
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
 
 
 class ResNet(nn.Module):
-    """The ImageNet ResNet layout (He et al. 2015)."""
+    """The ImageNet ResNet layout (He et al. 2015), with torchvision's module names."""
 
     def __init__(
         self, block: type[BasicBlock] | type[Bottleneck], depths: tuple[int, ...], num_classes: int
     ) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            *_conv_bn(3, 64, stride=2, kernel=7),
-            nn.ReLU(inplace=True),
-            nn.MaxPool2d(3, stride=2, padding=1),
-        )
-        stages: list[nn.Module] = []
+        self.conv1 = _conv(3, 64, 7, stride=2)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         cin = 64
+        stages: list[nn.Sequential] = []
         for i, (width, depth) in enumerate(zip((64, 128, 256, 512), depths, strict=True)):
+            blocks: list[nn.Module] = []
             for j in range(depth):
-                stages.append(block(cin, width, stride=2 if i > 0 and j == 0 else 1))
-                cin = width * block.expansion
-        self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)
-        )
+                stride = 2 if i > 0 and j == 0 else 1
+                cout = width * block.expansion
+                downsample = None
+                if stride != 1 or cin != cout:
+                    downsample = nn.Sequential(*_conv_bn(cin, cout, stride, kernel=1))
+                blocks.append(block(cin, width, stride, downsample))
+                cin = cout
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
+
+RESNET_DEPTHS = {"resnet18": (2, 2, 2, 2), "resnet50": (3, 4, 6, 3)}
 
 # Keyed by the names the trainer's arguments offer (training.args.ModelName), whose input sizes
 # are defined there too: the orchestrator reads them without importing torch.
 MODELS: dict[str, Callable[[int], nn.Module]] = {
     "cnn": SmallCNN,
-    "resnet18": lambda n: ResNet(BasicBlock, (2, 2, 2, 2), n),
-    "resnet50": lambda n: ResNet(Bottleneck, (3, 4, 6, 3), n),
+    "resnet18": lambda n: ResNet(BasicBlock, RESNET_DEPTHS["resnet18"], n),
+    "resnet50": lambda n: ResNet(Bottleneck, RESNET_DEPTHS["resnet50"], n),
 }
+# Each network's last layer, the one with a row per class, below the network.
+CLASSIFIERS = {"cnn": "head.3", "resnet18": "fc", "resnet50": "fc"}
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
@@ -140,3 +170,47 @@ def build_model(name: str, num_classes: int) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"--model {name!r} is unknown; choose one of {sorted(MODELS)}")
     return nn.Sequential(Normalize(), MODELS[name](num_classes))
+
+
+def classifier_prefix(name: str) -> str:
+    """Where the classifier's ``weight`` and ``bias`` are in ``build_model(name, n)``'s state
+    dict (``1.fc`` for a ResNet)."""
+    return f"{NETWORK}.{CLASSIFIERS[name]}"
+
+
+# The ResNets' names in model files written before they took torchvision's: a stem Sequential,
+# one flat Sequential of blocks, each a ``body`` Sequential and a ``shortcut``, and a head.
+_OLD_BLOCK = re.compile(r"^stages\.(\d+)\.(body|shortcut)\.(\d+)\.(.+)$")
+_BODY = {"0": "conv1", "1": "bn1", "3": "conv2", "4": "bn2", "6": "conv3", "7": "bn3"}
+
+
+def _renamed(key: str, depths: tuple[int, ...]) -> str:
+    """One ResNet key of the old names under torchvision's (below the network)."""
+    for old, new in (("stem.0.", "conv1."), ("stem.1.", "bn1."), ("head.2.", "fc.")):
+        if key.startswith(old):
+            return new + key[len(old) :]
+    found = _OLD_BLOCK.match(key)
+    if found is None:
+        return key
+    index, part, layer, rest = int(found[1]), found[2], found[3], found[4]
+    stage = 0
+    while stage < len(depths) - 1 and index >= depths[stage]:
+        index -= depths[stage]
+        stage += 1
+    name = f"downsample.{layer}" if part == "shortcut" else _BODY.get(layer, f"body.{layer}")
+    return f"layer{stage + 1}.{index}.{name}.{rest}"
+
+
+def upgrade_state_dict(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a ``build_model(name, n)`` state dict) with the keys of model files and
+    checkpoints written before the ResNets took torchvision's names renamed; a state dict
+    already in today's names comes back as it is. The parameters keep their order, so an
+    optimizer state saved beside the old names still matches them."""
+    depths = RESNET_DEPTHS.get(name)
+    prefix = f"{NETWORK}."
+    if depths is None or not any(k.startswith(f"{prefix}stem.") for k in state):
+        return state
+    return {
+        (prefix + _renamed(k[len(prefix) :], depths) if k.startswith(prefix) else k): v
+        for k, v in state.items()
+    }

@@ -22,7 +22,7 @@ from training.data import open_dataset
 from training.dataset import DatasetError
 from training.images import SPLITS
 from training.model_file import ModelFileError, check_class_names, check_input_size
-from training.models import MODELS, build_model
+from training.models import MODEL_FORMAT_VERSION, MODELS, build_model, upgrade_state_dict
 
 
 def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -53,9 +53,15 @@ def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         )
     if not isinstance(saved["state_dict"], dict):
         raise ModelFileError(f"model file {path}: state_dict is not a dict of tensors")
+    version = saved.get("format_version", 1)
+    if type(version) is not int or version > MODEL_FORMAT_VERSION:
+        raise ModelFileError(
+            f"model file {path} has format version {version!r}: written by a later trainer "
+            f"than this one (which reads up to {MODEL_FORMAT_VERSION})"
+        )
     model = build_model(model_name, len(names))
     try:
-        model.load_state_dict(saved["state_dict"])
+        model.load_state_dict(upgrade_state_dict(model_name, saved["state_dict"]))
     except (RuntimeError, TypeError, KeyError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[:3]
         raise ModelFileError(

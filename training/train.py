@@ -30,15 +30,21 @@ from training import augment, profiling
 from training import checkpoint as ckpt
 from training import distributed as dist
 from training import speed as fast
-from training.args import TrainerArgs, parse_trainer_args
+from training.args import (
+    DEFAULT_BACKBONE_LR_SCALE,
+    DEFAULT_HEAD_ONLY_EPOCHS,
+    TrainerArgs,
+    parse_trainer_args,
+)
 from training.atomic import atomic_write_json, file_md5
 from training.batches import ShardBatches
 from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo, SplitData
 from training.distributed import GradientOptions, UsageError, World
-from training.models import build_model
+from training.models import MODEL_FORMAT_VERSION, build_model, upgrade_state_dict
 from training.onnx_export import ExportError, check_images, write_onnx
 from training.shards import ShardSplit
+from training.weights import InitFromError, carry, network_parameters, read_weights
 
 log = dist.log
 
@@ -148,6 +154,34 @@ class Schedule:
         return self.peak_lr * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+@dataclass(frozen=True)
+class FineTuning:
+    """A training that starts from weights has two optimizer groups, the backbone's and the
+    classifier's: for the first ``head_only_epochs`` only the classifier learns (the fresh rows
+    of new classes would otherwise send large gradients into a backbone that already works),
+    then the backbone learns at ``backbone_lr_scale`` of the classifier's rate."""
+
+    head_only_epochs: int
+    backbone_lr_scale: float
+
+    @classmethod
+    def from_args(cls, args: TrainerArgs) -> FineTuning:
+        return cls(
+            DEFAULT_HEAD_ONLY_EPOCHS if args.head_only_epochs is None else args.head_only_epochs,
+            DEFAULT_BACKBONE_LR_SCALE if args.backbone_lr_scale is None else args.backbone_lr_scale,
+        )
+
+    def scales(self, epoch: int) -> list[float]:
+        """The backbone's and the classifier's rate, as fractions of the schedule's."""
+        return [0.0 if epoch <= self.head_only_epochs else self.backbone_lr_scale, 1.0]
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "head_only_epochs": self.head_only_epochs,
+            "backbone_lr_scale": self.backbone_lr_scale,
+        }
+
+
 # ---------------------------------------------------------------------------- train / eval
 
 
@@ -168,6 +202,9 @@ class Trainer:
     # The module a training step runs: the model itself, or the engine's wrapper around it
     # (DDP's); evaluation and the saved state use ``model``.
     net: nn.Module | None = None
+    # How the optimizer's groups' rates relate to the schedule's (the backbone's and the
+    # classifier's, when starting from weights).
+    tuning: FineTuning | None = None
 
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor, train: bool = False
@@ -221,8 +258,10 @@ class Trainer:
             if i >= usable:
                 break
             if i % k == 0:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.schedule.lr(step)
+                rate = self.schedule.lr(step)
+                scales = self.tuning.scales(epoch) if self.tuning else [1.0]
+                for group, scale in zip(self.optimizer.param_groups, scales, strict=True):
+                    group["lr"] = rate * scale
             images, labels = self._prepare(images, labels, train=True)
             apply = (i + 1) % k == 0
             loss, logits = self.train_step(images, labels, accumulate=k, apply=apply)
@@ -300,19 +339,21 @@ def _resume(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
-) -> tuple[int, list[dict[str, Any]], int | None]:
-    """Rank 0 loads the newest valid checkpoint; its epoch and history go to every rank.
+) -> tuple[int, list[dict[str, Any]], int | None, dict[str, Any] | None]:
+    """Rank 0 loads the newest valid checkpoint; its epoch, history and what the training
+    started from go to every rank.
 
     Weights and optimizer state reach the other ranks through the broadcast that follows,
     so only one process reads the (possibly remote) checkpoint file.
     """
-    found = (
-        ckpt.newest_valid_checkpoint(
-            args.checkpoints, lambda state: ckpt.mismatch(state, model, optimizer)
-        )
-        if world.is_root
-        else None
-    )
+
+    def fits(state: dict[str, Any]) -> str | None:
+        # A checkpoint written before the ResNets took torchvision's names resumes under them.
+        if isinstance(state["model"], dict):
+            state["model"] = upgrade_state_dict(args.model, state["model"])
+        return ckpt.mismatch(state, model, optimizer)
+
+    found = ckpt.newest_valid_checkpoint(args.checkpoints, fits) if world.is_root else None
     rngs: list[Any] | None = None
     if found is not None:
         model.load_state_dict(found["model"])
@@ -320,11 +361,53 @@ def _resume(
         if scaler is not None and found.get("scaler"):
             scaler.load_state_dict(found["scaler"])
         rngs = found.get("rng")
-    meta = (found["epoch"], found["history"], rngs) if found is not None else (0, [], None)
-    done, history, rngs = cast(tuple[int, list[dict[str, Any]], Any], dist.broadcast_object(meta))
+    meta = (
+        (found["epoch"], found["history"], rngs, found.get("init_from"))
+        if found is not None
+        else (0, [], None, None)
+    )
+    done, history, rngs, started_from = cast(
+        tuple[int, list[dict[str, Any]], Any, Any], dist.broadcast_object(meta)
+    )
     if rngs is not None and len(rngs) == world.size:
         _set_rng_state(rngs[world.rank])
-    return done + 1, history, (done or None)
+    return done + 1, history, (done or None), started_from
+
+
+def _init_from(
+    args: TrainerArgs, world: World, model: nn.Module, class_names: list[str]
+) -> dict[str, Any]:
+    """Rank 0 reads ``--init-from`` and loads what it can carry into its model; the others
+    receive the weights with the broadcast that follows, as after a checkpoint. Every rank
+    learns the outcome, so a refused file stops them all with the same error."""
+    assert args.init_from is not None
+    outcome: tuple[str, Any] = ("ok", None)
+    if world.is_root:
+        try:
+            weights = read_weights(args.init_from)
+            carried = carry(
+                weights,
+                model,
+                args.model,
+                args.input_size(),
+                class_names,
+                run_id=args.init_from_run,
+            )
+            outcome = ("ok", carried.as_record())
+        except InitFromError as exc:
+            outcome = ("error", str(exc))
+    status, value = cast(tuple[str, Any], dist.broadcast_object(outcome))
+    if status == "error":
+        raise InitFromError(value)
+    log.info(
+        "started from %s (%s): %d classes carried, %d new, %d dropped",
+        value["source"],
+        value["kind"],
+        len(value["classes_carried"]),
+        len(value["classes_new"]),
+        len(value["classes_dropped"]),
+    )
+    return cast(dict[str, Any], value)
 
 
 def _save_checkpoint(job: Job, epoch: int) -> None:
@@ -344,6 +427,7 @@ def _save_checkpoint(job: Job, epoch: int) -> None:
         "rng": rngs,
         "args": args.as_record(),
         "history": job.history,
+        "init_from": job.init_from,
     }
     # The step waits for the copy to host memory only; the file is written in the background.
     stall = job.checkpoints.save(state, epoch)
@@ -369,6 +453,7 @@ class Job:
     history: list[dict[str, Any]]
     resumed_from: int | None  # the checkpoint's epoch this run resumed from
     checkpoints: ckpt.CheckpointWriter  # written by rank 0 only
+    init_from: dict[str, Any] | None = None  # what it started from (metrics.json's init_from)
 
 
 def run(args: TrainerArgs, world: World) -> dict[str, Any]:
@@ -403,8 +488,13 @@ def set_up(args: TrainerArgs, world: World) -> Job:
     if not speed.contiguous_grads:
         fast.set_layout(model, speed)  # before DDP builds its buckets on the weights' layout
     scale = dist.lr_scale(world, options)
+    tuning = FineTuning.from_args(args) if args.init_from is not None else None
+    params: Any = model.parameters()
+    if tuning is not None:
+        backbone, classifier = network_parameters(model, args.model)
+        params = [{"params": backbone}, {"params": classifier}]
     base = fast.sgd(
-        model.parameters(),
+        params,
         speed,
         lr=args.lr * scale,
         momentum=args.momentum,
@@ -413,16 +503,22 @@ def set_up(args: TrainerArgs, world: World) -> Job:
     # Wrapped before resuming, so the state loaded is the stepping optimizer's own.
     net, optimizer = dist.wrap(model, base, options)
     scaler = fast.grad_scaler(speed)
-    start_epoch, history, resumed_from = _resume(args, world, model, optimizer, scaler)
+    start_epoch, history, resumed_from, started_from = _resume(
+        args, world, model, optimizer, scaler
+    )
     if resumed_from:
         log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
+    elif args.init_from is not None:
+        started_from = _init_from(args, world, model, data.class_names)
     dist.broadcast_state(model, optimizer)
     if speed.contiguous_grads:
         fast.set_layout(model, speed)  # after Horovod's broadcast, which takes contiguous tensors
     fast.match_state_layout(optimizer)
     sampler, loader, steps_per_epoch = _train_loader(args, world, data.splits["train"])
     schedule = Schedule(
-        args.lr,
+        # From weights, the warm-up starts at 0: the first steps' gradients, through the fresh
+        # rows of new classes, are the largest and least informed.
+        0.0 if tuning is not None else args.lr,
         args.lr * scale,
         int(args.warmup_epochs * steps_per_epoch),
         args.epochs * steps_per_epoch,
@@ -438,6 +534,7 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         speed,
         fast.forward_fn(net, speed),
         net=net,
+        tuning=tuning,
     )
     return Job(
         args=args,
@@ -451,6 +548,7 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         start_epoch=start_epoch,
         history=history,
         resumed_from=resumed_from,
+        init_from=started_from,
         checkpoints=ckpt.CheckpointWriter(args.checkpoints, args.keep_checkpoints),
     )
 
@@ -614,6 +712,11 @@ def _metrics(
         },
         "skipped_images": {"count": len(job.skipped), "files": job.skipped},
         "resumed_from_epoch": job.resumed_from,
+        "init_from": (
+            {**job.init_from, **job.trainer.tuning.as_record()}
+            if job.init_from is not None and job.trainer.tuning is not None
+            else None
+        ),
         "weights_digest_per_rank": digests,
         "device": str(world.device),
         "speed": job.trainer.speed.describe(),
@@ -626,6 +729,7 @@ def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
     the test split: training.onnx_export), metrics.json, the last scalar."""
     args = job.args
     saved = {
+        "format_version": MODEL_FORMAT_VERSION,
         "state_dict": job.trainer.model.state_dict(),
         "class_names": job.data.class_names,
         "model_name": args.model,
@@ -705,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         run(args, world)
-    except (DatasetError, NonFiniteLossError, UsageError, ExportError) as exc:
+    except (DatasetError, ExportError, InitFromError, NonFiniteLossError, UsageError) as exc:
         write_line(sys.stderr, f"[rank {world.rank}] error: {exc}")
         dist.shutdown(together=False)
         return 2

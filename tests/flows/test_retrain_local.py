@@ -373,3 +373,52 @@ def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: 
     assert "AZ_BATCH_NODE_MOUNTS_DIR=" in seen
     assert "AZURE_STORAGE_CONNECTION_STRING" not in seen and "AccountKey" not in seen
     assert cluster.release()["was"] == "steady" and cluster.state() == "released"
+
+
+def test_a_run_starts_from_the_champion_and_records_it(tmp_path: Path, digits_source: Path) -> None:
+    """``--set training.init_from=champion``: the run resolves the champion before anything is
+    provisioned, trains from its weights (carrying every class) and records which run and
+    bytes it started from; the champion is a new input, so the run is not up to date with the
+    one before. A champion whose bytes no longer match its recorded MD5 stops the next run
+    before any pool, stage or training, and changes nothing stored."""
+    config = make_config(tmp_path, "training.epochs=1")
+    seed(config, digits_source)
+    first = retrain(config=config, return_state=True)
+    assert first.is_completed(), first.message
+    champion_run = first.result()["run_id"]
+    assert first.result()["promoted"] is True
+
+    state = retrain(config=config, overrides=["training.init_from=champion"], return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    steps = {s["step"]: s for s in result["steps"]}
+    outputs = container_client(config.output)
+    first_metrics = json.loads(outputs.download_blob(f"runs/{champion_run}/metrics.json").readall())
+    start = steps["resolve-init-from"]["details"]
+    assert start["asked"] == "champion" and start["run_id"] == champion_run
+    assert start["resolved"] == f"output:runs/{champion_run}/model.pt"
+    assert start["md5"] == first_metrics["model_md5"]
+    assert steps["check-up-to-date"]["details"]["up_to_date"] is False
+    metrics = json.loads(outputs.download_blob(f"runs/{result['run_id']}/metrics.json").readall())
+    started = metrics["init_from"]
+    assert started["run_id"] == champion_run and started["md5"] == first_metrics["model_md5"]
+    assert started["classes_carried"] == first_metrics["class_names"]
+    assert started["classes_new"] == [] and started["kind"] == "model file"
+
+    champion_blob_name = champion_blob("", config.data.root)
+    champion = outputs.download_blob(champion_blob_name).readall()
+    outputs.upload_blob(json.loads(champion)["model"], b"replaced bytes", overwrite=True)
+    tasks_dir = config.work_dir / "pools" / config.pool.id / "tasks"
+    trained = sorted(tasks_dir.iterdir())
+    bad, task_runs, _ = run(
+        config.model_copy(
+            update={"training": dataclasses.replace(config.training, init_from="champion")}
+        )
+    )
+    assert bad.is_failed()
+    assert "do not match the MD5 the trainer recorded" in str(
+        task_runs["resolve-init-from"].state.message
+    )
+    assert set(task_runs) <= {"validate-data", "resolve-init-from", "release-pool"}
+    assert sorted(tasks_dir.iterdir()) == trained  # no task ran on the pool
+    assert outputs.download_blob(champion_blob_name).readall() == champion

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, child_env, run_trainer, trainer_command
+from tests.training.legacy_resnet import build_legacy_model
 from training.checkpoint import (
     DAY_SECONDS,
     FINISHED,
@@ -60,6 +61,67 @@ def test_only_damaged_checkpoints_start_fresh(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.output
     assert result.metrics["resumed_from_epoch"] is None
+
+
+@pytest.mark.processes
+def test_a_checkpoint_of_the_old_resnet_names_resumes(tmp_path: Path) -> None:
+    """A checkpoint written before the ResNets took torchvision's parameter names (weights and
+    momentum of the old module definitions, tests/training/legacy_resnet.py) is resumed, not
+    skipped as another model's: a retry after the upgrade does not start over."""
+    torch.manual_seed(0)
+    old = build_legacy_model("resnet18", 10)  # synthetic:N has 10 classes
+    optimizer = torch.optim.SGD(old.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    old(torch.rand(2, 3, 32, 32) * 255).sum().backward()
+    optimizer.step()
+    record = {"epoch": 1, "epochs": 2, "train_loss": 2.0, "train_accuracy": 0.1}
+    record |= {"images": 64, "seconds": 1.0, "lr": 0.05, "images_per_sec": 64.0}
+    ckpts = tmp_path / "ckpt"
+    ckpts.mkdir()
+    atomic_save(
+        {
+            "format_version": 1,
+            "epoch": 1,
+            "model": old.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": None,
+            "args": {},
+            "history": [record],
+        },
+        ckpts / "checkpoint-1.pt",
+    )
+    result = run_trainer(
+        1,
+        "synthetic:80",
+        tmp_path / "out",
+        *("--model", "resnet18", "--image-size", "32", "--epochs", "2", "--batch-size", "16"),
+        *("--checkpoint-dir", str(ckpts)),
+    )
+    assert result.returncode == 0, result.output
+    assert "skipping" not in result.output
+    assert result.metrics["resumed_from_epoch"] == 1
+    assert [e["epoch"] for e in result.metrics["epochs"]] == [1, 2]
+
+
+@pytest.mark.processes
+def test_a_run_started_from_weights_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """A retry resumes the checkpoint, not the starting weights (the file may be gone by then),
+    and still records what the training started from."""
+    args = ("--epochs", "1", "--batch-size", "16")
+    first = run_trainer(1, "synthetic:80", tmp_path / "first", *args)
+    assert first.returncode == 0, first.output
+    start = tmp_path / "start.pt"
+    shutil.copy(tmp_path / "first" / "model.pt", start)
+    out = tmp_path / "out"
+    begun = run_trainer(1, "synthetic:80", out, *args, "--init-from", str(start))
+    assert begun.returncode == 0, begun.output
+    start.unlink()
+    again = run_trainer(
+        1, "synthetic:80", out, "--epochs", "2", "--batch-size", "16", "--init-from", str(start)
+    )
+    assert again.returncode == 0, again.output
+    assert again.metrics["resumed_from_epoch"] == 1
+    assert again.metrics["init_from"] == begun.metrics["init_from"]
+    assert again.metrics["init_from"]["source"] == str(start)
 
 
 def test_atomic_save_leaves_old_file_when_writing_fails(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from tests.conftest import (
 )
 from training.checkpoint import list_checkpoints
 from training.distributed import state_digest
+from training.models import build_model
 
 pytestmark = pytest.mark.usefixtures("horovodrun")
 
@@ -418,3 +419,77 @@ def test_ddp_needs_no_horovod(tmp_path: Path) -> None:
         text=True,
     )
     assert "no Horovod build here" in horovod.stdout  # the blocker does block
+
+
+@pytest.fixture(scope="module")
+def digit_versions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """v1: real digits without digit_3 (so every later class sits one index lower than in v2);
+    v2: the same with digit_3; and v1's model.pt, trained one epoch."""
+    import shutil
+
+    from training.make_images import write_digits
+
+    root = tmp_path_factory.mktemp("versions")
+    write_digits(root / "v2", test_fraction=0.25, seed=0, per_class=30)
+    shutil.copytree(root / "v2", root / "v1")
+    for split in ("train", "test"):
+        shutil.rmtree(root / "v1" / split / "digit_3")
+    first = run_trainer(1, root / "v1", root / "o1", "--epochs", "1", "--batch-size", "16")
+    assert first.returncode == 0, first.output
+    return root / "v1", root / "v2", root / "o1" / "model.pt"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_init_from_carries_the_shared_classes_to_every_rank(
+    engine: str, digit_versions: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """A data set with one class more than the model it starts from: rank 0 reads the file,
+    every rank trains from the same carried weights (the trainer compares the ranks' weights
+    at the end), and the classes both know keep their classifier rows under their new index.
+    At a rate of 1e-9 the weights barely move, so what was carried can be compared."""
+    _v1, v2, model_pt = digit_versions
+    result = run_trainer(
+        2,
+        v2,
+        tmp_path / "out",
+        *("--init-from", str(model_pt), "--init-from-run", "run-1"),
+        *("--epochs", "1", "--batch-size", "16", "--lr", "1e-9"),
+        engine=engine,
+    )
+    assert result.returncode == 0, result.output
+    m = result.metrics
+    assert m["weights_digest_per_rank"][0] == m["weights_digest_per_rank"][1]
+    old = torch.load(model_pt, weights_only=True)
+    started = m["init_from"]
+    assert started["source"] == str(model_pt) and started["run_id"] == "run-1"
+    assert started["classes_new"] == ["digit_3"] and started["classes_dropped"] == []
+    assert started["classes_carried"] == old["class_names"] and len(old["class_names"]) == 9
+    new = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    assert new["class_names"] == [f"digit_{i}" for i in range(10)]
+    parameters = {n for n, p in build_model("cnn", 10).named_parameters()}
+    for key in parameters - {"1.head.3.weight", "1.head.3.bias"}:
+        assert torch.allclose(new["state_dict"][key], old["state_dict"][key], atol=1e-6), key
+    for key in ("1.head.3.weight", "1.head.3.bias"):
+        for name in old["class_names"]:
+            was, now = old["class_names"].index(name), new["class_names"].index(name)
+            assert torch.allclose(
+                new["state_dict"][key][now], old["state_dict"][key][was], atol=1e-6
+            ), (key, name)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_refused_init_from_stops_every_rank_before_training(
+    engine: str, digit_versions: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Rank 0 finds the file cut short; every rank stops with its error (none waits for a
+    broadcast that never comes), before a step is trained or a file written."""
+    _v1, v2, model_pt = digit_versions
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(model_pt.read_bytes()[:4000])
+    out = tmp_path / "out"
+    result = run_trainer(2, v2, out, "--init-from", str(cut), "--epochs", "1", engine=engine)
+    assert result.returncode != 0, result.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: --init-from {cut} cannot be read" in result.output
+    assert "PROGRESS" not in result.output
+    assert not (out / "model.pt").exists() and not list_checkpoints(out / "checkpoints")

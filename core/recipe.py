@@ -1,0 +1,155 @@
+"""The champion's recipe, and which training settings a retrain of it uses.
+
+A model is only as good as the settings it was trained with: a champion trained with
+``epochs=15``, ``image_size=64`` and ``--augment`` is not beaten by a nightly that trains the
+config's 32 px defaults. So a scheduled or triggered retrain of a data root that has a champion
+starts from the champion's weights **and its recipe**: the settings of the champion's own run
+(``metrics.json`` records the trainer's arguments). A setting the deployment's config states
+explicitly wins over the recipe; anything neither states keeps the config's default.
+:func:`training_settings` decides this, field by field, and says where each value came from and
+why, for the run's summary.
+
+No I/O here: the caller reads the champion's ``metrics.json`` and the deployment's config file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from training.args import TrainerArgs, TrainingSettings, flag
+
+# The trainer's own settings that shape the model (TrainingSettings), without those that only
+# record or place a run: the timeline, the profiler and the engine.
+RECIPE_FIELDS = tuple(
+    f.name
+    for f in fields(TrainingSettings)
+    if f.name not in ("timeline", "profile_steps", "engine")
+)
+# Trainer options a pipeline passes in training.extra_args that shape the model too: a switch,
+# or an option with a value.
+RECIPE_SWITCHES = ("augment",)
+RECIPE_OPTIONS = ("warmup_epochs", "momentum", "weight_decay")
+
+Source = Literal["deployment", "champion", "config"]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where one training setting of a run came from, and why."""
+
+    field: str
+    value: Any
+    source: Source
+    why: str
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The settings a champion was trained with (from its run's ``metrics.json``)."""
+
+    run_id: str
+    settings: dict[str, Any]  # TrainingSettings fields of RECIPE_FIELDS
+    extra: dict[str, Any]  # RECIPE_SWITCHES (bool) and RECIPE_OPTIONS (values)
+
+    @classmethod
+    def from_metrics(cls, run_id: str, metrics: Mapping[str, Any]) -> Recipe | None:
+        """The recipe in a run's metrics (None when they hold no trainer arguments)."""
+        args = metrics.get("args")
+        if not isinstance(args, Mapping):
+            return None
+        settings = {k: args[k] for k in RECIPE_FIELDS if k in args}
+        extra = {k: args[k] for k in (*RECIPE_SWITCHES, *RECIPE_OPTIONS) if k in args}
+        return cls(run_id, settings, extra)
+
+
+def explicit_training_fields(overrides: Iterable[str], fields: Iterable[str] = ()) -> set[str]:
+    """The training fields a deployment sets for itself: those its ``overrides`` parameter
+    (``section.field=value``) and its own run fields (``training.epochs``, ...) name. The
+    config file all deployments share is the defaults, which the recipe replaces."""
+    named: set[str] = set()
+    for key in [*(item.split("=", 1)[0] for item in overrides), *fields]:
+        parts = key.strip().split(".")
+        if parts[0] == "training" and len(parts) > 1:
+            named.add(parts[1])
+    return named
+
+
+def _extra_words(extra_args: list[str]) -> set[str]:
+    return {w[2:].split("=", 1)[0].replace("-", "_") for w in extra_args if w.startswith("--")}
+
+
+def _clash(config: TrainingSettings, explicit: set[str], recipe: Recipe) -> str | None:
+    """Why the champion's weights do not fit the network the deployment sets, if they don't."""
+    for name in ("model", "image_size"):
+        mine, theirs = getattr(config, name), recipe.settings.get(name)
+        if name in explicit and name in recipe.settings and mine != theirs:
+            return (
+                f"the deployment sets training.{name} {mine!r}, the champion (run "
+                f"{recipe.run_id}) was trained with {theirs!r}"
+            )
+    return None
+
+
+def training_settings(
+    config: TrainingSettings, explicit: set[str], recipe: Recipe | None
+) -> tuple[TrainingSettings, list[Origin]]:
+    """The run's training settings, and where each came from.
+
+    ``config``: the deployment's training section (its file and overrides applied);
+    ``explicit``: the fields it states itself (:func:`explicit_training_fields`); ``recipe``:
+    the champion's, or None when the data root has none (then the config is used as it is, and
+    the run starts from scratch unless it says otherwise). With a recipe the run starts from
+    the champion's weights (``init_from: champion``) unless the deployment states
+    ``init_from``; each recipe field the deployment does not state is the champion's; a recipe
+    switch or option the deployment's ``extra_args`` does not name is added to them (an
+    ``extra_args`` the deployment states is its own, whole)."""
+    origins: list[Origin] = []
+    updates: dict[str, Any] = {}
+    names = [f.name for f in fields(config)]
+    for name in names:
+        value = getattr(config, name)
+        if name in explicit:
+            origins.append(Origin(name, value, "deployment", "set in the deployment's config"))
+        elif recipe is not None and name in recipe.settings:
+            updates[name] = recipe.settings[name]
+            why = f"the champion's recipe (run {recipe.run_id})"
+            origins.append(Origin(name, recipe.settings[name], "champion", why))
+        elif name == "init_from" and recipe is not None:
+            clash = _clash(config, explicit, recipe)
+            if clash:
+                why = f"from scratch: {clash}, so its weights cannot be carried"
+                origins.append(Origin(name, value, "config", why))
+            else:
+                updates[name] = "champion"
+                why = f"a champion exists (run {recipe.run_id}): retrain it"
+                origins.append(Origin(name, "champion", "champion", why))
+        else:
+            why = (
+                "the config's default (no champion yet)"
+                if recipe is None
+                else "the config's default (not part of a recipe)"
+            )
+            origins.append(Origin(name, value, "config", why))
+    if recipe is not None and "extra_args" in names and "extra_args" not in explicit:
+        extra = list(getattr(config, "extra_args"))  # noqa: B009 - TrainingConfig's field
+        given = _extra_words(extra)
+        for name in RECIPE_SWITCHES:
+            if recipe.extra.get(name) is True and name not in given:
+                extra.append(flag(name))
+        defaults = {f.name: f.default for f in fields(TrainerArgs)}
+        for name in RECIPE_OPTIONS:
+            # Only a value other than the trainer's default: the task stays as it was.
+            if name in recipe.extra and name not in given and recipe.extra[name] != defaults[name]:
+                extra += [flag(name), str(recipe.extra[name])]
+        updates["extra_args"] = extra
+        origins = [o for o in origins if o.field != "extra_args"]
+        why = f"the config's, with the champion's recipe (run {recipe.run_id}) added"
+        origins.append(Origin("extra_args", extra, "champion", why))
+    return replace(config, **updates), origins
+
+
+def describe(origins: list[Origin]) -> list[str]:
+    """One line per setting, for the run's summary."""
+    return [f"training.{o.field} = {o.value!r}: {o.why}" for o in origins]
