@@ -8,12 +8,14 @@ to a file.
     python -m flows.models --config configs/local.yaml download --run RUN_ID --to model.pt
     python -m flows.models --config configs/local.yaml download --run RUN_ID --file score.json
     python -m flows.models --config configs/local.yaml download --file model.onnx
+    python -m flows.models --config configs/local.yaml lineage
     python -m flows.models --config configs/local.yaml serve
 
-``serve`` runs the outputs gateway (registry.gateway): the links in a run's artifacts
-point at it when ``output.links_url`` names it, and open in a browser while it runs. No link
-carries a signature (no secret ever goes into an artifact); each also names the command that
-downloads its file.
+``lineage`` follows what the champion (or ``--run``) started from, run by run, back to a run
+from scratch or to outside weights. ``serve`` runs the outputs gateway (registry.gateway):
+the links in a run's artifacts point at it when ``output.links_url`` names it, and open in a
+browser while it runs. No link carries a signature (no secret ever goes into an artifact); each
+also names the command that downloads its file.
 
 It reads the output container the config names, with the same credentials the flow uses
 (``output.connection_string_env``, a Prefect block or DefaultAzureCredential); nothing in it
@@ -28,8 +30,10 @@ from typing import TYPE_CHECKING
 
 from backends.blob import StorageConfigError, container_client, unreachable
 from core.config import ConfigError, PipelineConfig
+from core.text import printable
 from flows.config_args import add_config_arguments, config_from
 from registry.gateway import listen_address, serve
+from registry.lineage import lineage
 from registry.migrate import migrate_legacy_records
 from registry.store import (
     ModelStoreError,
@@ -105,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     get.add_argument(
         "--to", default=".", help="a file, or a folder (an existing one, or one ending with /)"
     )
+    family = sub.add_parser(
+        "lineage",
+        help="what the champion of the config's data root (or --run) started from, back to a "
+        "run from scratch",
+    )
+    family.add_argument("--run", help="a run id from `list` (default: the champion)")
     gateway = sub.add_parser("serve", help="open the run links: a read-only outputs gateway")
     gateway.add_argument(
         "--host",
@@ -123,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             entries = list_runs(outputs, base, [root])
             print(_table(entries) if entries else "no runs yet")
+            return 0
+        if args.command == "lineage":
+            start = args.run or champion_of(outputs, base, root).run_id
+            for ancestor in lineage(outputs, base, start):
+                print(
+                    f"{printable(ancestor.run_id)}  started from {printable(ancestor.started_from)}"
+                )
             return 0
         if args.run:
             blob = run_file(base, args.run, args.file or "model.pt")

@@ -375,7 +375,9 @@ def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: 
     assert cluster.release()["was"] == "steady" and cluster.state() == "released"
 
 
-def test_a_run_starts_from_the_champion_and_records_it(tmp_path: Path, digits_source: Path) -> None:
+def test_a_run_starts_from_the_champion_and_records_it(
+    tmp_path: Path, digits_source: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--set training.init_from=champion``: the run resolves the champion before anything is
     provisioned, trains from its weights (carrying every class) and records which run and
     bytes it started from; the champion is a new input, so the run is not up to date with the
@@ -404,6 +406,17 @@ def test_a_run_starts_from_the_champion_and_records_it(tmp_path: Path, digits_so
     assert started["run_id"] == champion_run and started["md5"] == first_metrics["model_md5"]
     assert started["classes_carried"] == first_metrics["class_names"]
     assert started["classes_new"] == [] and started["kind"] == "model file"
+    # The lineage of the new model, as `flows.models lineage` prints it, back to scratch.
+    from flows.models import main as models
+
+    where = ["--set", f"output.container={config.output.container}"]
+    capsys.readouterr()
+    cli = ["--config", str(ROOT / "configs" / "local.yaml"), *where, "lineage"]
+    assert models([*cli, "--run", result["run_id"]]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{result['run_id']}  started from run {champion_run}",
+        f"{champion_run}  started from scratch",
+    ]
 
     champion_blob_name = champion_blob("", config.data.root)
     champion = outputs.download_blob(champion_blob_name).readall()
