@@ -421,6 +421,14 @@ class TrainingConfig(TrainingSettings):
             "container), or a URL into one of them; see docs/warm-start.md"
         ),
     )
+    follow_champion: bool = field(
+        default=False,
+        metadata=about(
+            "retrain the data root's champion: start from its weights and the training "
+            "settings its run recorded (its recipe), except those the run's overrides and "
+            "fields set; the nightly and on-new-data deployments set it (docs/warm-start.md)"
+        ),
+    )
     extra_args: list[str] = field(
         default_factory=list,
         metadata=about(

@@ -22,6 +22,7 @@ from prefect.utilities.urls import url_for
 from core.config import ConfigError, PipelineConfig
 from core.data_versions import DataVersion
 from core.deployment_runs import deployment_config_path
+from core.recipe import explicit_training_fields
 from core.run import Run
 from core.run_config import RunRequest, build_run_config
 from flows.config_args import add_config_arguments
@@ -123,7 +124,8 @@ def retrain(
         raise
     tracker = Tracker(run_config, logger.warning)
     try:
-        return _retrain(run_config, effective.source, run, record, force, tracker)
+        explicit = explicit_training_fields(request.overrides, request.run_fields())
+        return _retrain(run_config, effective.source, run, record, force, tracker, explicit)
     except REFUSALS as exc:
         # The data gate refused the data, naming why in its artifact and its step's log: the
         # run ends failed with that message, not as an error in the code (no traceback).
@@ -156,12 +158,14 @@ def _retrain(
     record: RunLog,
     force: bool,
     tracker: Tracker,
+    explicit: set[str],
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
     from core.run_events import model_promoted
     from registry.gateway import output_link
     from tasks.cost import PoolMeter
+    from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
     from tasks.promote import promote
     from tasks.provision import build_image, ensure_pool, release_pool, stage_data, upload_scripts
@@ -189,6 +193,12 @@ def _retrain(
             run_config = run_config.model_copy(
                 update={"data": run_config.data.pinned(data.version)}
             )
+            if run_config.training.follow_champion:
+                # The champion's recipe and weights, but what this run sets itself.
+                followed = follow_champion(run_config, explicit, run)
+                steps.append(followed.record)
+                run_config = followed.value.config
+                target = target_for(run_config)
             if run_config.training.init_from is not None:
                 # What training starts from, resolved and checked before anything is
                 # provisioned; the resolved weights are an input like the data (the checkpoint

@@ -74,7 +74,8 @@ def _with(config: PipelineConfig, value: str | None) -> PipelineConfig:
     return config.model_copy(update={"training": replace(config.training, init_from=value)})
 
 
-def _champion_metrics(outputs: Any, champion: Champion) -> dict[str, Any]:
+def champion_metrics(outputs: Any, champion: Champion) -> dict[str, Any]:
+    """The ``metrics.json`` of the champion's run: what its model is and how it was trained."""
     blob = f"{champion.model.rsplit('/', 1)[0]}/metrics.json"
     stored = read_record(outputs, blob, MAX_METRICS_BYTES)
     doc = None if stored is None else json_object(stored.data, stored.limit)
@@ -104,7 +105,7 @@ def _champion(config: PipelineConfig, outputs: Any) -> Start:
             f"init_from champion: the champion of {root.where} (run {champion.run_id}) names "
             f"the model {champion.model}, which does not exist in {outputs.container_name}"
         )
-    metrics = _champion_metrics(outputs, champion)
+    metrics = champion_metrics(outputs, champion)
     have = (metrics.get("model"), metrics.get("input_size"))
     want = (config.training.model, config.training.input_size())
     if have != want:

@@ -61,10 +61,19 @@ def fingerprint(config: PipelineConfig, data_version: str) -> dict[str, Any]:
     size, ETag and MD5), the code the nodes run (the same digest upload-scripts reports), the
     training task that code is started with, the training image, the settings (but those that
     change no weight, such as the timeline) and the world size (the learning rate scales with
-    it)."""
+    it).
+
+    A retrain that follows the champion (``training.follow_champion``) is compared without its
+    starting weights: the champion is this pipeline's own output, so a version the champion was
+    already trained on with the same code and recipe is up to date, not a new input each time a
+    run is promoted. A starting point named explicitly (``init_from``) is an input like the
+    data."""
+    if config.training.follow_champion:
+        training = dataclasses.replace(config.training, init_from=None)
+        config = config.model_copy(update={"training": training})
     files = collect_files(PROJECT_ROOT, SCRIPT_PACKAGES)
     settings = dataclasses.asdict(config.training)
-    for name in NOT_SHAPING_THE_MODEL:
+    for name in (*NOT_SHAPING_THE_MODEL, "follow_champion"):
         settings.pop(name, None)
     return {
         "data_version": data_version,

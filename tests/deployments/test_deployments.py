@@ -147,9 +147,14 @@ def test_prefect_yaml_deployments(deployed: dict[str, Any]) -> None:
     nightly = deployed["retrain/nightly"]
     (schedule,) = nightly.schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC"
-    for name in ("retrain/manual", "retrain/nightly", "retrain/on-new-data"):
+    follow = {"overrides": ["training.follow_champion=true"]}
+    for name, extra in (
+        ("retrain/manual", {}),
+        ("retrain/nightly", follow),
+        ("retrain/on-new-data", follow),
+    ):
         d = deployed[name]
-        assert d.parameters == {"config_path": "configs/local.yaml"}
+        assert d.parameters == {"config_path": "configs/local.yaml", **extra}
         assert d.work_pool_name == "retrain-workers"
         assert d.global_concurrency_limit.limit == 1
         assert d.concurrency_options.collision_strategy == "ENQUEUE"
@@ -319,6 +324,7 @@ def test_a_burst_for_one_version_starts_exactly_one_run(
     # The data root and the version below it: the run trains exactly that version.
     assert run.parameters == {
         "config_path": "configs/local.yaml",
+        "overrides": ["training.follow_champion=true"],
         "data_container": "landing",
         "data_prefix": "images",
         "data_version": "v1",

@@ -385,15 +385,28 @@ def test_a_run_starts_from_the_champion_and_records_it(
     before any pool, stage or training, and changes nothing stored."""
     config = make_config(tmp_path, "training.epochs=1")
     seed(config, digits_source)
-    first = retrain(config=config, return_state=True)
+    first = retrain(config=config, overrides=["training.lr=0.07"], return_state=True)
     assert first.is_completed(), first.message
     champion_run = first.result()["run_id"]
     assert first.result()["promoted"] is True
 
-    state = retrain(config=config, overrides=["training.init_from=champion"], return_state=True)
+    # A retrain of the champion (as the nightly runs it): its weights and its recipe (lr 0.07,
+    # not the config's default), but what the run sets itself (its overrides) wins.
+    state = retrain(
+        config=config,
+        overrides=["training.follow_champion=true", "training.batch_size=16"],
+        return_state=True,
+    )
     assert state.is_completed(), state.message
     result = state.result()
     steps = {s["step"]: s for s in result["steps"]}
+    settings = steps["follow-champion"]["details"]["settings"]
+    assert f"training.lr = 0.07: the champion's recipe (run {champion_run})" in settings
+    assert "training.batch_size = 16: set in the deployment's config" in settings
+    assert (
+        f"training.init_from = 'champion': a champion exists (run {champion_run}): "
+        "retrain it" in settings
+    )
     outputs = container_client(config.output)
     first_metrics = json.loads(outputs.download_blob(f"runs/{champion_run}/metrics.json").readall())
     start = steps["resolve-init-from"]["details"]
@@ -406,6 +419,7 @@ def test_a_run_starts_from_the_champion_and_records_it(
     assert started["run_id"] == champion_run and started["md5"] == first_metrics["model_md5"]
     assert started["classes_carried"] == first_metrics["class_names"]
     assert started["classes_new"] == [] and started["kind"] == "model file"
+    assert metrics["args"]["lr"] == 0.07 and metrics["args"]["batch_size"] == 16
     # The lineage of the new model, as `flows.models lineage` prints it, back to scratch.
     from flows.models import main as models
 

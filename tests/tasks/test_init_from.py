@@ -154,3 +154,21 @@ def test_a_new_champion_is_a_new_input(tmp_path: Path) -> None:
     ]
     assert training_key(a, "v", "code") != training_key(b, "v", "code")
     assert differences(fingerprint(config, "listing"), fingerprint(config, "listing")) == []
+
+
+def test_a_retrain_of_the_champion_is_compared_without_its_start(tmp_path: Path) -> None:
+    """Following the champion, the starting weights are not an input of the up-to-date check
+    (the champion is the pipeline's own output: the version it was trained on stays up to
+    date); the checkpoint key still names them, so no checkpoint of another start resumes."""
+    from tasks.train_and_score import training_key
+    from tasks.up_to_date import differences, fingerprint
+
+    config = make_config(tmp_path, "training.follow_champion=true")
+    a = _with(config, "output:runs/20261101-000000-aaaaaaaa/model.pt")
+    b = _with(config, "output:runs/20261102-000000-bbbbbbbb/model.pt")
+    assert differences(fingerprint(a, "listing"), fingerprint(b, "listing")) == []
+    assert fingerprint(a, "listing") == fingerprint(_with(config, None), "listing")
+    assert training_key(a, "v", "code") != training_key(b, "v", "code")
+    # The switch itself shapes no weight: a run without it compares with the same settings.
+    plain = make_config(tmp_path)
+    assert fingerprint(plain, "listing")["training"] == fingerprint(a, "listing")["training"]
