@@ -21,11 +21,11 @@ import io
 import os
 import re
 import tarfile
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import IO, Self, cast
 
+from training.class_names import folders_problem, name_problem, normal
 from training.images import IMAGE_SUFFIXES, SPLITS, is_image_name, suffix
 
 TAR_SUFFIX = ".tar"
@@ -261,24 +261,24 @@ def _check_complete(tar: tarfile.TarFile, where: str) -> None:
 
 
 def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, where: str) -> str:
-    """The class a .cls member holds: its text, stripped. Compared as text: ``7`` and ``007``
-    are two classes, and numbers sort as text (the model keeps the names, not the order)."""
+    """The class a .cls member holds: its text, less one line ending (a text file's, as
+    ``echo cat > a.cls`` writes it), in NFC (``training.class_names``). Compared as text:
+    ``7`` and ``007`` are two classes, and numbers sort as text (the model keeps the names,
+    not the order). Never stripped further: ``cat `` is refused, not read as ``cat``."""
     if member.size > MAX_LABEL_BYTES:
         raise ShardError(f"{where}: its .cls member is {member.size} bytes, not a class")
     handle = tar.extractfile(member)
     raw = handle.read() if handle else b""
     try:
-        text = raw.decode("utf-8-sig").strip()
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ShardError(f"{where}: its .cls member is not UTF-8 text") from exc
-    if (
-        not text
-        or text in (".", "..")
-        or "/" in text
-        or any(unicodedata.category(c) == "Cc" for c in text)
-    ):
-        raise ShardError(f"{where}: its .cls member holds {text!r}, not a class name")
-    return text
+    text = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+    why = name_problem(text)
+    if why or text in (".", "..") or "/" in text:
+        reason = f" (the class name {why})" if why else ""
+        raise ShardError(f"{where}: its .cls member holds {text!r}, not a class name{reason}")
+    return normal(text)
 
 
 def open_shard(path: Path | None, fileobj: IO[bytes] | None = None) -> tarfile.TarFile:
@@ -346,11 +346,15 @@ def pack_folders(source: Path, dest: Path, max_bytes: int = 256 * 2**20) -> dict
         if not (source / split).is_dir():
             continue
         planned[split] = []
-        for folder in sorted(p for p in (source / split).iterdir() if p.is_dir()):
+        folders = sorted(p for p in (source / split).iterdir() if p.is_dir())
+        problem = folders_problem(p.name for p in folders)
+        if problem:
+            raise ValueError(f"{source / split}: {problem}")
+        for folder in folders:
             found = sorted(f for f in folder.iterdir() if f.is_file() and is_image_name(f))
             if not found:
                 raise ValueError(f"empty class folder: {folder} has no .png/.jpg/.jpeg images")
-            planned[split] += [(f, folder.name) for f in found]
+            planned[split] += [(f, normal(folder.name)) for f in found]
     written: dict[str, int] = {}
     for split, files in planned.items():
         groups: list[list[tuple[Path, str]]] = []
