@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -393,3 +394,50 @@ def test_a_shard_header_that_would_loop_fails_the_local_folder_check_too(
     )
     assert proc.returncode == 0, proc.stderr
     assert f"train/999999.tar: member '{MEMBER}'" in proc.stdout and "says -1536" in proc.stdout
+
+
+def test_loose_and_packed_class_names_agree_and_lookalikes_are_refused(
+    folders: Path, tmp_path: Path
+) -> None:
+    """The packer wrote folder names as they were and the readers stripped a .cls text:
+    `cat`, `cat ` and `\\xa0cat` were three classes loose and one packed. Now both readers
+    and the packer refuse what reads like another class, naming it, and take a name in
+    either Unicode form as its composed one, packed or loose alike."""
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    root = tmp_path / "loose"
+    for split in ("train", "test"):
+        shutil.copytree(folders / split / "digit_0", root / split / nfd)
+        shutil.copytree(folders / split / "digit_1", root / split / "cat")
+    packed = tmp_path / "packed"
+    pack_folders(root, packed)
+    loose_names = open_dataset(str(root), SIZE, use_shards=False).class_names
+    assert loose_names == open_dataset(str(packed), SIZE, use_shards=False).class_names
+    assert loose_names == [nfc, "cat"]  # sorted as text: "caf\u00e9" < "cat"
+    for bad, named in [
+        ("cat ", "'cat ' has white space at an end"),
+        ("\xa0cat", "'\\xa0cat' has white space at an end"),
+        ("cat\u200b", "U+200B"),
+        (nfc, "are one name in two Unicode forms"),
+    ]:
+        extra = root / "train" / bad
+        shutil.copytree(folders / "train" / "digit_2", extra)
+        with pytest.raises(DatasetError, match=re.escape(named)):
+            open_dataset(str(root), SIZE, use_shards=False)
+        with pytest.raises(ValueError, match=re.escape(named)):
+            pack_folders(root, tmp_path / f"out-{len(bad)}-{ord(bad[-1])}")
+        shutil.rmtree(extra)
+
+
+@pytest.mark.parametrize(
+    ("text", "label"), [(b"cat\n", "cat"), (b"cat\r\n", "cat"), (b"cafe\xcc\x81", "caf\u00e9")]
+)
+def test_a_cls_text_loses_its_line_ending_only_and_is_composed(
+    folders: Path, shards: Path, text: bytes, label: str
+) -> None:
+    shard = shards / "train" / "999999.tar"
+    _write(shard, [("a.png", _png(folders)), ("a.cls", text)])
+    with pytest.raises(DatasetError, match=re.escape(f"missing from test: ['{label}']")):
+        open_dataset(str(shards), SIZE, use_shards=False)
+    _write(shard, [("a.png", _png(folders)), ("a.cls", b"\xc2\xa0" + text)])
+    with pytest.raises(DatasetError, match=r"not a class name \(the class name has white space"):
+        open_dataset(str(shards), SIZE, use_shards=False)
