@@ -526,6 +526,15 @@ class ValidationConfig(_Section):
         description=f"largest width or height the gate accepts; at most {MAX_IMAGE_SIDE}, "
         "beyond which Pillow refuses to decode an image as a decompression bomb",
     )
+    timeout_minutes: float = Field(
+        240,
+        gt=0,
+        le=24 * 60,
+        description="the longest the gate may spend reading and decoding a version's blobs; "
+        "past it the gate fails, naming the blobs still being read, and nothing is "
+        "provisioned (a blob that cannot be read to its end holds no run or lock longer); "
+        "the default is about three times a first gate of an ImageNet-sized version",
+    )
 
     @model_validator(mode="after")
     def _sides_ordered(self) -> ValidationConfig:

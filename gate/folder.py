@@ -24,6 +24,7 @@ from core.config import ValidationConfig
 from gate.manifest import (
     _UNREAD,
     SHARD,
+    _flag_class_names,
     _flag_leaks,
     _flag_mixed_splits,
     _path_fields,
@@ -95,6 +96,7 @@ def folder_rows(files: list[LocalFile]) -> list[dict[str, Any]]:
             loose.append({**_path_fields(file.rel, file.size), **_UNREAD, "md5": file.md5})
     _flag_mixed_splits(shards, loose)
     rows = loose + shards
+    _flag_class_names(rows)
     _flag_leaks(rows)
     return rows
 

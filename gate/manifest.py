@@ -22,23 +22,25 @@ import io
 import json
 import tempfile
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from backends.blob import container_client
 from core.config import BlobLocation
 from core.data_versions import MARKER
+from gate.deadline import GateTimeoutError, read_within
 from staging.blob import list_pinned, paused_gc
 from staging.listing import PinnedBlob
 from training.atomic import atomic_write, b64md5, read_json_object
+from training.class_names import name_problem, normal, shown
 from training.images import SPLITS, is_image_name, open_image, to_rgb
 from training.webdataset import ShardError, is_tar_name, open_shard, read_samples
 
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
 # reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content;
-# 4: readable means decoded whole, width and height after the EXIF orientation).
-DESCRIBE_VERSION = 4
+# 4: readable means decoded whole, width and height after the EXIF orientation; 5: a shard's
+# labels in NFC, refused rather than stripped, hostile member headers refused).
+DESCRIBE_VERSION = 5
 # What a cached row holds: what the image's bytes say, nothing that depends on its name.
 CONTENT_FIELDS = ("width", "height", "channels", "readable", "md5")
 
@@ -200,6 +202,31 @@ def _content_key(blob: PinnedBlob) -> str:
     return f"md5:{blob.md5}:{blob.size}" if blob.md5 else f"etag:{blob.name}:{blob.etag}"
 
 
+def _flag_class_names(rows: list[dict[str, Any]]) -> None:
+    """Class names as the trainer takes them (``training.class_names``): each row's label in
+    NFC; a row whose class name the trainer refuses (white space at an end, an invisible or
+    control character), or whose class folder is one name in two forms with another folder of
+    its split, says so. A shard's labels were judged as it was read (``training.webdataset``)."""
+    forms: dict[tuple[str | None, str], set[str]] = {}
+    for row in rows:
+        if row["label"] is not None:
+            forms.setdefault((row["split"], normal(row["label"])), set()).add(row["label"])
+    for row in rows:
+        label = row["label"]
+        if label is None:
+            continue
+        others = sorted(forms[(row["split"], normal(label))] - {label})
+        why = name_problem(label)
+        if row["problem"] is None and why:
+            row["problem"] = f"class name {shown(label)} {why}"
+        elif row["problem"] is None and others:
+            row["problem"] = (
+                f"class folders {shown(label)} and {shown(others[0])} are one name in two "
+                "Unicode forms: rename or merge them"
+            )
+        row["label"] = normal(label)
+
+
 def _flag_leaks(rows: list[dict[str, Any]]) -> None:
     """``leak``: the same content (by MD5) in train and in test or val."""
     by_split: dict[str, set[str]] = {}
@@ -217,9 +244,11 @@ def build_manifest(
     cache_dir: Path,
     retries: int = 3,
     blobs: list[PinnedBlob] | None = None,
+    timeout_minutes: float | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """One row per blob (``blobs``, default: :func:`list_dataset`), and how many rows came
-    from the cache (unchanged blobs)."""
+    from the cache (unchanged blobs); GateTimeoutError when the reads are not done within
+    ``timeout_minutes`` (:mod:`gate.deadline`)."""
     container = container_client(location, retries)
     if blobs is None:
         blobs = list_dataset(location, retries)
@@ -261,15 +290,24 @@ def build_manifest(
                 contents.append(cached if _cached(cached, shards[i]) else None)
         reused = sum(1 for i, c in enumerate(contents) if read_as[i] and c is not None)
         misses = [i for i, c in enumerate(contents) if c is None]
-        with pause.resumed(), ThreadPoolExecutor(max_workers=16) as pool:  # reads and decodes
-            for i, fresh in zip(misses, pool.map(read, misses), strict=True):
-                contents[i] = fresh
+        with pause.resumed():  # reads and decodes, 16 at once
+            try:
+                seconds = None if timeout_minutes is None else timeout_minutes * 60
+                read_now = read_within(read, misses, 16, seconds, rels.__getitem__)
+            except GateTimeoutError as exc:
+                raise GateTimeoutError(
+                    f"data gate stopped at validation.timeout_minutes ({timeout_minutes:g}), "
+                    f"nothing was provisioned: {exc}"
+                ) from None
+        for i, fresh in zip(misses, read_now, strict=True):
+            contents[i] = fresh
         described = [rows_of(i, c) for i, c in enumerate(contents) if c is not None]
         rows = [row for got in described for row in got]
         _flag_mixed_splits(
             [row for got, tar in zip(described, shards, strict=True) if tar for row in got],
             [row for got, tar in zip(described, shards, strict=True) if not tar for row in got],
         )
+        _flag_class_names(rows)
         # Only what was read as an image or a shard: a blob of another kind (`a.png.bak`, the
         # same bytes) has the same content key, and its unread row must not stand for the image.
         entries = {

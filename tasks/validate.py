@@ -21,6 +21,7 @@ from backends.data_root import resolve
 from core.config import PipelineConfig
 from core.data_versions import DataVersion, DataVersionError
 from core.run import Run
+from gate.deadline import GateTimeoutError
 from gate.docs_assets import DocsAssetError, localize
 from gate.manifest import build_manifest, list_dataset
 from gate.report import DataValidationError, failure, gate_markdown
@@ -33,7 +34,7 @@ from tasks.steps import Done, step
 # and the message names the files, the versions and what to do. A run the gate refuses ends
 # failed with that message (flows/retrain.py); a traceback would only say where in the gate
 # the refusal was raised, so none is logged with it.
-REFUSALS: tuple[type[Exception], ...] = (DataValidationError, DataVersionError)
+REFUSALS: tuple[type[Exception], ...] = (DataValidationError, DataVersionError, GateTimeoutError)
 
 
 class _RefusalsWithoutTraceback(logging.Filter):
@@ -74,7 +75,9 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
     logger.info("data: %s (%s)", version.describe(), version.chosen)
     dataset = config.data.pinned(version.version).dataset
     blobs = list_dataset(dataset, retries)
-    rows, cached = build_manifest(dataset, gate_cache_dir(config), retries, blobs)
+    rows, cached = build_manifest(
+        dataset, gate_cache_dir(config), retries, blobs, config.validation.timeout_minutes
+    )
     docs = run.work_dir / "data_docs"
     verdict = judge(rows, config.validation, docs, gate_cache_dir(config) / "verdicts")
     success, records = verdict.success, verdict.records

@@ -15,6 +15,7 @@ import torch
 from PIL import UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from training.class_names import folders_problem, normal
 from training.dataset import DatasetError, DatasetInfo, Gather, SplitData, to_model_input
 from training.images import REQUIRED_SPLITS, SPLITS, is_image_name, open_image
 from training.model_input import ImageSource, decode_array, opened
@@ -69,12 +70,15 @@ def _split_files(root: Path, split: str) -> tuple[list[Path], dict[str, list[Pat
         )
     if shards:
         return shards, {}
+    problem = folders_problem(p.name for p in folders)
+    if problem:  # the gate refuses it too (training.class_names): no silent merge or lookalike
+        raise DatasetError(f"{split_dir}: {problem}")
     classes: dict[str, list[Path]] = {}
     for class_dir in folders:
         files = sorted(p for p in class_dir.iterdir() if p.is_file() and is_image_name(p))
         if not files:
             raise DatasetError(f"empty class folder: {class_dir} has no .png/.jpg/.jpeg images")
-        classes[class_dir.name] = files
+        classes[normal(class_dir.name)] = files
     if not classes:
         raise DatasetError(f"split {split_dir} has no class folders")
     return [], classes

@@ -16,14 +16,16 @@ Torch-free: the data gate imports it in the orchestrator.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import re
 import tarfile
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import IO
+from typing import IO, Self, cast
 
+from training.class_names import folders_problem, name_problem, normal
 from training.images import IMAGE_SUFFIXES, SPLITS, is_image_name, suffix
 
 TAR_SUFFIX = ".tar"
@@ -34,6 +36,116 @@ MAX_LABEL_BYTES = 256
 
 class ShardError(ValueError):
     """A tar shard that cannot be read as samples; the message names the shard and the key."""
+
+
+class UnsafeHeaderError(ShardError):
+    """A member header the reader must not follow; names the member (the caller, the shard)."""
+
+
+# The extended-header records that replace a member's size, and with it where tarfile reads
+# the next header.
+_SIZE_RECORDS = ("size", "GNU.sparse.size", "GNU.sparse.realsize")
+_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+_PAX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+
+
+def _pax_records(data: bytes) -> dict[str, bytes]:
+    """An extended header's records (``<length> <key>=<value>\\n``), split as tarfile does."""
+    found: dict[str, bytes] = {}
+    pos = 0
+    while (match := _PAX_RECORD.match(data, pos)) and int(match[1]) > 0:
+        length = int(match[1])
+        found[match[2].decode("utf-8", "replace")] = data[match.end() : match.start(1) + length - 1]
+        pos += length
+    return found
+
+
+def _blocks(size: int) -> int:
+    return -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def _number(value: bytes | None) -> int | None:
+    """A record's value as tarfile reads it (not a number: tarfile reads 0)."""
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+def _header_problem(handle: IO[bytes], start: int, encoding: str, errors: str) -> str | None:
+    """Why the header at ``start`` must not be followed, or None (see :func:`_check_header`)."""
+    header = handle.read(tarfile.BLOCKSIZE)
+    if header[156:157] not in _PAX_TYPES and not header[124:125] >= b"\x80":
+        # The common header: a size in octal digits cannot be below zero, nor send a seek past
+        # what a file can hold (tarfile names a short shard itself).
+        return None
+    total = handle.seek(0, io.SEEK_END)
+    try:
+        info = tarfile.TarInfo.frombuf(header, encoding, errors)
+    except (tarfile.HeaderError, UnicodeDecodeError):
+        return None  # the end of the archive, or a header tarfile refuses itself
+    name, size, what = info.name, info.size, "its header"
+    data = start + tarfile.BLOCKSIZE  # where the member's bytes start
+    if info.type in _PAX_TYPES and 0 <= info.size <= total - data:
+        handle.seek(data)
+        records = _pax_records(handle.read(info.size))
+        data += _blocks(info.size) + tarfile.BLOCKSIZE  # past the described member's header
+        handle.seek(data - tarfile.BLOCKSIZE)
+        with contextlib.suppress(tarfile.HeaderError):
+            name = tarfile.TarInfo.frombuf(handle.read(tarfile.BLOCKSIZE), "utf-8", "replace").name
+        name = records["path"].decode("utf-8", "replace") if "path" in records else name
+        for key in _SIZE_RECORDS:
+            value = _number(records.get(key))
+            if value is not None and value < 0:
+                size, what = value, f"its extended header's {key}"
+                break
+        else:
+            value = _number(records.get("size"))
+            if value is None:
+                return None  # the described header's own size counts: checked when read
+            size, what = value, "its extended header's size"
+    if size < 0:
+        return (
+            f"member {name!r}: {what} says {size} bytes: a size below zero would send the "
+            "reader back to a header it has read (refused, as GNU tar refuses it)"
+        )
+    if what != "its extended header's GNU.sparse.realsize" and data + size > total:
+        return (
+            f"cut short, or a false size: member {name!r}: {what} says {size} bytes, past the "
+            f"end of the shard ({total} bytes)"
+        )
+    return None
+
+
+def _check_header(tar: tarfile.TarFile) -> None:
+    """Refuse the header at the reader's position when its size is negative or its data runs
+    past the end of the shard, itself or through an extended (pax) header's size record.
+
+    Why: tarfile takes the next header to be a member's size past its data. A negative size
+    (``size=-1536``) sends it back to a header it has read, forever (CPython's CVE-2025-8194:
+    a 3.5 KB shard held the gate, its memory growing, and the pool's locks); a false huge one
+    (``size=1000000000000000000``) ends in an OSError from a seek. Checked on the header's
+    bytes before tarfile acts on them, whatever the interpreter's own fix.
+    """
+    if tar.fileobj is None:
+        return
+    handle = cast(IO[bytes], tar.fileobj)  # the readers open files, spools and buffers: seekable
+    start = handle.tell()
+    try:
+        problem = _header_problem(handle, start, tar.encoding or "utf-8", tar.errors)
+    finally:
+        handle.seek(start)
+    if problem:
+        raise UnsafeHeaderError(problem)
+
+
+class _CheckedInfo(tarfile.TarInfo):
+    """TarInfo as the readers build it: each header checked (:func:`_check_header`) first."""
+
+    @classmethod
+    def fromtarfile(cls, archive: tarfile.TarFile) -> Self:
+        _check_header(archive)
+        return super().fromtarfile(archive)
 
 
 def is_tar_name(name: str | PurePath) -> bool:
@@ -149,31 +261,40 @@ def _check_complete(tar: tarfile.TarFile, where: str) -> None:
 
 
 def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, where: str) -> str:
-    """The class a .cls member holds: its text, stripped. Compared as text: ``7`` and ``007``
-    are two classes, and numbers sort as text (the model keeps the names, not the order)."""
+    """The class a .cls member holds: its text, less one line ending (a text file's, as
+    ``echo cat > a.cls`` writes it), in NFC (``training.class_names``). Compared as text:
+    ``7`` and ``007`` are two classes, and numbers sort as text (the model keeps the names,
+    not the order). Never stripped further: ``cat `` is refused, not read as ``cat``."""
     if member.size > MAX_LABEL_BYTES:
         raise ShardError(f"{where}: its .cls member is {member.size} bytes, not a class")
     handle = tar.extractfile(member)
     raw = handle.read() if handle else b""
     try:
-        text = raw.decode("utf-8-sig").strip()
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ShardError(f"{where}: its .cls member is not UTF-8 text") from exc
-    if (
-        not text
-        or text in (".", "..")
-        or "/" in text
-        or any(unicodedata.category(c) == "Cc" for c in text)
-    ):
-        raise ShardError(f"{where}: its .cls member holds {text!r}, not a class name")
-    return text
+    text = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+    why = name_problem(text)
+    if why or text in (".", "..") or "/" in text:
+        reason = f" (the class name {why})" if why else ""
+        raise ShardError(f"{where}: its .cls member holds {text!r}, not a class name{reason}")
+    return normal(text)
 
 
 def open_shard(path: Path | None, fileobj: IO[bytes] | None = None) -> tarfile.TarFile:
     """A shard (the file at ``path``, or ``fileobj``) as an uncompressed tar whose names are
     UTF-8, or ShardError naming it."""
     try:
-        return tarfile.open(path, mode="r:", fileobj=fileobj, encoding="utf-8", errors="strict")
+        return tarfile.open(
+            path,
+            mode="r:",
+            fileobj=fileobj,
+            encoding="utf-8",
+            errors="strict",
+            tarinfo=_CheckedInfo,
+        )
+    except UnsafeHeaderError as exc:
+        raise ShardError(f"{path or 'the shard'}: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise ShardError(f"{path or 'the shard'}: a member name is not UTF-8 ({exc})") from exc
     except (tarfile.TarError, OSError, EOFError) as exc:
@@ -184,6 +305,8 @@ def read_samples(tar: tarfile.TarFile, where: str) -> list[Sample]:
     """:func:`samples`, with a damaged tar or a member name that is not UTF-8 a ShardError."""
     try:
         return samples(tar, where)
+    except UnsafeHeaderError as exc:
+        raise ShardError(f"{where}: {exc}") from exc
     except (tarfile.TarError, EOFError) as exc:
         raise ShardError(f"{where}: damaged tar ({exc})") from exc
     except UnicodeDecodeError as exc:
@@ -223,11 +346,15 @@ def pack_folders(source: Path, dest: Path, max_bytes: int = 256 * 2**20) -> dict
         if not (source / split).is_dir():
             continue
         planned[split] = []
-        for folder in sorted(p for p in (source / split).iterdir() if p.is_dir()):
+        folders = sorted(p for p in (source / split).iterdir() if p.is_dir())
+        problem = folders_problem(p.name for p in folders)
+        if problem:
+            raise ValueError(f"{source / split}: {problem}")
+        for folder in folders:
             found = sorted(f for f in folder.iterdir() if f.is_file() and is_image_name(f))
             if not found:
                 raise ValueError(f"empty class folder: {folder} has no .png/.jpg/.jpeg images")
-            planned[split] += [(f, folder.name) for f in found]
+            planned[split] += [(f, normal(folder.name)) for f in found]
     written: dict[str, int] = {}
     for split, files in planned.items():
         groups: list[list[tuple[Path, str]]] = []

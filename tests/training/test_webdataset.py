@@ -8,7 +8,9 @@ import gzip
 import hashlib
 import io
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tarfile
 from collections import Counter
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT, child_env, run_trainer
+from tests.hostile_tars import CASES, MEMBER, hostile_shard
 from training.data import open_dataset
 from training.dataset import DatasetError, DatasetInfo
 from training.make_images import write_digits
@@ -297,4 +301,143 @@ def test_a_sparse_member_is_refused_naming_it(shards: Path, tmp_path: Path) -> N
     shard = shards / "train" / "999999.tar"
     subprocess.run(["tar", "--sparse", "-cf", str(shard), "x.png", "x.cls"], cwd=work, check=True)
     with pytest.raises(DatasetError, match=r"member 'x\.png' is not stored as a plain file"):
+        open_dataset(str(shards), SIZE, use_shards=False)
+
+
+@pytest.fixture(scope="module")
+def trained(folders: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of the folders' classes, for the scorer."""
+    out = tmp_path_factory.mktemp("trained")
+    result = run_trainer(1, folders, out, "--epochs", "1", "--batch-size", "16", timeout=300)
+    assert result.returncode == 0, result.output
+    return out / "model.pt"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("lie", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_member_header_with_a_false_size_ends_every_reader_naming_it(
+    folders: Path, shards: Path, trained: Path, tmp_path: Path, lie: str, words: str
+) -> None:
+    """A size below zero sent tarfile back to a header it had read, forever (the trainer, the
+    scorer and the packer hung with their memory growing); a size past the shard's end ended
+    the trainer and the scorer in an OSError traceback. Each now ends as bad data does: exit
+    2, or "not packed", naming the shard and the member. Run as processes with a timeout, so a
+    reader that loops fails the test instead of hanging it."""
+    from tests.reliability import report
+
+    bad = shards / "test" / "999999.tar"
+    bad.write_bytes(hostile_shard(_png(folders), lie))
+    named = (str(bad), f"member '{MEMBER}'", words)
+    trainer = run_trainer(1, shards, tmp_path / "out", "--epochs", "1", timeout=120)
+    assert trainer.returncode == 2 and all(w in trainer.output for w in named), trainer.output
+    assert "Traceback" not in trainer.output
+    scorer = subprocess.run(
+        [
+            *(sys.executable, "-m", "training.score", "--model", str(trained)),
+            *("--data-dir", str(shards), "--output", str(tmp_path / "s.json")),
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert scorer.returncode == 2 and all(w in scorer.stderr for w in named), scorer.stderr
+    assert "Traceback" not in scorer.stderr
+    packer = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from training.shards "
+            "import pack_shards; r = pack_shards(Path(sys.argv[1]), 16); print(r.action, r.reason)",
+            str(shards),
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert packer.stdout.startswith("not packed") and all(w in packer.stdout for w in named)
+    report.record(
+        "adversarial",
+        f"a shard whose member header lies about its size ({lie})",
+        "trainer and scorer exit 2, the packer does not pack; each names the shard and member",
+        before_fix="re-read a header forever, memory growing"
+        if "-" in lie
+        else "OSError traceback (Invalid argument) from a seek",
+        message=scorer.stderr.strip().replace(str(shards), "<data>"),
+    )
+
+
+@pytest.mark.processes
+def test_a_shard_header_that_would_loop_fails_the_local_folder_check_too(
+    folders: Path, tmp_path: Path
+) -> None:
+    """The gate's check of a folder before upload (``gate.folder``) reads shards as the
+    trainer does: the looping header is one row naming the member, not a hang."""
+    root = tmp_path / "upload"
+    pack_folders(folders, root, max_bytes=10_000)
+    (root / "train" / "999999.tar").write_bytes(hostile_shard(_png(folders), CASES[0][1]))
+    script = (
+        "import sys; from pathlib import Path; from backends.version_upload import local_files; "
+        "from gate.folder import folder_rows; rows = folder_rows(local_files(Path(sys.argv[1]))); "
+        "print([r['path'] + ': ' + r['problem'] for r in rows if r['problem']])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(root)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"train/999999.tar: member '{MEMBER}'" in proc.stdout and "says -1536" in proc.stdout
+
+
+def test_loose_and_packed_class_names_agree_and_lookalikes_are_refused(
+    folders: Path, tmp_path: Path
+) -> None:
+    """The packer wrote folder names as they were and the readers stripped a .cls text:
+    `cat`, `cat ` and `\\xa0cat` were three classes loose and one packed. Now both readers
+    and the packer refuse what reads like another class, naming it, and take a name in
+    either Unicode form as its composed one, packed or loose alike."""
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    root = tmp_path / "loose"
+    for split in ("train", "test"):
+        shutil.copytree(folders / split / "digit_0", root / split / nfd)
+        shutil.copytree(folders / split / "digit_1", root / split / "cat")
+    packed = tmp_path / "packed"
+    pack_folders(root, packed)
+    loose_names = open_dataset(str(root), SIZE, use_shards=False).class_names
+    assert loose_names == open_dataset(str(packed), SIZE, use_shards=False).class_names
+    assert loose_names == [nfc, "cat"]  # sorted as text: "caf\u00e9" < "cat"
+    for bad, named in [
+        ("cat ", "'cat ' has white space at an end"),
+        ("\xa0cat", "'\\xa0cat' has white space at an end"),
+        ("cat\u200b", "U+200B"),
+        (nfc, "are one name in two Unicode forms"),
+    ]:
+        extra = root / "train" / bad
+        shutil.copytree(folders / "train" / "digit_2", extra)
+        with pytest.raises(DatasetError, match=re.escape(named)):
+            open_dataset(str(root), SIZE, use_shards=False)
+        with pytest.raises(ValueError, match=re.escape(named)):
+            pack_folders(root, tmp_path / f"out-{len(bad)}-{ord(bad[-1])}")
+        shutil.rmtree(extra)
+
+
+@pytest.mark.parametrize(
+    ("text", "label"), [(b"cat\n", "cat"), (b"cat\r\n", "cat"), (b"cafe\xcc\x81", "caf\u00e9")]
+)
+def test_a_cls_text_loses_its_line_ending_only_and_is_composed(
+    folders: Path, shards: Path, text: bytes, label: str
+) -> None:
+    shard = shards / "train" / "999999.tar"
+    _write(shard, [("a.png", _png(folders)), ("a.cls", text)])
+    with pytest.raises(DatasetError, match=re.escape(f"missing from test: ['{label}']")):
+        open_dataset(str(shards), SIZE, use_shards=False)
+    _write(shard, [("a.png", _png(folders)), ("a.cls", b"\xc2\xa0" + text)])
+    with pytest.raises(DatasetError, match=r"not a class name \(the class name has white space"):
         open_dataset(str(shards), SIZE, use_shards=False)
