@@ -410,7 +410,9 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if not fixtures & SYSTEM_FIXTURES and item.get_closest_marker("processes") is None:
+        # A GPU test needs a device, not a unit test's nothing: never quick.
+        system = item.get_closest_marker("processes") or item.get_closest_marker("gpu")
+        if not fixtures & SYSTEM_FIXTURES and system is None:
             item.add_marker(pytest.mark.quick)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the longest files first
         from tests import durations
