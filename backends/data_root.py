@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from backends.blob import container_client
 from core.config import DataLocation
 from core.data_versions import Complete, DataRoot, DataVersion, Survey, choose
+from imagedata.images import SPLITS
 from staging.blob import folder
-from training.images import SPLITS
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

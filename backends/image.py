@@ -16,7 +16,7 @@ from pathlib import Path
 
 from backends.share import collect_files, file_sha256
 
-IMAGE_INPUTS = ["docker", "training"]
+IMAGE_INPUTS = ["docker", "common", "imagedata", "training"]
 LOCK_FILES = ["constraints.txt", "pyproject.toml", "scripts/install_horovod.sh"]
 
 

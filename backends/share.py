@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.atomic import atomic_write_json, read_json_object
+from common.atomic import atomic_write_json, read_json_object
 
 HASHES = ".content-hashes.json"
 

@@ -80,14 +80,14 @@ class LocalTarget:
         image = self.config.image
         if image.builder != "buildah":
             return build_local(PROJECT_ROOT, image.repository)
-        from backends.buildah import LocalImageBuilder
-        from backends.local_registry import local_registry
+        from backends.local.buildah import LocalImageBuilder
+        from backends.local.oci_server import local_registry
 
         with local_registry(image.registry) as registry:
             return LocalImageBuilder(registry).build(PROJECT_ROOT, image.repository, on_line)
 
     def cluster(self) -> Cluster:
-        from backends.local_cluster import LocalCluster
+        from backends.local.cluster import LocalCluster
 
         config = self.config
         return LocalCluster(

@@ -1,4 +1,4 @@
-"""Uploading a folder on this machine as a new data version (``python -m flows.data upload``).
+"""Uploading a folder on this machine as a new data version (``python -m cli.data upload``).
 
 What ``core.data_versions`` asks of whoever writes a version, done by the storage SDK's public
 API: every blob with its Content-MD5 (the gate keys what it read by it, staging checks every
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.data_root import survey
+from common.atomic import file_md5
 from core.data_versions import (
     Complete,
     DataRoot,
@@ -36,7 +37,6 @@ from core.data_versions import (
 )
 from staging.blob import redact
 from staging.sync import UnsafeBlobNameError, safe_relative_path
-from training.atomic import file_md5
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from training.synthetic import SyntheticSplit, encode_png, synthetic_templates
+from imagedata.synthetic import SyntheticSplit, encode_png, synthetic_templates
 
 CLASSES = 10
 TEST_EVERY = 5  # one image in five goes to test/

@@ -1,6 +1,6 @@
 """What one CPU core feeds a GPU from packed shards: images/s against what the GPU consumes.
 
-On image folders packed at 224 px (``bench/dataset.py``, then ``training.shards.pack_shards``,
+On image folders packed at 224 px (``bench/dataset.py``, then ``imagedata.shards.pack_shards``,
 as staging does), with this process and every thread it starts pinned to one core
 (``os.sched_setaffinity``, ``torch.set_num_threads(1)``), one shuffled pass per way of reading,
 in one run (the page cache warm: a first pass reads the shards once):
@@ -8,11 +8,11 @@ in one run (the page cache warm: a first pass reads the shards once):
 * ``per_image``: the trainer's loader before batches were gathered whole: a ``DataLoader`` in
   the process (no workers: one core), ``__getitem__`` per row, collated (and pinned on a GPU
   machine);
-* ``batched``: the trainer's loader now (``training.batches.ShardBatches``): each batch gathered
+* ``batched``: the trainer's loader now (``imagedata.batches.ShardBatches``): each batch gathered
   whole into one (pinned) buffer, one batch ahead in a thread;
 * ``cpu_augment``: what one core delivers when it also crops and flips each image on the CPU,
   as per-sample transforms do (edge padding, a random crop, a mirror half the time), which
-  ``training.augment.flip_crop`` does on the device instead.
+  ``imagedata.augment.flip_crop`` does on the device instead.
 
 The GPU's rate is the trainer's synthetic ResNet-50 rate at 224 px with every speed switch on
 (``docs/bench-gpu/gpu_speed.json``, per engine). With a CUDA device here, ``gpu`` adds the
@@ -38,10 +38,10 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from bench import dataset
 from bench.output import ROOT, dataset_main
-from training.augment import SHIFT_FRACTION, flip_crop
-from training.batches import ShardBatches
-from training.data import open_dataset
-from training.shards import ShardSplit, pack_shards
+from imagedata.augment import SHIFT_FRACTION, flip_crop
+from imagedata.batches import ShardBatches
+from imagedata.data import open_dataset
+from imagedata.shards import ShardSplit, pack_shards
 
 # What ``bench.gpu_speed`` measured: the whole table of steps, and the fed-only run (which
 # measures the last step, every switch on, beside the trainer fed from shards).

@@ -47,7 +47,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 from xml.sax.saxutils import escape
 
-from backends.azurite import ACCOUNT, connection_string, running_azurite
+from backends.local.azurite import ACCOUNT, connection_string, running_azurite
 from bench.output import emit
 
 CONTAINER = "imagenet"

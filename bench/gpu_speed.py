@@ -208,7 +208,7 @@ FED_EXTRA = ["--augment"]
 def fed_from_shards(engine: str, options: list[str], images: int, work: Path) -> dict[str, Any]:
     """The trainer itself on packed image folders: its last epoch's images/s."""
     from bench import dataset
-    from training.shards import pack_shards
+    from imagedata.shards import pack_shards
 
     folder = dataset.images(work, images, 224 * 224 * dataset.BYTES_PER_PIXEL_PNG / 1024)
     packed = pack_shards(folder, 224)

@@ -2,8 +2,8 @@
 how large it is.
 
 The cpu variant of docker/Dockerfile is built as the local target builds it
-(backends/buildah.py), into a cache of its own (buildah storage, registry, base tarball), so the
-first build starts from what a fresh machine has after `make setup` and nothing more: the
+(backends/local/buildah.py), into a cache of its own (buildah storage, registry, base tarball),
+so the first build starts from what a fresh machine has after `make setup` and nothing more: the
 Debian base is made with debootstrap again, the packages are installed again, and only the
 Horovod wheel that `make setup` built is reused (scripts/install_horovod.sh's cache, the
 documented reuse). Then the same inputs with one line of training code changed are built: what
@@ -39,8 +39,8 @@ def _copy_inputs(target: Path) -> None:
 
 
 def measure(variant: str, cache: Path) -> dict[str, Any]:
-    from backends.buildah import LocalImageBuilder
-    from backends.local_registry import local_registry
+    from backends.local.buildah import LocalImageBuilder
+    from backends.local.oci_server import local_registry
 
     lines: list[str] = []
     report: dict[str, Any] = {}
@@ -74,7 +74,7 @@ def measure(variant: str, cache: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from backends.buildah import unavailable_reason
+    from backends.local.buildah import unavailable_reason
 
     report: dict[str, Any] = {
         "benchmark": "image",
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         report.update(measure(args.variant, cache))
     finally:
-        from backends.buildah import Buildah
+        from backends.local.buildah import Buildah
 
         # Everything this run stored (layers can be GBs): its own storage, registry and base.
         Buildah(cache / "build").remove_all()
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
     if args.work is None:
-        from backends.image_registry import cache_dir
+        from backends.oci import cache_dir
 
         args.work = cache_dir()
     args.work.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from bench import dataset
 from bench.output import dataset_main
-from training.data import open_dataset
-from training.shards import pack_shards
+from imagedata.data import open_dataset
+from imagedata.shards import pack_shards
 
 
 def epoch_rate(split: Any, batch_size: int, workers: int, batches: int | None) -> float:

@@ -81,9 +81,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     reason = unavailable_reason()
     if reason is not None:
         return {**report, "not_run": reason}
+    from imagedata.make_images import write_synthetic
     from tests.fakes.node import PoolNodes
     from tests.nodes_helpers import NODES, copy_scripts
-    from training.make_images import write_synthetic
 
     shutil.rmtree(args.work, ignore_errors=True)
     per_class = max(2, args.images // 10)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from training.atomic import atomic_write
+from common.atomic import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 

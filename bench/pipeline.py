@@ -153,11 +153,11 @@ def startup_cost(repeats: int) -> dict[str, Any]:
 
 
 def run_flows(work: Path, epochs: int) -> dict[str, Any]:
-    from backends.azurite import running_azurite
     from backends.blob import container_client, upload_directory
+    from backends.local.azurite import running_azurite
     from core.config import load_config
     from flows.retrain import retrain
-    from training.make_images import write_digits
+    from imagedata.make_images import write_digits
 
     source = work / "digits"
     write_digits(source, test_fraction=0.25, seed=0, per_class=None)

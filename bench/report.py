@@ -109,7 +109,7 @@ def _first_step(found: dict[str, Any] | None) -> list[str]:
         )
     return [
         f"The same small images uploaded as {found['tar_files']} WebDataset tar shard(s) of "
-        f"about {found['tar_mb']} MB (`python -m training.webdataset`), against loose files: "
+        f"about {found['tar_mb']} MB (`python -m imagedata.webdataset`), against loose files: "
         "the whole stage-data step, download and pack, which is what stands between new data "
         "and the trainer's first step (the trainer then reads the same packed rows).",
         "",

@@ -45,14 +45,14 @@ from azure.storage.blob import ContainerClient
 
 import staging.sync
 import staging.transfer
-from backends.azurite import running_azurite
 from backends.blob import API_VERSION, upload_directory
+from backends.local.azurite import running_azurite
 from bench import dataset
 from bench.delay_proxy import delayed
 from bench.output import dataset_main
+from imagedata.webdataset import pack_folders
 from staging.durability import Settled, flush_filesystem
 from staging.sync import stage, sync_to_directory
-from training.webdataset import pack_folders
 
 PREFIX = "bench"
 PACK_IMAGE_SIZE = 32  # the default model's input size: the side of a packed image
@@ -381,7 +381,7 @@ def loose_or_packed(
     conn: str, name: str, port: int, work: Path, delay: float, args: argparse.Namespace
 ) -> dict[str, Any]:
     """New data to what the trainer reads, the same images uploaded two ways: loose files,
-    and WebDataset tar shards of ``--tar-mb`` (``training.webdataset``). Each is staged into a
+    and WebDataset tar shards of ``--tar-mb`` (``imagedata.webdataset``). Each is staged into a
     fresh folder and packed for the trainer (the whole stage-data step), ``rounds`` times,
     the order reversed every other round; medians. The trainer's first step then reads the
     same packed rows either way, so this is the difference in time to the first step."""

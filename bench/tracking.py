@@ -67,12 +67,12 @@ def measure(work: Path, pairs: int, epochs: int) -> dict[str, Any]:
     import yaml
     from prefect.server.api.server import SubprocessASGIServer
 
-    from backends.azurite import running_azurite
     from backends.blob import container_client, upload_directory
-    from backends.ports import free_port
+    from backends.local.azurite import running_azurite
+    from backends.local.ports import free_port
     from core.config import load_config
     from deployments.tracking_server import running_mlflow
-    from training.make_images import write_digits
+    from imagedata.make_images import write_digits
 
     source = work / "digits"
     write_digits(source, test_fraction=0.25, seed=0, per_class=None)

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def plain_loop(data: str, model_name: str, batch_size: int, epochs: int, lr: float) -> float:
     """Images/sec of the simplest correct loop over the same data: the baseline."""
+    from imagedata.data import open_dataset
     from training.args import default_input_size
-    from training.data import open_dataset
     from training.models import build_model
 
     info = open_dataset(data, default_input_size(model_name))

@@ -22,8 +22,8 @@ from typing import Any
 
 from bench import dataset
 from bench.output import ROOT, dataset_main
+from imagedata.shards import pack_shards
 from training.args import default_input_size
-from training.shards import pack_shards
 
 
 def train(data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def identical_samples(loose: Path, packed: Path, size: int, count: int = 256) ->
     """How many of ``count`` random train samples are bit-identical in both copies."""
     import torch
 
-    from training.data import open_dataset
+    from imagedata.data import open_dataset
 
     split = open_dataset(str(loose), size, use_shards=False).splits["train"]
     a, b = split.dataset, open_dataset(str(packed), size).splits["train"].dataset

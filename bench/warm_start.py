@@ -79,7 +79,7 @@ DEFAULT_VARIANT = "warm-up"
 def write_versions(root: Path, seed: int = 0) -> tuple[Path, Path]:
     """v1 and v2 of the digits below ``root`` (the module docstring); each test split is
     also its val split, for the accuracy after every epoch."""
-    from training.make_images import write_digits
+    from imagedata.make_images import write_digits
 
     v2, v1 = root / "v2", root / "v1"
     for folder in (v1, v2):

@@ -209,7 +209,7 @@ class OutputLocation(BlobLocation):
 
     links_url: str | None = Field(
         None,
-        description="base URL of the outputs gateway (python -m flows.models serve): a run's "
+        description="base URL of the outputs gateway (python -m cli.models serve): a run's "
         "links point there and open in a browser with no signature in them; unset, they point "
         "at Blob storage, which answers a browser 403 unless the container is public",
     )

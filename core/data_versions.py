@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from training.images import SPLITS
+from imagedata.images import SPLITS
 
 MARKER = "_SUCCESS"
 MAX_VERSION_NAME = 255  # a blob name segment Azure keeps as one folder name

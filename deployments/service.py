@@ -69,10 +69,10 @@ def relay_secret(state: Path) -> str:
 
 def components(options: Options) -> list[Component]:
     """The service, in start order."""
-    from backends.azurite import connection_string
+    from backends.local.azurite import connection_string
     from core.config import load_config
+    from core.links import listen_address
     from deployments.postgres import Cluster
-    from registry.gateway import listen_address
 
     config = load_config(options.config)
     state = options.state
@@ -161,7 +161,7 @@ def components(options: Options) -> list[Component]:
             [
                 sys.executable,
                 "-m",
-                "deployments.relay",
+                "servers.relay",
                 "--host",
                 options.relay_host,
                 "--port",
@@ -181,7 +181,7 @@ def components(options: Options) -> list[Component]:
             [
                 sys.executable,
                 "-m",
-                "flows.models",
+                "cli.models",
                 "--config",
                 options.config,
                 "serve",

@@ -88,7 +88,7 @@ def describe(backend_uri: str) -> str:
 def running_mlflow(state: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """An MLflow server of its own on a free loopback port, its SQLite store and artifacts in
     ``state``, until the block ends; yields its URI (the tests' and the benchmark's)."""
-    from backends.ports import free_port
+    from backends.local.ports import free_port
     from deployments.supervisor import Supervisor
 
     port = free_port()

@@ -1,5 +1,5 @@
 """``--config`` and ``--set``: how every command that reads a pipeline config is given one
-(``python -m flows.retrain``, ``flows.models``, ``flows.data``, ``scripts/demo.py``), with one
+(``python -m flows.retrain``, ``cli.models``, ``cli.data``, ``scripts/demo.py``), with one
 spelling, one meaning and one way to load the result, so a person learns them once."""
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def label(
             the config's data location).
         prefix: The folder in that container; every PNG or JPEG below it is labelled.
         run_id: Label with this run's model instead of the champion's (a run id from
-            `python -m flows.models list`).
+            `python -m cli.models list`).
         top_k: How many of the likeliest classes each image gets, with their probabilities.
         config_path: The pipeline config: where the models and the outputs are.
         data_container: The dataset whose champion labels the images: its container. Empty:

@@ -163,7 +163,7 @@ def _retrain(
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
     from core.run_events import model_promoted
-    from registry.gateway import output_link
+    from servers.gateway import output_link
     from tasks.cost import PoolMeter
     from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         result = cast(dict[str, Any], state.result())  # a completed run returns its summary
     serve = (
-        f"  (links open while `python -m flows.models --config {shlex.quote(str(args.config))} "
+        f"  (links open while `python -m cli.models --config {shlex.quote(str(args.config))} "
         "serve` runs)"
         if config.output.links_url
         else ""

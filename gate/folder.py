@@ -1,5 +1,5 @@
 """The data gate's checks on a folder on this machine, before it is uploaded as a data version
-(``python -m flows.data upload``): a folder the gate would refuse fails here, naming its files,
+(``python -m cli.data upload``): a folder the gate would refuse fails here, naming its files,
 before a byte is sent.
 
 The same rules, not a copy of them: the manifest's rows are built by the gate's own functions
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.version_upload import LocalFile
+from common.atomic import b64md5
 from core.config import ValidationConfig
 from gate.manifest import (
     _UNREAD,
@@ -32,9 +33,8 @@ from gate.manifest import (
 )
 from gate.report import examples
 from gate.suites import run_expectations
-from training.atomic import b64md5
-from training.images import is_image_name
-from training.webdataset import ShardError, is_tar_name, open_shard, read_samples
+from imagedata.images import is_image_name
+from imagedata.webdataset import ShardError, is_tar_name, open_shard, read_samples
 
 # Decided only by decoding, at the run's gate: left empty (unknown) here.
 _UNDECODED = {"width": None, "height": None, "channels": None, "readable": None}

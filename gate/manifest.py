@@ -1,5 +1,5 @@
 """The gate's manifest: one row per blob under the data prefix, from the listing plus one read
-of each image, decoded whole as the trainer will decode it (``training.images.to_rgb``).
+of each image, decoded whole as the trainer will decode it (``imagedata.images.to_rgb``).
 
 So the gate costs seconds, and no GPU is provisioned and no data copied, for a dataset that
 would fail. "Readable" means decodable: a header alone says nothing about the pixels (a PNG
@@ -26,15 +26,15 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from backends.blob import container_client
+from common.atomic import atomic_write, b64md5, read_json_object
 from core.config import BlobLocation
 from core.data_versions import MARKER
 from gate.deadline import GateTimeoutError, read_within
+from imagedata.class_names import name_problem, normal, shown
+from imagedata.images import SPLITS, is_image_name, open_image, to_rgb
+from imagedata.webdataset import ShardError, is_tar_name, open_shard, read_samples
 from staging.blob import list_pinned, paused_gc
 from staging.listing import PinnedBlob
-from training.atomic import atomic_write, b64md5, read_json_object
-from training.class_names import name_problem, normal, shown
-from training.images import SPLITS, is_image_name, open_image, to_rgb
-from training.webdataset import ShardError, is_tar_name, open_shard, read_samples
 
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
 # reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content;
@@ -111,7 +111,7 @@ SAMPLE_FIELDS = ("name", "label", "bytes", *CONTENT_FIELDS)
 def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
     """A WebDataset shard's samples (:data:`SAMPLE_FIELDS` each), from one read of the whole
     blob (as every loose image is read whole), spooled to disk past 8 MB; or ``error``: why it
-    cannot be read as samples (``training.webdataset``'s rules, the trainer's)."""
+    cannot be read as samples (``imagedata.webdataset``'s rules, the trainer's)."""
     with tempfile.SpooledTemporaryFile(max_size=8 * 2**20) as spool:
         container.download_blob(blob.name).readinto(spool)
         spool.seek(0)
@@ -203,10 +203,10 @@ def _content_key(blob: PinnedBlob) -> str:
 
 
 def _flag_class_names(rows: list[dict[str, Any]]) -> None:
-    """Class names as the trainer takes them (``training.class_names``): each row's label in
+    """Class names as the trainer takes them (``imagedata.class_names``): each row's label in
     NFC; a row whose class name the trainer refuses (white space at an end, an invisible or
     control character), or whose class folder is one name in two forms with another folder of
-    its split, says so. A shard's labels were judged as it was read (``training.webdataset``)."""
+    its split, says so. A shard's labels were judged as it was read (``imagedata.webdataset``)."""
     forms: dict[tuple[str | None, str], set[str]] = {}
     for row in rows:
         if row["label"] is not None:

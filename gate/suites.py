@@ -12,7 +12,7 @@ from typing import Any
 
 from core.config import ValidationConfig
 from gate.manifest import class_counts
-from training.images import SPLITS
+from imagedata.images import SPLITS
 
 IMAGE_COLUMNS = [
     "path",

@@ -27,10 +27,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from common.atomic import read_json_object
 from core.config import ValidationConfig
 from gate import manifest, suites
-from training import images
-from training.atomic import read_json_object
+from imagedata import images
 
 KEEP = 8  # verdicts kept per cache folder, newest first; each is a few hundred KB of Data Docs
 VERDICT = "verdict.json"
@@ -39,7 +39,7 @@ STALE_SECONDS = 3600  # a half-written verdict's folder older than this is a kil
 
 # The code that turns rows and rules into a verdict, whole files (a change anywhere in them
 # runs the suites again: one Great Expectations run, never a stale verdict): the suites, the
-# class counts they read (gate.manifest), the split names (training.images), and the libraries
+# class counts they read (gate.manifest), the split names (imagedata.images), and the libraries
 # that build the tables and run the expectations.
 DECIDING_SOURCES: tuple[Path, ...] = tuple(
     Path(m.__file__ or "") for m in (suites, manifest, images)

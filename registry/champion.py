@@ -2,7 +2,7 @@
 
 **The one reader of champion records** is ``champion_for(container, base, root)``: every part
 of the pipeline that asks "which model serves this data root" (a promotion, the up-to-date
-summary, ``flows.models list`` and ``download``, ``label-images``) asks it, so a field added to
+summary, ``cli.models list`` and ``download``, ``label-images``) asks it, so a field added to
 the record is read in one place.
 
 ``<output prefix>/models/datasets/<data root>/champion.json`` (``registry.layout``) is one flat

@@ -4,7 +4,7 @@ Until the champion was kept per data root, ``<output prefix>/models/`` held one 
 whole output prefix (``champion.json``, ``history/``) and one last run (``last-run.json``,
 ``trained/``), whichever data root the run had trained: a run over another dataset took the
 champion. The first registry reader after the change (a run's up-to-date check or promotion,
-``flows.models``, ``label-images``) copies each such record into the folder of the data root it
+``cli.models``, ``label-images``) copies each such record into the folder of the data root it
 belongs to, says so in its log, and writes ``models/migrated.json`` listing every record and
 where it went, so it happens once. The old blobs are left as they were: nothing stored is lost,
 and an older version of the pipeline still reads them.

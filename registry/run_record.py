@@ -1,6 +1,6 @@
 """A run's record, ``<run outputs>/run.json``: which data it trained on and how it ended.
 
-``python -m flows.models list`` reads it to say, for every run, the data version, the decision
+``python -m cli.models list`` reads it to say, for every run, the data version, the decision
 (promoted, not promoted, up to date, or failed and at which step) and the accuracy. Without it a
 run that ended up to date (no model, no promotion decision) and a run that failed looked alike.
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.atomic import atomic_write
 from core.data_versions import DataRoot
 from core.text import printable
 from registry.champion import Champion, champion_for
 from registry.layout import RUN_RECORD, decision_blob, run_folder, runs_root
 from registry.record_blob import fraction, json_object, read_record
 from registry.run_record import RunRecord, read_run_record
-from training.atomic import atomic_write
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

@@ -35,13 +35,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.azurite import DEFAULT_PORT, FolderInUseError, running_azurite  # noqa: E402
 from backends.blob import container_client, upload_directory  # noqa: E402
+from backends.local.azurite import DEFAULT_PORT, FolderInUseError, running_azurite  # noqa: E402
 from core.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 from core.data_versions import DataRoot  # noqa: E402
 from flows.config_args import add_config_arguments  # noqa: E402
-from training.images import SPLITS  # noqa: E402
-from training.make_images import write_digits  # noqa: E402
+from imagedata.images import SPLITS  # noqa: E402
+from imagedata.make_images import write_digits  # noqa: E402
 
 LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
 PREFECT_PORT = 4200  # `prefect server start`'s default
@@ -166,9 +166,10 @@ def flow_run_made(since: datetime) -> str | None:
 
 @contextlib.contextmanager
 def outputs_gateway(config: PipelineConfig) -> Iterator[str | None]:
-    """The outputs gateway (`python -m flows.models serve`) in a thread, at the config's
+    """The outputs gateway (`python -m cli.models serve`) in a thread, at the config's
     ``output.links_url``, for the block: the run's links open. None without a links_url."""
-    from registry.gateway import listen_address, serve
+    from core.links import listen_address
+    from servers.gateway import serve
 
     if config.output.links_url is None:
         yield None
@@ -203,7 +204,7 @@ def demo_run(demo: Path, config_path: Path, overrides: list[str], keep: Keep | N
     sets = [arg for o in overrides for arg in ("--set", o)]
     given = ["--config", str(config_path), *sets]
     flow_args = list(given)
-    from backends.buildah import unavailable_reason
+    from backends.local.buildah import unavailable_reason
 
     reason = unavailable_reason() if config.image.builder == "buildah" else None
     if reason:  # the local cluster runs the trainer on this machine's files either way
@@ -234,7 +235,7 @@ def demo_run(demo: Path, config_path: Path, overrides: list[str], keep: Keep | N
 
         code = ran = run_flow(flow_args)  # 0 or 1: a flow run was made; 2: none started
         if code == 0:  # the model a person would take away, on disk
-            from flows.models import main as models
+            from cli.models import main as models
 
             print("the champion's model, copied out of Blob storage:")
             code = models([*given, "download", "--to", str(demo)])
@@ -280,7 +281,7 @@ def look_at_the_run(api_url: str | None, flow_run: str | None) -> str:
         [
             f"to look at the run: {where}",
             "  its links (outputs, Data Docs) open while `make azurite` and",
-            "  `python -m flows.models --config configs/local.yaml serve` run",
+            "  `python -m cli.models --config configs/local.yaml serve` run",
             "or `make demo DEMO_ARGS=--keep`: it leaves Azurite, the Prefect UI and the outputs",
             "  gateway up after its run, until Ctrl-C",
         ]

@@ -1,6 +1,6 @@
 """`make image`: build the training image's cpu variant and push it to the local registry.
 
-The same builder the local target's build-image step runs (backends/buildah.py), outside a
+The same builder the local target's build-image step runs (backends/local/buildah.py), outside a
 flow: the registry at the config's image.registry is used when one listens there, else one is
 run on the shared storage for as long as the build and push take. Prints the reference and
 whether it was built or already there (the tag names the content: an unchanged image is not
@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.buildah import BuildError, LocalImageBuilder  # noqa: E402
-from backends.image_registry import RegistryError  # noqa: E402
-from backends.local_registry import local_registry  # noqa: E402
+from backends.local.buildah import BuildError, LocalImageBuilder  # noqa: E402
+from backends.local.oci_server import local_registry  # noqa: E402
+from backends.oci import RegistryError  # noqa: E402
 from core.config import load_config  # noqa: E402
 
 

@@ -317,7 +317,7 @@ class DevTools:
         if status != 200 or page.expect not in text:
             raise SystemExit(
                 f"{page.follow} did not open: HTTP {status}, {page.expect!r} not on the page "
-                "(is `python -m flows.models --config <the config> serve` running?)"
+                "(is `python -m cli.models --config <the config> serve` running?)"
             )
 
     def close(self) -> None:

@@ -46,18 +46,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from staging.blob import GcPause, Retry, list_pinned, object_store, paused_gc
-from staging.durability import boot_id, flush_filesystem, settle, written_back
-from staging.listing import PinnedBlob
-from staging.transfer import Download, download_all
-from training.atomic import file_md5
-from training.staged_folder import (
+from common.atomic import file_md5
+from imagedata.staged_folder import (
     MANIFEST,
     SHARD_DIR,
     TEMP_PREFIX,
     previous_sync,
     write_manifest,
 )
+from staging.blob import GcPause, Retry, list_pinned, object_store, paused_gc
+from staging.durability import boot_id, flush_filesystem, settle, written_back
+from staging.listing import PinnedBlob
+from staging.transfer import Download, download_all
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -509,7 +509,7 @@ def stage(
     report = sync_to_directory(container, prefix, dest, workers=workers, listing=listing)
     result = report.as_dict()
     # Imported here: packing needs torch (about 2 s to import), a sync does not.
-    from training.shards import pack_shards, remove_shards
+    from imagedata.shards import pack_shards, remove_shards
 
     if pack_image_size:
         result["shards"] = pack_shards(dest, pack_image_size).as_dict()

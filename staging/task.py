@@ -19,11 +19,11 @@ import os
 import sys
 from pathlib import Path
 
+from common.atomic import atomic_write_json
 from staging.blob import data_container
 from staging.listing import ChangedSinceGateError, ListingError, parse_listing
 from staging.sync import UnsafeBlobNameError, stage
 from staging.transfer import IntegrityError
-from training.atomic import atomic_write_json
 
 REFUSED = 3  # the input is refused (named in the report): a retry on the same input cannot help
 

@@ -58,11 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from common.atomic import b64md5
+from imagedata.staged_folder import TEMP_PREFIX
 from staging.blob import Retry, redact
 from staging.listing import ChangedSinceGateError, PinnedBlob
 from staging.memory import keep_freed_buffers
-from training.atomic import b64md5
-from training.staged_folder import TEMP_PREFIX
 
 if TYPE_CHECKING:
     from obstore.store import AzureStore

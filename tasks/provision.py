@@ -18,7 +18,7 @@ from tasks.steps import Done, step
 
 # What the nodes import from the share: the trainer, and the staging code the Azure staging
 # task runs.
-SCRIPT_PACKAGES = ["training", "staging"]
+SCRIPT_PACKAGES = ["common", "imagedata", "training", "staging"]
 # Storage faults (throttling, resets) are usually gone within seconds: 2, 4, 8 s.
 TRANSIENT_BACKOFF = exponential_backoff(backoff_factor=2)
 

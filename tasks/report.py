@@ -23,8 +23,8 @@ from core.config import PipelineConfig, hide_credentials
 from core.data_versions import DataVersion
 from core.run import output_prefix
 from core.text import code_fence, markdown_text
-from registry.gateway import output_link
 from registry.promotion import Decision
+from servers.gateway import output_link
 from tasks.charts import confusion_png, curves_png
 from tasks.cost import cost_markdown
 from tasks.provision import StagedData
@@ -261,14 +261,14 @@ def link_description(config: PipelineConfig, run_id: str, name: str) -> str:
     description as Markdown: each command is a code span, so it shows as typed (outside one,
     ``<the config>`` would be read as an HTML tag and vanish)."""
     how = (
-        "opens while `python -m flows.models --config <the config> serve` runs"
+        "opens while `python -m cli.models --config <the config> serve` runs"
         if config.output.links_url
         else "needs the storage account's sign-in (set output.links_url and run "
-        "`python -m flows.models --config <the config> serve` for links that open)"
+        "`python -m cli.models --config <the config> serve` for links that open)"
     )
     what = name or "the run's outputs folder"
     get = (
-        f"; to download it: `python -m flows.models --config <the config> download --run "
+        f"; to download it: `python -m cli.models --config <the config> download --run "
         f"{run_id} --file {name}`"
         if name
         else ""

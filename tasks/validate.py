@@ -26,7 +26,7 @@ from gate.docs_assets import DocsAssetError, localize
 from gate.manifest import build_manifest, list_dataset
 from gate.report import DataValidationError, failure, gate_markdown
 from gate.verdicts import judge
-from registry.gateway import output_link
+from servers.gateway import output_link
 from staging.listing import listing_blob, listing_json, listing_version
 from tasks.steps import Done, step
 

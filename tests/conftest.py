@@ -10,7 +10,7 @@ import platform
 import re
 import tempfile
 
-from backends.ports import free_port
+from backends.local.ports import free_port
 
 # Before anything imports Prefect: a private home (cached state must not leak between
 # sessions) and no analytics.
@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from training.make_images import write_digits, write_synthetic
+from imagedata.make_images import write_digits, write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -149,7 +149,7 @@ def horovodrun() -> Path:
 @pytest.fixture(scope="session")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Azurite Blob service for the whole session; yields its connection string."""
-    from backends.azurite import running_azurite
+    from backends.local.azurite import running_azurite
 
     with running_azurite(tmp_path_factory.mktemp("azurite")) as conn:
         yield conn
@@ -169,7 +169,7 @@ def image_registry() -> Iterator[Any]:
     """The local registry (docker-registry) on a free port for the session, over the storage
     every build on this machine shares: an image pushed by an earlier session, or by a flow's
     build step, is found by its tag."""
-    from backends.local_registry import local_registry
+    from backends.local.oci_server import local_registry
     from tests.nodes_helpers import require_image_tools
 
     require_image_tools()
@@ -181,7 +181,7 @@ def image_registry() -> Iterator[Any]:
 def training_image(image_registry: Any) -> str:
     """The training image's cpu variant (docker/Dockerfile), built once per content (the tag)
     and pushed, as the local target's build step does; its reference."""
-    from backends.buildah import LocalImageBuilder
+    from backends.local.buildah import LocalImageBuilder
 
     lines: list[str] = []
     result = LocalImageBuilder(image_registry).build(ROOT, "retrain/horovod", lines.append)
@@ -192,7 +192,7 @@ def training_image(image_registry: Any) -> str:
 @pytest.fixture(scope="session")
 def image_puller() -> Any:
     """What the emulated nodes pull images with (their layer cache is this machine's)."""
-    from backends.image_registry import cache_dir
+    from backends.oci import cache_dir
     from tests.fakes.container import ImagePuller
 
     return ImagePuller(cache_dir() / "node-images")

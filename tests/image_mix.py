@@ -1,7 +1,7 @@
 """Real handwritten digits stored the ways a photo dump stores pictures, each with the picture
 it shows (the pixels any viewer displays), for checking the decoder against.
 
-The digits are scikit-learn's (written by ``training.make_images``); each is saved in one of the
+The digits are scikit-learn's (written by ``imagedata.make_images``); each is saved in one of the
 kinds below, cycling: 8- and 16-bit grayscale, RGB, palette, bilevel and CMYK, transparency as
 an alpha channel (with leftovers under transparent pixels, as editors leave them) and as PNG's
 tRNS key, JPEGs and PNGs whose EXIF orientation says how to turn the stored pixels, at several
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from training.make_images import write_digits
+from imagedata.make_images import write_digits
 
 WHITE = 255
 ORIENTATION = 0x0112  # the EXIF tag

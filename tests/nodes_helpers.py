@@ -42,7 +42,7 @@ def require_emulated_nodes() -> None:
 def require_image_tools() -> None:
     """Skip (or, under CI, fail) with the reason when the training image cannot be built and
     run here (the emulated nodes run their tasks in it)."""
-    from backends.buildah import unavailable_reason as build_reason
+    from backends.local.buildah import unavailable_reason as build_reason
 
     require_emulated_nodes()
     reason = build_reason()

@@ -20,7 +20,7 @@ def _image_builder() -> list[str]:
     """configs/local.yaml builds the training image with buildah. Where this machine cannot (no
     root, no buildah) the flow tests run with image.builder none, as `make demo` does there;
     the tests of the build itself skip saying why (and fail under CI)."""
-    from backends.buildah import unavailable_reason
+    from backends.local.buildah import unavailable_reason
 
     return [] if unavailable_reason() is None else ["image.builder=none"]
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from training.atomic import atomic_write, atomic_write_json
+from common.atomic import atomic_write, atomic_write_json
 
 log = logging.getLogger("training")
 

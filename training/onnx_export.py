@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.atomic import atomic_write
+from common.atomic import atomic_write
 from training.models import build_model
 from training.onnx_model import INPUT, OUTPUT, OnnxModel, softmax
 

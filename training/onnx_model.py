@@ -4,7 +4,7 @@ The trainer writes the file beside ``model.pt`` (``training.onnx_export``). Its 
 same as ``model.pt``'s: one input ``images``, float32 ``(N, 3, S, S)``, RGB values 0-255 (the
 model normalises them itself), any batch size; one output ``logits``, ``(N, classes)``; the
 metadata properties ``classes`` (a JSON list, in the order of the outputs) and ``input_size``
-(``S``). An image becomes its input as ``training.model_input.to_model_array`` makes it.
+(``S``). An image becomes its input as ``imagedata.model_input.to_model_array`` makes it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
         [--output F]
 
 Each image is decoded, resized and centre-cropped exactly as the trainer and the scorer read
-their data (``training.model_input.decode_array``: PNG or JPEG by name and content, any size or
+their data (``imagedata.model_input.decode_array``: PNG or JPEG by name and content, any size or
 mode, made RGB at the model's input size), then classified in batches. ``model.pt`` runs with
 PyTorch, on the GPU when there is one; ``model.onnx`` with onnxruntime on the CPU, and then torch
 is never imported (``training.onnx_model``). One CSV row per image: its path, then the ``K``
@@ -34,10 +34,10 @@ from typing import Protocol, TextIO
 
 import numpy as np
 
-from training.atomic import atomic_write
-from training.images import is_image_name
+from common.atomic import atomic_write
+from imagedata.images import is_image_name
+from imagedata.model_input import decode_array
 from training.model_file import ModelFileError
-from training.model_input import decode_array
 
 # OWASP's CSV injection rule: a cell starting with one of these is a formula to a spreadsheet.
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from training.atomic import atomic_write_json
-from training.data import open_dataset
-from training.dataset import DatasetError
-from training.images import SPLITS
+from common.atomic import atomic_write_json
+from imagedata.data import open_dataset
+from imagedata.dataset import DatasetError
+from imagedata.images import SPLITS
 from training.model_file import ModelFileError, check_class_names, check_input_size
 from training.models import MODEL_FORMAT_VERSION, MODELS, build_model, upgrade_state_dict
 

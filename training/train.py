@@ -26,9 +26,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from training import augment, profiling
+from common.atomic import atomic_write_json, file_md5
+from imagedata import augment
+from imagedata.batches import ShardBatches
+from imagedata.data import open_dataset
+from imagedata.dataset import DatasetError, DatasetInfo, SplitData
+from imagedata.shards import ShardSplit
 from training import checkpoint as ckpt
 from training import distributed as dist
+from training import profiling
 from training import speed as fast
 from training.args import (
     DEFAULT_BACKBONE_LR_SCALE,
@@ -36,14 +42,9 @@ from training.args import (
     TrainerArgs,
     parse_trainer_args,
 )
-from training.atomic import atomic_write_json, file_md5
-from training.batches import ShardBatches
-from training.data import open_dataset
-from training.dataset import DatasetError, DatasetInfo, SplitData
 from training.distributed import GradientOptions, UsageError, World
 from training.models import MODEL_FORMAT_VERSION, build_model, upgrade_state_dict
 from training.onnx_export import ExportError, check_images, write_onnx
-from training.shards import ShardSplit
 from training.weights import InitFromError, carry, network_parameters, read_weights
 
 log = dist.log
@@ -89,7 +90,7 @@ def _loader(
     world: World,
     drop_last: bool = False,
 ) -> Batches:
-    """Packed shards a batch at a time, gathered in this process (training.batches); any other
+    """Packed shards a batch at a time, gathered in this process (imagedata.batches); any other
     dataset image by image through a DataLoader, with worker processes when it is large."""
     pin = world.device.type == "cuda"
     if isinstance(split.dataset, ShardSplit):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.atomic import file_md5
+from common.atomic import file_md5
 from training.models import (
     MODEL_FORMAT_VERSION,
     MODELS,

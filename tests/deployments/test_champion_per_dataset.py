@@ -19,13 +19,13 @@ import pytest
 from backends.blob import container_client, upload_directory
 from core.config import load_config
 from core.data_versions import DataRoot
+from imagedata.make_images import write_synthetic
 from registry.champion import champion_for
 from registry.store import list_runs
 from tests.conftest import child_env, prefect_api_env
 from tests.deployments.test_new_data_path import _digits, _service_config
 from tests.pipeline_helpers import deployment_defaults, process_worker
 from tests.reliability import report
-from training.make_images import write_synthetic
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
@@ -54,7 +54,7 @@ def test_a_form_run_over_another_data_root_leaves_the_first_champion_in_place(
 ) -> None:
     from prefect.deployments import run_deployment
 
-    from flows.models import main as models
+    from cli.models import main as models
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)  # the worker has it too
     config_file = _service_config(tmp_path)

@@ -22,11 +22,11 @@ import requests
 import yaml
 
 from backends.blob import container_client
-from backends.ports import free_port
+from backends.local.ports import free_port
 from core.config import BlobLocation
 from core.data_versions import DataRoot
-from deployments.relay import RelaySettings, create_app
 from deployments.sensor import find_versions, watch_new_data
+from servers.relay import RelaySettings, create_app
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -60,7 +60,7 @@ def _wait_for_runs(deployment_id: Any, container: str, count: int) -> list[Any]:
 
 @contextlib.contextmanager
 def serving_relay(settings: RelaySettings) -> Iterator[tuple[str, Any]]:
-    """The relay as `python -m deployments.relay` serves it (uvicorn, over HTTP): its events
+    """The relay as `python -m servers.relay` serves it (uvicorn, over HTTP): its events
     URL, and the app."""
     import uvicorn
 
@@ -423,7 +423,7 @@ def test_entra_token_is_accepted_and_a_wrong_audience_refused(tmp_path: Path) ->
 
 
 def test_relay_refuses_to_start_without_authentication() -> None:
-    from deployments.relay import RelayConfigError
+    from servers.relay import RelayConfigError
 
     with pytest.raises(RelayConfigError, match="RETRAIN_RELAY_SECRET"):
         RelaySettings.from_env({"RETRAIN_RELAY_WATCH": "landing/images"})
@@ -436,7 +436,7 @@ def test_the_relay_watches_the_data_roots_its_configs_name(tmp_path: Path) -> No
     and reports a version only for a marker directly below it."""
     from starlette.testclient import TestClient
 
-    from deployments.relay import RelayConfigError
+    from servers.relay import RelayConfigError
 
     config = tmp_path / "team.yaml"
     base = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
@@ -529,7 +529,7 @@ def test_the_relay_listens_on_loopback_unless_told_otherwise(tmp_path: Path) -> 
     port = free_port()
     env = {**child_env(), "RETRAIN_RELAY_WATCH": "landing/images", "RETRAIN_RELAY_SECRET": SECRET}
     relay = subprocess.Popen(
-        [sys.executable, "-m", "deployments.relay", "--port", str(port)],
+        [sys.executable, "-m", "servers.relay", "--port", str(port)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

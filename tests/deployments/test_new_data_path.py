@@ -22,8 +22,9 @@ import yaml
 
 from backends.blob import container_client, upload_directory
 from core.config import PipelineConfig, load_config
-from deployments.relay import RelaySettings
+from imagedata.make_images import write_digits
 from registry.store import list_runs
+from servers.relay import RelaySettings
 from tests.conftest import ROOT, child_env, prefect_api_env
 from tests.deployments.test_deployments import (
     SECRET,
@@ -34,7 +35,6 @@ from tests.deployments.test_deployments import (
     serving_relay,
 )
 from tests.pipeline_helpers import deployment_defaults, execute_as_worker, task_runs_and_artifacts
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
@@ -99,7 +99,7 @@ def test_each_version_is_trained_once_whichever_way_it_arrives(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from flows.models import main as models
+    from cli.models import main as models
     from scripts.demo import seed
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from backends.ports import free_port
+from backends.local.ports import free_port
 from tests.conftest import ROOT, child_env
 from tests.deployments.test_alerts import webhook_receiver
 from tests.deployments.test_supervisor import lines_until, process_tree
@@ -76,10 +76,10 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
     released, no process of the service left."""
     from azure.storage.blob import ContainerClient
 
-    from backends.azurite import connection_string
     from backends.blob import upload_directory
+    from backends.local.azurite import connection_string
+    from imagedata.make_images import write_digits
     from scripts.ui_screenshots import DevTools
-    from training.make_images import write_digits
 
     # Below /tmp, not pytest's own folder (0700): PostgreSQL runs as the postgres user.
     base = Path(tempfile.mkdtemp(prefix="retrain-service-", dir="/tmp"))
@@ -244,7 +244,7 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
             "document.body.innerText.includes('download --run') && document.body.innerText",
             "the model link's description",
         )
-        assert "python -m flows.models --config <the config> download --run" in text
+        assert "python -m cli.models --config <the config> download --run" in text
 
         # The run's outputs folder opens through the gateway, and so do its Data Docs, whole,
         # with their own styles and scripts (no CDN resolves in this browser).

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from backends.ports import free_port
+from backends.local.ports import free_port
 from deployments.supervisor import port_in_use
 from tests.conftest import ROOT, child_env
 

@@ -195,7 +195,7 @@ def test_trigger_values_through_the_relay_and_the_deployment_trigger(
     from starlette.testclient import TestClient
 
     from core.data_versions import DataRoot
-    from deployments.relay import RelaySettings, create_app
+    from servers.relay import RelaySettings, create_app
     from tests.deployments.test_deployments import _runs_for, _wait_for_runs
 
     container, tag = "123456", uuid.uuid4().hex[:8]
@@ -243,6 +243,7 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
+    from imagedata.make_images import write_digits
     from tests.pipeline_helpers import (
         deployment_defaults,
         make_config,
@@ -250,7 +251,6 @@ def test_deployment_run_from_the_form_trains_with_the_form_values(
         seed,
         task_runs_and_artifacts,
     )
-    from training.make_images import write_digits
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)  # the worker has it too
     config = make_config(tmp_path, "training.epochs=4")

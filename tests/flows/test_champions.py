@@ -19,11 +19,11 @@ import pytest
 
 from backends.blob import container_client
 from flows.retrain import retrain
+from imagedata.make_images import write_digits
 from registry.champion import Champion, champion_for, replace_champion
 from tests.conftest import ROOT
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from tests.reliability import report
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
@@ -96,7 +96,7 @@ def test_an_up_to_date_run_names_the_champion_as_the_model_in_use(
     """Run 1 is promoted; run 2 (other settings) trains and is not promoted; run 3 has run 2's
     inputs and ends up to date with it. The model in use is still run 1's: before, the summary,
     the command line and `list` named run 2's model."""
-    from flows.models import main as models
+    from cli.models import main as models
 
     config = make_config(tmp_path, "training.epochs=1")
     seed(config, _digits(tmp_path, per_class=20))

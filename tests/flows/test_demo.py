@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from backends.ports import free_port
+from backends.local.ports import free_port
 from tests.conftest import ROOT, child_env
 
 pytestmark = pytest.mark.processes  # each test starts the command it checks

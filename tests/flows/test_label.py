@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A model trained for one epoch on synthetic classes, and those images."""
-    from training.make_images import write_synthetic
+    from imagedata.make_images import write_synthetic
 
     root = tmp_path_factory.mktemp("label")
     write_synthetic(root / "data", classes=3, per_class=16, size=32, test_fraction=0.3, seed=2)

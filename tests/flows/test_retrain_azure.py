@@ -18,6 +18,7 @@ import pytest
 
 from backends.image import content_tag
 from flows.retrain import retrain
+from imagedata.make_images import write_digits
 from tests.azure_helpers import ROOT, azure_config
 from tests.fakes.acr import FakeAcr
 from tests.fakes.container import ImagePuller
@@ -25,7 +26,6 @@ from tests.fakes.node import PoolNodes
 from tests.nodes_helpers import require_emulated_nodes
 from tests.pipeline_helpers import flow_run_logs, seed, task_runs_and_artifacts
 from tests.reliability import report
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 

@@ -18,17 +18,17 @@ from typing import Any
 import pytest
 
 from backends.blob import container_client
-from backends.ports import free_port
-from backends.processes import read_record
+from backends.local.ports import free_port
+from backends.local.processes import read_record
 from bench.pipeline import DAG, analyse
 from flows.retrain import retrain
-from registry.gateway import serve
+from imagedata.make_images import write_digits
+from imagedata.webdataset import pack_folders
 from registry.layout import champion_blob, last_run_blob
+from servers.gateway import serve
 from tests.conftest import ROOT
 from tests.isolated import label_with_onnxruntime_alone
 from tests.pipeline_helpers import flow_run_logs, make_config, seed, task_runs_and_artifacts
-from training.make_images import write_digits
-from training.webdataset import pack_folders
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
@@ -58,7 +58,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
         tmp_path, f"output.links_url=http://127.0.0.1:{port}", "pool.processes_per_node=2"
     )
     seed(config, digits_source)
-    # The outputs gateway, as `python -m flows.models serve` runs it: the run's links open.
+    # The outputs gateway, as `python -m cli.models serve` runs it: the run's links open.
     gateway = serve(container_client(config.output, create=True), "", "127.0.0.1", port)
     threading.Thread(target=gateway.serve_forever, daemon=True).start()
     state, task_runs, artifacts = run(config)
@@ -308,7 +308,7 @@ def test_a_run_over_a_root_mixing_loose_files_and_versions_fails_at_the_gate_and
     under the root and a new version beside it. The run fails at the gate with both named,
     before anything is provisioned, and `list` says where and why."""
     from backends.blob import upload_directory
-    from flows.models import main as models
+    from cli.models import main as models
 
     config = make_config(tmp_path)
     seed(config, digits_source)
@@ -360,7 +360,7 @@ def test_killed_training_attempt_is_retried_and_resumes(
 
 
 def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: str) -> None:
-    from backends.local_cluster import LocalCluster
+    from backends.local.cluster import LocalCluster
     from backends.taskspec import TaskSpec
 
     outputs = container_client(make_config(tmp_path).output, create=True)
@@ -420,8 +420,8 @@ def test_a_run_starts_from_the_champion_and_records_it(
     assert started["classes_carried"] == first_metrics["class_names"]
     assert started["classes_new"] == [] and started["kind"] == "model file"
     assert metrics["args"]["lr"] == 0.07 and metrics["args"]["batch_size"] == 16
-    # The lineage of the new model, as `flows.models lineage` prints it, back to scratch.
-    from flows.models import main as models
+    # The lineage of the new model, as `cli.models lineage` prints it, back to scratch.
+    from cli.models import main as models
 
     where = ["--set", f"output.container={config.output.container}"]
     capsys.readouterr()

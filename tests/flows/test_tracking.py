@@ -18,10 +18,10 @@ from core.data_versions import DataVersion
 from core.run import Run
 from deployments.tracking_server import running_mlflow
 from flows.retrain import retrain
+from imagedata.make_images import write_digits
 from registry.promotion import Decision
 from tasks.tracking import CHAMPION_ALIAS, Tracker, registered_model_name
 from tests.pipeline_helpers import flow_run_logs, make_config, seed, task_runs_and_artifacts
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 

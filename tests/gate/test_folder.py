@@ -14,8 +14,8 @@ import pytest
 from backends.version_upload import local_files
 from core.config import ValidationConfig
 from gate.folder import check_folder
-from training.make_images import write_digits
-from training.webdataset import pack_folders
+from imagedata.make_images import write_digits
+from imagedata.webdataset import pack_folders
 
 RULES = ValidationConfig(min_images_per_class=5, min_side=8, max_side=4096)
 

@@ -13,8 +13,8 @@ import pytest
 
 from backends.blob import container_client
 from gate.manifest import build_manifest
+from imagedata.webdataset import pack_folders
 from tests.pipeline_helpers import make_config, seed
-from training.webdataset import pack_folders
 
 
 def test_a_row_per_sample_and_each_shard_read_once(

@@ -1,5 +1,5 @@
 """Records of one champion per output prefix (the layout before data roots had folders of their
-own) read and copied once into their data roots' folders, through `python -m flows.models` and
+own) read and copied once into their data roots' folders, through `python -m cli.models` and
 the flow's up-to-date check; the old blobs are left byte for byte."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from azure.storage.blob import ContainerClient
 
+from cli.models import main
 from core.data_versions import DataRoot, DataVersion
 from core.run import output_prefix
-from flows.models import main
 from registry.champion import champion_for
 from registry.last_run import read_last_run
 from registry.layout import champion_blob, history_blob, last_run_blob, trained_blob

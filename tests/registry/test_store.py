@@ -1,4 +1,4 @@
-"""Getting the model out (``python -m flows.models``): the runs with their decisions, and the
+"""Getting the model out (``python -m cli.models``): the runs with their decisions, and the
 champion's model downloaded whole, against Azurite, from records the promotion code itself
 wrote."""
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from azure.storage.blob import ContainerClient, ContentSettings
 
+from cli.models import main
 from core.config import PromotionConfig
 from core.data_versions import DataRoot
 from core.run import output_prefix
-from flows.models import main
 from registry.champion import Champion
 from registry.promotion import Challenger, challenge
 

@@ -25,16 +25,16 @@ from azure.storage.blob import ContainerClient
 from PIL import Image
 
 from core.config import ConfigError, load_config
+from imagedata.data import open_dataset
+from imagedata.dataset import DatasetError
+from imagedata.image_folders import decode_checked
+from imagedata.shards import INDEX, SHARD_DIR, open_shards, pack_shards
+from imagedata.staged_folder import MANIFEST
 from staging.listing import ChangedSinceGateError, PinnedBlob, listing_json, parse_listing, pin
 from staging.sync import UnsafeBlobNameError, stage, sync_to_directory
 from tests.conftest import ROOT, child_env, run_trainer
 from tests.pipeline_helpers import new_container
 from tests.reliability import report
-from training.data import open_dataset
-from training.dataset import DatasetError
-from training.image_folders import decode_checked
-from training.shards import INDEX, SHARD_DIR, open_shards, pack_shards
-from training.staged_folder import MANIFEST
 
 LOCAL = ROOT / "configs" / "local.yaml"
 
@@ -273,8 +273,8 @@ def test_eps_named_png_never_reaches_ghostscript(tmp_path: Path) -> None:
     image.write_bytes(EPS)
     script = (
         "import sys; from pathlib import Path\n"
-        "from training.dataset import DatasetError\n"
-        "from training.image_folders import ImageFolderSplit, decode_checked\n"
+        "from imagedata.dataset import DatasetError\n"
+        "from imagedata.image_folders import ImageFolderSplit, decode_checked\n"
         f"p = Path({str(image)!r})\n"
         "print('verdict:', decode_checked(p, 32))\n"
         "try:\n    ImageFolderSplit([(p, 0)], 32)[0]\nexcept DatasetError as e:\n"
@@ -309,7 +309,7 @@ class _ZeroStrided:
 
 
 def _cifar(root: Path, batch: Any, meta: Any = None) -> Path:
-    from tests.training.test_cifar import write_cifar_pickle
+    from tests.imagedata.test_cifar import write_cifar_pickle
 
     write_cifar_pickle(root)
     with open(root / "data_batch_1", "wb") as fh:
@@ -367,7 +367,7 @@ def test_hostile_cifar_fields_are_named_errors(case: str, tmp_path: Path) -> Non
     batch, meta, expected = HOSTILE_CIFAR[case]
     root = tmp_path / "cifar"
     if batch is None:
-        from tests.training.test_cifar import write_cifar_pickle
+        from tests.imagedata.test_cifar import write_cifar_pickle
 
         write_cifar_pickle(root)
         with open(root / "batches.meta", "wb") as fh:
@@ -492,14 +492,14 @@ def test_absurd_sizes_are_config_errors(override: str, field: str) -> None:
 def test_two_packs_of_one_folder_at_once(tmp_path: Path) -> None:
     """Pack A is stopped while it writes a shard; pack B of the same folder runs meanwhile;
     then A goes on. Both finish, and the index written last names complete shards."""
-    from training.make_images import write_synthetic
+    from imagedata.make_images import write_synthetic
 
     root = tmp_path / "data"
     # Enough images that a split's shard stays open across two decode batches (4096 each).
     write_synthetic(root, classes=3, per_class=2800, size=8, test_fraction=0.05, seed=1)
     shards = root / SHARD_DIR
     code = (
-        "import sys; from pathlib import Path; from training.shards import pack_shards; "
+        "import sys; from pathlib import Path; from imagedata.shards import pack_shards; "
         "print(pack_shards(Path(sys.argv[1]), 8, workers=1).action)"
     )
     first = subprocess.Popen(

@@ -2,7 +2,7 @@
 its HTTP server writes itself, a HEAD of a large folder, and the relay's first token check.
 
 (A ``links_url`` with a path, whose links all answered 404, is refused at load:
-test_adversarial_run_config.py and tests/registry/test_gateway.py.)"""
+test_adversarial_run_config.py and tests/servers/test_gateway.py.)"""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 import requests
 from azure.storage.blob import ContainerClient
 
-from registry.gateway import SAFETY_HEADERS, serve
+from servers.gateway import SAFETY_HEADERS, serve
 from tests.reliability import report
 
 # ---------------------------------------------------------------- the demo's scratch data
@@ -209,7 +209,7 @@ def test_the_relay_answers_others_while_it_fetches_signing_keys(
     import jwt
 
     from core.data_versions import DataRoot
-    from deployments.relay import RelaySettings
+    from servers.relay import RelaySettings
     from tests.deployments.test_deployments import _eg_event, serving_relay
 
     url, key, events = held_keys

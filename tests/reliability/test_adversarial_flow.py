@@ -14,11 +14,11 @@ import pytest
 
 from backends.blob import container_client, upload_directory
 from flows.retrain import retrain
+from imagedata.make_images import write_digits
+from imagedata.shards import INDEX, SHARD_DIR, open_shards
+from imagedata.staged_folder import MANIFEST
 from tests.pipeline_helpers import make_config
 from tests.reliability import report
-from training.make_images import write_digits
-from training.shards import INDEX, SHARD_DIR, open_shards
-from training.staged_folder import MANIFEST
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 

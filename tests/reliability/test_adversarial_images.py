@@ -20,12 +20,12 @@ from PIL import Image
 
 from core.config import BlobLocation
 from gate.manifest import build_manifest
+from imagedata.data import open_dataset
+from imagedata.dataset import to_model_input
+from imagedata.shards import pack_shards
 from tests.image_mix import KINDS, MixedImage, photo_mix, write_mix
 from tests.pipeline_helpers import new_container
 from tests.reliability import report
-from training.data import open_dataset
-from training.dataset import to_model_input
-from training.shards import pack_shards
 
 SIZE = 32  # the cnn's input size: every image is resized and cropped to it
 # A JPEG is lossy: after the resize its pixels stay within these of the picture's. Decoded

@@ -147,7 +147,7 @@ def test_damaged_champion_record_is_a_named_decision(
 ) -> None:
     from prefect import flow
 
-    from backends.local_cluster import LocalCluster
+    from backends.local.cluster import LocalCluster
     from core.run import Run
     from tasks.promote import promote
 
@@ -204,7 +204,7 @@ def test_a_test_split_the_scorer_could_not_mostly_read_decides_nothing(
     measurement, so the champion stays (or none is made), and the decision says why."""
     from prefect import flow
 
-    from backends.local_cluster import LocalCluster
+    from backends.local.cluster import LocalCluster
     from core.run import Run
     from tasks.promote import promote
 

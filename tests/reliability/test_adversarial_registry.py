@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from azure.storage.blob import ContainerClient
 
+from cli.models import main
 from core.data_versions import DataRoot
 from core.run import output_prefix
-from flows.models import main
 from registry.champion import champion_for
 from registry.last_run import read_last_run
 from registry.layout import LAST_RUN, champion_blob, last_run_blob

@@ -16,10 +16,10 @@ from azure.core.exceptions import ResourceNotFoundError
 import tasks.report
 from backends.blob import container_client
 from flows.retrain import retrain
+from imagedata.make_images import write_digits
 from registry.layout import last_run_blob
 from tests.pipeline_helpers import make_config, seed, task_runs_and_artifacts
 from tests.reliability import report
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 

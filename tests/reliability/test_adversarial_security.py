@@ -22,13 +22,13 @@ import pytest
 import yaml
 
 from backends.blob import container_client
-from backends.local_cluster import ClusterError, LocalCluster
+from backends.local.cluster import ClusterError, LocalCluster
 from backends.taskspec import TaskSpec, training_task
 from core.config import ConfigError, PipelineConfig, load_config
+from imagedata.make_images import write_digits
 from tests.conftest import ROOT, prefect_api_env
 from tests.pipeline_helpers import make_config, seed
 from tests.reliability import report
-from training.make_images import write_digits
 
 
 def hostile_args(markers: Path) -> list[str]:
@@ -331,7 +331,7 @@ def test_two_cli_runs_of_one_config_at_once_both_succeed(tmp_path: Path) -> None
 
 @pytest.mark.processes
 def test_pid_records_identify_the_process(tmp_path: Path) -> None:
-    from backends.processes import is_alive, read_record, record_of, write_record
+    from backends.local.processes import is_alive, read_record, record_of, write_record
 
     with unrelated_process() as proc:
         record = record_of(proc.pid)

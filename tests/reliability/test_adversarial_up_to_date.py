@@ -202,9 +202,9 @@ def test_two_runs_of_one_new_version_train_it_once(
     Before, A released the pool's lock before writing its last-run record, so B's up-to-date
     check compared with the run before A and trained the same data again."""
     from backends.blob import container_client
+    from imagedata.make_images import write_digits
     from registry.store import list_runs
     from tests.pipeline_helpers import make_config, seed
-    from training.make_images import write_digits
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
     config = make_config(tmp_path, "training.epochs=1")

@@ -33,8 +33,8 @@ from deployments.events import (
     post_event,
     record_name,
 )
-from deployments.relay import BlobCreated, Debouncer, RelaySettings, create_app
 from deployments.sensor import find_versions
+from servers.relay import BlobCreated, Debouncer, RelaySettings, create_app
 from tests.conftest import ROOT, child_env, prefect_api_env
 from tests.ledger_claimer import PREFIX, REVISION
 from tests.reliability import report

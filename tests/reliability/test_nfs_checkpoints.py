@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from flows.retrain import retrain
+from imagedata.make_images import write_digits
 from tests.pipeline_helpers import make_config, seed
 from tests.reliability import report
 from training.checkpoint import FINISHED
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 

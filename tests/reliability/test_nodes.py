@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from imagedata.make_images import write_digits
 from tests.fakes.node import PoolNodes
 from tests.nodes_helpers import (
     JOB,
@@ -28,7 +29,6 @@ from tests.nodes_helpers import (
 )
 from tests.reliability import report, trials
 from training.checkpoint import list_checkpoints
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("horovodrun")
 

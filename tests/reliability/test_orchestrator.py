@@ -17,12 +17,12 @@ import psutil
 import pytest
 import yaml
 
-from backends.processes import read_record
+from backends.local.processes import read_record
 from flows.retrain import retrain
+from imagedata.make_images import write_digits
 from tests.conftest import ROOT, prefect_api_env
 from tests.pipeline_helpers import deployment_defaults, make_config, process_worker, seed
 from tests.reliability import report
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 

@@ -23,11 +23,11 @@ import pytest
 import yaml
 
 from backends.blob import container_client
-from backends.ports import free_port
+from backends.local.ports import free_port
 from flows.retrain import main
+from imagedata.make_images import write_digits
 from tests.pipeline_helpers import flow_run_logs, make_config, seed, task_runs_and_artifacts
 from tests.reliability import report
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
@@ -51,7 +51,7 @@ def private_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     is a published constant, and appears in this project's source)."""
     from urllib.parse import urlparse
 
-    from backends.azurite import running_azurite
+    from backends.local.azurite import running_azurite
 
     key = base64.b64encode(os.urandom(64)).decode()
     monkeypatch.setenv("AZURITE_ACCOUNTS", f"retrainsecret:{key}")
@@ -260,7 +260,7 @@ def test_no_secret_in_logs_artifacts_database_outputs_or_task_processes(
 
 
 def test_relay_secret_is_in_no_log_and_no_event(tmp_path: Path) -> None:
-    """The relay as documented (`python -m deployments.relay`, uvicorn's access log on): Event
+    """The relay as documented (`python -m servers.relay`, uvicorn's access log on): Event
     Grid puts the shared secret in the endpoint's query string (`?key=`). Deliveries, the
     validation handshake and wrong guesses must leave it out of the relay's output, and out of
     the events and flow runs it causes."""
@@ -286,7 +286,7 @@ def test_relay_secret_is_in_no_log_and_no_event(tmp_path: Path) -> None:
     log_path = tmp_path / "relay.log"
     with log_path.open("w") as log_file:
         relay = subprocess.Popen(
-            [sys.executable, "-m", "deployments.relay", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "servers.relay", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
             env=env,
             stdout=log_file,
@@ -380,7 +380,7 @@ def test_task_environment_is_an_allow_list(
 ) -> None:
     """A task gets what a Batch node has, on the local cluster and on the (fake) Batch node:
     none of the orchestrator's credentials, whatever their names."""
-    from backends.local_cluster import LocalCluster
+    from backends.local.cluster import LocalCluster
     from backends.taskspec import TaskSpec
     from tests.fakes.node import PoolNodes
     from tests.nodes_helpers import NODES, require_emulated_nodes

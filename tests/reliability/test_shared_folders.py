@@ -22,8 +22,8 @@ import pytest
 import yaml
 from azure.storage.blob import ContainerClient
 
-from backends.azurite import FolderInUseError, running_azurite
-from backends.ports import free_port
+from backends.local.azurite import FolderInUseError, running_azurite
+from backends.local.ports import free_port
 from staging.blob import API_VERSION
 from tests.conftest import ROOT, child_env
 from tests.reliability import report
@@ -40,7 +40,7 @@ def _container(connection_string: str) -> ContainerClient:
 HOLD_AZURITE = """
 import sys, time
 from pathlib import Path
-from backends.azurite import running_azurite
+from backends.local.azurite import running_azurite
 with running_azurite(Path(sys.argv[1])):
     print("serving", flush=True)
     time.sleep(600)
@@ -292,9 +292,9 @@ def test_two_pipelines_on_one_nfs_folder_run_at_once_from_the_cli(tmp_path: Path
     staging deleted the first's images between its training and its scoring (the first failed
     in 2 of 2 trials); now the second waits for the folder and both complete, each trained and
     scored on its own data."""
+    from imagedata.make_images import write_digits
     from tests.conftest import prefect_api_env
     from tests.pipeline_helpers import seed
-    from training.make_images import write_digits
 
     nfs = tmp_path / "nfs"
     paths, test_splits = [], []

@@ -15,11 +15,11 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION, upload_directory
+from imagedata.staged_folder import MANIFEST
 from staging.blob import Retry
 from staging.sync import sync_to_directory
 from tests.reliability import report, trials
 from tests.reliability.fault_proxy import FaultProxy
-from training.staged_folder import MANIFEST
 
 # Staging's retries with waits of tens of milliseconds: the same behaviour, faster tests.
 FAST = Retry(request_retries=3, first_wait=0.05, max_wait=0.2, blob_attempts=3)

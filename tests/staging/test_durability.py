@@ -15,10 +15,10 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from backends.blob import API_VERSION
+from imagedata.staged_folder import MANIFEST
 from staging import durability
 from staging.durability import filesystem_type
 from staging.sync import sync_to_directory
-from training.staged_folder import MANIFEST
 
 FILES = 12
 

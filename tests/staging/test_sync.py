@@ -22,11 +22,11 @@ import pytest
 from azure.storage.blob import ContainerClient, ContainerSasPermissions, generate_container_sas
 
 from backends.blob import API_VERSION
+from imagedata.staged_folder import MANIFEST
 from staging.blob import Retry, data_container
 from staging.listing import ChangedSinceGateError, PinnedBlob, pin
 from staging.sync import UnsafeBlobNameError, safe_relative_path, sync_to_directory
 from staging.transfer import IntegrityError, TransferError, redact
-from training.staged_folder import MANIFEST
 
 
 @pytest.fixture

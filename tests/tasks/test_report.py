@@ -75,10 +75,10 @@ def test_link_descriptions_show_each_command_as_typed(links_url: str | None, nam
     text = link_description(config, "20261125-1-abc", name)
     outside = _outside_code_spans(text)
     assert "<" not in outside and "python -m" not in outside, text
-    assert "`python -m flows.models --config <the config> serve`" in text
+    assert "`python -m cli.models --config <the config> serve`" in text
     if name:
         assert (
-            "`python -m flows.models --config <the config> download --run 20261125-1-abc "
+            "`python -m cli.models --config <the config> download --run 20261125-1-abc "
             f"--file {name}`"
         ) in text
 

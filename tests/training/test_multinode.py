@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from imagedata.make_images import write_digits
 from tests.conftest import LOSS_LOG_ARGS, first_step_losses
 from tests.fakes.container import ImagePuller
 from tests.fakes.node import PoolNodes, TaskRun
@@ -35,7 +36,6 @@ from tests.nodes_helpers import (
     run_task,
     training_spec,
 )
-from training.make_images import write_digits
 
 pytestmark = pytest.mark.usefixtures("horovodrun")
 

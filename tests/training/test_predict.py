@@ -20,7 +20,7 @@ from tests.conftest import ROOT, child_env, run_trainer
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A model trained for one epoch on a small synthetic dataset, and that dataset."""
-    from training.make_images import write_synthetic
+    from imagedata.make_images import write_synthetic
 
     root = tmp_path_factory.mktemp("predict")
     data = root / "data"
@@ -52,7 +52,7 @@ def test_predictions_are_the_scorers_own_on_the_same_images(
 ) -> None:
     """The top class of every test image is the one the scorer predicts for it: the same
     decoding, resizing and cropping, the same model; its probabilities are a softmax's."""
-    from training.data import open_dataset
+    from imagedata.data import open_dataset
     from training.score import load_model
     from training.score import predict as score_predict
 

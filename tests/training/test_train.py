@@ -117,7 +117,7 @@ def test_model_onnx_is_checked_and_written_beside_model_pt(two_rank_run: Result)
     import numpy as np
     import onnxruntime as ort
 
-    from training.atomic import file_md5
+    from common.atomic import file_md5
     from training.onnx_export import TOLERANCE
 
     out, metrics = two_rank_run.output_dir, two_rank_run.metrics
@@ -427,7 +427,7 @@ def digit_versions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     v2: the same with digit_3; and v1's model.pt, trained one epoch."""
     import shutil
 
-    from training.make_images import write_digits
+    from imagedata.make_images import write_digits
 
     root = tmp_path_factory.mktemp("versions")
     write_digits(root / "v2", test_fraction=0.25, seed=0, per_class=30)

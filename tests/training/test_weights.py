@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.atomic import file_md5
 from tests.training.torchvision_resnet import load_resnet_module
-from training.atomic import file_md5
 from training.models import MODEL_FORMAT_VERSION, NETWORK, build_model
 from training.weights import InitFromError, carry, network_parameters, read_weights
 

@@ -1,0 +1,315 @@
+"""A single-node stand-in for an Azure Batch pool that runs the same task specs.
+
+It gives each task what a Batch node gives it: a task directory with a working dir, the
+``AZ_BATCH_*`` environment, the NFS and scripts mounts under ``$AZ_BATCH_NODE_MOUNTS_DIR``,
+resource files fetched from Blob, and output files uploaded to Blob by the spec's patterns. So the
+command lines that would go to Azure are the ones executed and tested here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from backends.cluster import TaskResult
+from backends.lines import pipe_lines
+from backends.local.processes import (
+    ProcessRecord,
+    is_alive,
+    kill_group,
+    read_record,
+    record_of,
+    write_record,
+)
+from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, OutputSpec, TaskSpec, node_environment
+from common.atomic import atomic_write_json
+
+if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
+
+    from backends.cost import PoolUsage
+
+
+class ClusterError(RuntimeError):
+    """The pool cannot run the task (not ensured, wrong size, missing tools)."""
+
+
+def _split_pattern(pattern: str) -> tuple[str, str | None]:
+    """('base dir', 'glob below it') for a Batch file pattern; glob None for an exact file."""
+    parts = pattern.split("/")
+    for i, part in enumerate(parts):
+        if any(c in part for c in "*?["):
+            return "/".join(parts[:i]) or ".", "/".join(parts[i:])
+    return pattern, None
+
+
+class LocalCluster:
+    retries_in_service = False
+    shared = False  # a folder on this machine: only processes here can use it
+
+    def __init__(
+        self,
+        work_dir: Path,
+        pool_id: str,
+        nodes: int,
+        nfs_dir: Path,
+        share_dir: Path,
+        outputs: ContainerClient,
+        python: str = sys.executable,
+    ) -> None:
+        pools = (work_dir / "pools").resolve()
+        self.root = (pools / pool_id).resolve()
+        # release() deletes below the root: whatever the id (config validation is the first
+        # line), the root is one folder directly inside work_dir/pools, never a path elsewhere.
+        if self.root.parent != pools:
+            raise ClusterError(
+                f"pool id {pool_id!r} names a folder outside {pools}: use letters, digits, "
+                "'-' and '_'"
+            )
+        self.pool_id, self.nodes = pool_id, nodes
+        self.nfs_dir, self.share_dir = nfs_dir, share_dir
+        self.outputs, self.python = outputs, python
+        self._running: dict[str, subprocess.Popen[str]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "pool.json"
+
+    def state(self) -> str:
+        try:
+            return str(json.loads(self.state_file.read_text())["state"])
+        except FileNotFoundError:
+            return "absent"
+
+    def _set_state(self, state: str, **extra: object) -> None:
+        atomic_write_json(
+            {"id": self.pool_id, "state": state, "nodes": self.nodes, "time": time.time(), **extra},
+            self.state_file,
+        )
+
+    def ensure_pool(self) -> dict[str, object]:
+        """Idempotent: create the node (its mounts), or find it steady."""
+        if self.nodes != 1:
+            raise ClusterError(
+                f"the local target has one node; pool asks for {self.nodes} "
+                "(set pool.dedicated_nodes=1, pool.low_priority_nodes=0)"
+            )
+        horovodrun = Path(self.python).parent / "horovodrun"
+        if not horovodrun.exists():
+            raise ClusterError(f"{horovodrun} not found: run `make setup`")
+        existed = self.state() == "steady"
+        mounts = self.root / "node" / "mounts"
+        mounts.mkdir(parents=True, exist_ok=True)
+        for name, target in ((NFS_MOUNT, self.nfs_dir), (SHARE_MOUNT, self.share_dir)):
+            target.mkdir(parents=True, exist_ok=True)
+            link = mounts / name
+            if link.is_symlink() and link.resolve() != target.resolve():
+                link.unlink()
+            if not link.exists():
+                link.symlink_to(target.resolve(), target_is_directory=True)
+        self._set_state("steady", cpus=os.cpu_count())
+        return {"pool": self.pool_id, "created": not existed, "nodes": 1, "cpus": os.cpu_count()}
+
+    def _environment(self, spec: TaskSpec, task_dir: Path) -> dict[str, str]:
+        bindir = str(Path(self.python).parent)
+        # A Batch node never sees the orchestrator's environment; neither does a local task.
+        env = node_environment(os.environ)
+        env.update(spec.environment)
+        env.update(
+            {
+                "PATH": f"{bindir}{os.pathsep}{env.get('PATH', '')}",
+                "RETRAIN_PYTHON": self.python,
+                "AZ_BATCH_POOL_ID": self.pool_id,
+                "AZ_BATCH_JOB_ID": "local",
+                "AZ_BATCH_TASK_ID": spec.id,
+                "AZ_BATCH_NODE_ID": "local-node-0",
+                "AZ_BATCH_HOST_LIST": "localhost",
+                "AZ_BATCH_NODE_LIST": "localhost",
+                "AZ_BATCH_MASTER_NODE": "localhost:6000",
+                "AZ_BATCH_IS_CURRENT_NODE_MASTER": "true",
+                "AZ_BATCH_NODE_MOUNTS_DIR": str((self.root / "node" / "mounts").resolve()),
+                "AZ_BATCH_TASK_DIR": str(task_dir),
+                "AZ_BATCH_TASK_WORKING_DIR": str(task_dir / "wd"),
+                "AZ_BATCH_TASK_SHARED_DIR": str(task_dir / "shared"),
+            }
+        )
+        return env
+
+    def _run(
+        self,
+        key: str,
+        command: str,
+        env: dict[str, str],
+        cwd: Path,
+        log: Path,
+        on_line: Callable[[str], None],
+        timeout: float,
+    ) -> int:
+        # Batch command lines are executed without a shell: split like Batch does.
+        proc = subprocess.Popen(
+            shlex.split(command),
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        with self._lock:
+            self._running[key] = proc
+        pidfile = self.root / "running" / f"{key}.pid"
+        pidfile.parent.mkdir(parents=True, exist_ok=True)
+        record = record_of(proc.pid)  # None: it already ended, nothing to stop
+        if record is not None:
+            write_record(record, pidfile)  # lets release() from another process stop it
+        timer = threading.Timer(timeout, self._kill, args=(key,))
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            with open(log, "a") as out:
+                pipe_lines(proc.stdout, on_line, copy=out)
+            return proc.wait()
+        finally:
+            timer.cancel()
+            pidfile.unlink(missing_ok=True)
+            with self._lock:
+                self._running.pop(key, None)
+
+    def _kill(self, key: str) -> None:
+        with self._lock:
+            proc = self._running.get(key)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def run_task(
+        self, spec: TaskSpec, on_line: Callable[[str], None] = lambda _: None
+    ) -> TaskResult:
+        if self.state() != "steady":
+            raise ClusterError(f"pool {self.pool_id} is {self.state()}: ensure it first")
+        if spec.instances != 1:
+            raise ClusterError(
+                f"task {spec.id} asks for {spec.instances} nodes; the local pool has 1"
+            )
+        started = time.perf_counter()
+        self._wait_for_free_node(spec, on_line)
+        task_dir = (self.root / "tasks" / f"{spec.id}-{int(time.time() * 1000)}").resolve()
+        for sub in ("wd", "shared"):
+            (task_dir / sub).mkdir(parents=True)
+        for resource in spec.resources:
+            target = task_dir / "wd" / resource.file_path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as fh:
+                self.outputs.download_blob(resource.blob).readinto(fh)
+        env = self._environment(spec, task_dir)
+        log = task_dir / "stdout.txt"
+        (task_dir / "stderr.txt").touch()  # merged into stdout.txt here; Batch keeps both
+        code = 0
+        if spec.coordination_command:
+            code = self._run(
+                spec.id,
+                spec.coordination_command,
+                env,
+                task_dir / "wd",
+                log,
+                on_line,
+                spec.max_wall_clock_seconds,
+            )
+        if code == 0:
+            code = self._run(
+                spec.id,
+                spec.command_line,
+                env,
+                task_dir / "wd",
+                log,
+                on_line,
+                spec.max_wall_clock_seconds,
+            )
+        uploaded = self._upload_outputs(spec.outputs, task_dir / "wd", success=code == 0)
+        return TaskResult(code, task_dir, uploaded, time.perf_counter() - started)
+
+    def _wait_for_free_node(self, spec: TaskSpec, on_line: Callable[[str], None]) -> None:
+        """One task per node, as on the Batch pool (task_slots_per_node=1): a task left running
+        by a killed orchestrator finishes first, then this one starts (and resumes from the
+        checkpoints it wrote)."""
+        announced = False
+        while busy := self.running_tasks():
+            if not announced:
+                on_line(f"task {spec.id} waits for {', '.join(sorted(busy))} to finish")
+                announced = True
+            time.sleep(0.5)
+
+    def _upload_outputs(self, outputs: list[OutputSpec], wd: Path, success: bool) -> list[str]:
+        uploaded = []
+        for spec in outputs:
+            if spec.condition == "tasksuccess" and not success:
+                continue
+            if spec.condition == "taskfailure" and success:
+                continue
+            base, pattern = _split_pattern(spec.pattern)
+            if pattern is None:
+                files = [(wd / base, spec.destination)] if (wd / base).is_file() else []
+            else:
+                root = (wd / base).resolve()
+                files = [
+                    (p, f"{spec.destination}/{p.relative_to(root).as_posix()}")
+                    for p in sorted(root.glob(pattern))
+                    if p.is_file()
+                ]
+            for path, blob in files:
+                with open(path, "rb") as fh:
+                    self.outputs.upload_blob(blob, fh, overwrite=True)
+                uploaded.append(blob)
+        return uploaded
+
+    def running_tasks(self) -> dict[str, int]:
+        """Task id -> process group of every task still running, from any process.
+
+        A pid file counts only while the process it records (PID, start time, boot) still
+        runs: one left by a killed orchestrator whose PID now names another process is stale.
+        """
+        return {key: record.pid for key, record in self._running_records().items()}
+
+    def _running_records(self) -> dict[str, ProcessRecord]:
+        found = {}
+        for pidfile in (self.root / "running").glob("*.pid"):
+            record = read_record(pidfile)
+            if record is not None and is_alive(record):
+                found[pidfile.stem] = record
+        return found
+
+    def node_allocations(self) -> list[datetime] | None:
+        return None  # this machine is not rented
+
+    def clock(self) -> datetime:
+        return datetime.now(UTC)
+
+    def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage:
+        raise NotImplementedError("the local pool rents nothing to measure")
+
+    def release(self) -> dict[str, object]:
+        """Stop the tasks this pool started and mark it released (scaled to zero).
+
+        Works from any process (a cancellation hook, a new flow run), like resizing a Batch pool.
+        Only process groups whose leader is verified against its pid file are signalled.
+        """
+        running = self._running_records()
+        keys = [key for key, record in running.items() if kill_group(record)]
+        was = self.state()
+        if was != "absent":
+            self._set_state("released")
+        shutil.rmtree(self.root / "node", ignore_errors=True)
+        return {"pool": self.pool_id, "was": was, "killed_tasks": keys}

@@ -1,0 +1,1 @@
+"""The orchestrator's command lines that are not flows: models, data."""

@@ -1,0 +1,1 @@
+"""Small helpers the orchestrator and the nodes share (atomic writes, checksums)."""

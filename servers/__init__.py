@@ -1,0 +1,1 @@
+"""The orchestrator's HTTP servers: the outputs gateway and the Event Grid relay."""
