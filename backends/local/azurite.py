@@ -32,7 +32,7 @@ from filelock import FileLock, Timeout
 from backends.local.ports import free_port
 from backends.local.processes import stop
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ACCOUNT = "devstoreaccount1"
 DEFAULT_PORT = 10000  # Azurite's own default: where `make azurite` serves the local target
 DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
