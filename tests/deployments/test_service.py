@@ -334,15 +334,16 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them() -> None:
+def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them(tmp_path: Path) -> None:
     """Their processes are gone and each holds its deployment's only slot; unless another
-    worker is online on the pool, when they may be its own."""
+    worker is online on the pool, when they may be its own. A worker of this service killed
+    outright still looks online for 90 s: the next start knows it was its own."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.settings import PREFECT_API_URL
-    from prefect.states import Running
+    from prefect.states import Cancelled, Pending, Running
 
-    from deployments.service import cancel_runs, crash_orphans
+    from deployments.service import cancel_runs, crash_orphans, start_worker
 
     api = str(PREFECT_API_URL.value())
     pool = f"orphans-{uuid.uuid4().hex[:8]}"
@@ -356,6 +357,31 @@ def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them() -> N
 
         assert crash_orphans(api, pool) == "2 runs left by an earlier stop marked crashed"
         assert {client.read_flow_run(r.id).state.type.value for r in runs} == {"CRASHED"}
+
+        # The service's worker (recorded in its state folder) runs a run of a deployment that
+        # runs one at a time, and is killed: its heartbeat is recent, the run holds the slot.
+        one = client.create_deployment(
+            flow_id, "one-at-a-time", work_pool_name=pool, concurrency_limit=1
+        )
+        assert start_worker(api, tmp_path, "service-killed", pool) is None
+        client.send_worker_heartbeat(pool, "service-killed")
+        held = client.create_flow_run_from_deployment(one)
+        assert client.set_flow_run_state(held.id, Pending()).status.value == "ACCEPT"
+        client.set_flow_run_state(held.id, Running())
+        waiting = client.create_flow_run_from_deployment(one)
+        assert client.set_flow_run_state(waiting.id, Pending()).status.value != "ACCEPT"
+        assert crash_orphans(api, pool) is None  # a worker of unknown origin is online
+        # The service starts again: the killed worker's run is crashed, its slot given back.
+        assert start_worker(api, tmp_path, "service-restarted", pool) == (
+            "1 run left by an earlier stop marked crashed"
+        )
+        assert client.read_flow_run(held.id).state.type.value == "CRASHED"
+        assert client.set_flow_run_state(waiting.id, Pending()).status.value == "ACCEPT"
+        assert json.loads((tmp_path / "workers.json").read_text()) == [
+            "service-killed",
+            "service-restarted",
+        ]
+        client.set_flow_run_state(waiting.id, Cancelled(), force=True)
 
         other = client.create_flow_run_from_deployment(deployment_id)
         client.set_flow_run_state(other.id, Running(), force=True)
