@@ -395,3 +395,85 @@ def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them(tmp_pa
             "cancelled 1 run in progress, 1 still running after 2 s"
         )
         assert client.read_flow_run(other.id).state.type.value == "CANCELLING"
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_killed_worker_leaves_no_flow_run_and_the_restart_frees_its_slot(
+    tmp_path: Path,
+) -> None:
+    """The service's worker, as make service starts it, killed outright (SIGKILL) while it runs
+    a flow: the service's stop ends the flow run, which had left the worker's process tree;
+    the next start finds the run crashed and its deployment's only slot free."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.service import BIN, start_worker
+    from deployments.supervisor import Component, Supervisor
+
+    api = str(PREFECT_API_URL.value())
+    pool = f"killed-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        flow_id = client.create_flow_from_name("long-flow")
+        one = client.create_deployment(
+            flow_id,
+            "one-at-a-time",
+            work_pool_name=pool,
+            concurrency_limit=1,
+            entrypoint="tests/deployments/long_flow.py:long_flow",
+            pull_steps=[
+                {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}
+            ],
+        )
+        supervisor = Supervisor(tmp_path / "logs", say=lambda line: None)
+
+        def worker(name: str) -> Component:  # as deployments/service.py makes it
+            env = {**child_env(), "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": "1"}
+            return Component(
+                "worker",
+                [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--name", name],
+                ready=lambda: any(
+                    w.name == name and w.status.value == "ONLINE"
+                    for w in client.read_workers_for_work_pool(pool)
+                ),
+                before=lambda: start_worker(api, tmp_path, name, pool),
+                env=env,
+                grace=10,
+            )
+
+        run = client.create_flow_run_from_deployment(one)
+        flow_run: list[psutil.Process] = []
+        try:
+            supervisor.start(worker("service-first"))
+            running = _wait(
+                "the run to start",
+                lambda: (
+                    (r := client.read_flow_run(run.id)).state.type.value == "RUNNING"
+                    and r.infrastructure_pid
+                ),
+                120,
+            )
+            main = psutil.Process(int(running))
+            flow_run = [main, *main.children(recursive=True)]
+            (started,) = supervisor.running
+            started.proc.kill()  # the worker, killed outright (the OOM killer, kill -9)
+            started.proc.wait()
+            supervisor.stop()
+            alive = [p for p in flow_run if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            assert alive == [], [p.cmdline() for p in alive]
+
+            # The service starts again: the run is crashed, the slot goes to the next run.
+            waiting = client.create_flow_run_from_deployment(one)
+            supervisor.start(worker("service-second"))
+            assert client.read_flow_run(run.id).state.type.value == "CRASHED"
+            _wait(
+                "the next run to get the slot",
+                lambda: client.read_flow_run(waiting.id).state.type.value == "RUNNING",
+                120,
+            )
+        finally:
+            supervisor.stop()
+            for p in flow_run:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
