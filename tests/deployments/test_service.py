@@ -27,6 +27,7 @@ from backends.ports import free_port
 from tests.conftest import ROOT, child_env
 from tests.deployments.test_alerts import webhook_receiver
 from tests.deployments.test_supervisor import lines_until, process_tree
+from tests.reliability import report
 
 
 def test_a_generated_relay_secret_is_the_owners_alone(
@@ -382,6 +383,14 @@ def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them(tmp_pa
             "service-restarted",
         ]
         client.set_flow_run_state(waiting.id, Cancelled(), force=True)
+        report.record(
+            "orchestrator",
+            "the service's worker killed, its heartbeat recent, its run holding the only slot; "
+            "the service started again",
+            "the run marked crashed at the start; the waiting run got the slot",
+            before_fix="nothing crashed (the dead worker counted as online for 90 s); the next "
+            "run waited for the slot",
+        )
 
         other = client.create_flow_run_from_deployment(deployment_id)
         client.set_flow_run_state(other.id, Running(), force=True)
@@ -471,6 +480,14 @@ def test_a_killed_worker_leaves_no_flow_run_and_the_restart_frees_its_slot(
                 "the next run to get the slot",
                 lambda: client.read_flow_run(waiting.id).state.type.value == "RUNNING",
                 120,
+            )
+            report.record(
+                "orchestrator",
+                "the service's worker SIGKILLed while it runs a flow; the service stopped, then "
+                "started again",
+                "the stop ended the flow run (outside the worker's tree); the run crashed; the "
+                "next run got the slot",
+                before_fix="the flow run's engine process survived the stop",
             )
         finally:
             supervisor.stop()

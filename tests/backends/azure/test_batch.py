@@ -26,6 +26,7 @@ from backends.taskspec import TaskSpec, scoring_task, training_task
 from core.config import ConfigError, PipelineConfig
 from tests.azure_helpers import azure_config
 from tests.fakes.batch import Attempt, wait_until
+from tests.reliability import report
 
 FAST = Polling(first=0.01, factor=1.0, cap=0.01, lro_seconds=0)
 SHARE_KEY, REGISTRY_PASSWORD = "ZmlsZXMta2V5LXZhbHVl", "acr-token-password-value"
@@ -271,6 +272,13 @@ def test_a_hung_attempt_is_terminated_and_the_attempts_left_resume(
     # The second task may use only the attempts left: 3 in all, one spent.
     (second,) = batch.bodies("POST", f"/jobs/{job.replace('train-h', 'train-h-2')}/tasks")
     assert second["constraints"]["maxTaskRetryCount"] == 1
+    report.record(
+        "training",
+        "a Batch attempt hung after epoch 1 (real SDK, fake Batch)",
+        "task terminated through the API (TaskEnded); the attempts left ran as task train-h-2, "
+        "which resumed from the checkpoint",
+        message=result.stalls[0],
+    )
 
 
 def test_task_that_keeps_failing_returns_its_exit_code(fake_azure_account, tmp_path: Path) -> None:
