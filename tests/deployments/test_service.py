@@ -286,7 +286,7 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
         )
         assert proc.returncode == 0, proc.stderr
         rows = proc.stdout.strip().splitlines()
-        assert len(rows) == 1 + len(digits) and rows[0].startswith("image,label_1,")
+        assert len(rows) == 1 + len(digits) and rows[0].startswith('"image","label_1",')
         assert f"skipped {new / 'damaged.png'}: unreadable image" in proc.stderr
         mark("new images labelled")
 
