@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 from deployments.setup import WORK_POOL
 from deployments.supervisor import Component, http_ok, port_in_use, shown, supervise
-from training.atomic import atomic_write_json
 
 if TYPE_CHECKING:
     from deployments.postgres import Cluster
@@ -383,7 +382,10 @@ def start_worker(api: str, state: Path, name: str, pool: str = WORK_POOL) -> str
     (a start that crashed nothing, another worker being online, tries again next time)."""
     earlier = earlier_workers(state)
     note = crash_orphans(api, pool, ours=earlier)
-    atomic_write_json([*earlier, name][-KEPT_WORKERS:], state / WORKERS_FILE)
+    state.mkdir(parents=True, exist_ok=True)
+    partial = state / f"{WORKERS_FILE}.partial"  # replaced whole: never a half-written list
+    partial.write_text(json.dumps([*earlier, name][-KEPT_WORKERS:]))
+    os.replace(partial, state / WORKERS_FILE)
     return note
 
 
