@@ -7,7 +7,7 @@ attributes below, never by asking which target the config names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
     from backends.cost import PoolUsage
+    from backends.progress_deadline import ProgressDeadline
 
 
 @dataclass
@@ -27,6 +28,8 @@ class TaskResult:
     uploaded: list[str]
     seconds: float
     attempts: int = 1
+    # Why attempts were ended as hung (backends/progress_deadline.py), in order.
+    stalls: list[str] = field(default_factory=list)
 
 
 class Cluster(Protocol):
@@ -40,7 +43,13 @@ class Cluster(Protocol):
 
     def ensure_pool(self) -> dict[str, Any]: ...
 
-    def run_task(self, spec: TaskSpec, on_line: Callable[[str], None] = ...) -> TaskResult: ...
+    # ``deadline``: an attempt it finds overdue is ended, and retried where attempts are left.
+    def run_task(
+        self,
+        spec: TaskSpec,
+        on_line: Callable[[str], None] = ...,
+        deadline: ProgressDeadline | None = ...,
+    ) -> TaskResult: ...
 
     def release(self) -> dict[str, Any]: ...
 

@@ -470,6 +470,28 @@ class RetryConfig(_Section):
         allow_inf_nan=False,
         description="the wait before a failed step's next attempt, at most an hour",
     )
+    # A training attempt that stops making progress (a rank stuck in a collective) is ended
+    # and retried from its last checkpoint (backends/progress_deadline.py).
+    stall_first_epoch_seconds: float = Field(
+        3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a training attempt may run before its first epoch ends "
+        "(start-up and data loading included) before it is ended as hung",
+    )
+    stall_factor: float = Field(
+        3.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="after its first epoch, an attempt with no new epoch for this many times "
+        "its slowest recent epoch is ended as hung and retried from its checkpoint",
+    )
+    stall_floor_seconds: float = Field(
+        600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the shortest wait for the next epoch, whatever the epochs before took",
+    )
 
 
 class PromotionConfig(_Section):

@@ -29,6 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+WORKERS_FILE = "workers.json"  # in the state folder: the workers the last starts ran
+KEPT_WORKERS = 10
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ def components(options: Options) -> list[Component]:
             "worker",
             [str(BIN / "prefect"), "worker", "start", "--pool", WORK_POOL, "--name", worker_name],
             ready=lambda: _worker_online(api, worker_name),
-            before=lambda: crash_orphans(api),
+            before=lambda: start_worker(api, state, worker_name),
             before_stop=lambda: cancel_runs(api),
             where=f"{worker_name} on {WORK_POOL}",
             env=env,
@@ -334,13 +337,15 @@ def cancel_runs(api: str, pool: str = WORK_POOL, seconds: float = 90.0) -> str |
     return f"cancelled {len(runs)} run{'s' if len(runs) > 1 else ''} in progress{still}"
 
 
-def crash_orphans(api: str, pool: str = WORK_POOL) -> str | None:
+def crash_orphans(api: str, pool: str = WORK_POOL, ours: Collection[str] = ()) -> str | None:
     """Before the service's worker starts: runs still marked in progress on ``pool`` were left
     by a service that did not stop cleanly (killed, power lost); their processes are gone, and
-    each holds its deployment's only slot. They are marked crashed, unless another worker is
-    online on the pool (then they may be its)."""
+    each holds its deployment's only slot. They are marked crashed (which frees the slot),
+    unless a worker other than the service's earlier ones (``ours``, by name) is online on the
+    pool: then they may be its. An earlier worker of this service is dead whatever its last
+    heartbeat says (the server calls a worker online for 90 s after it)."""
     workers = _post(f"{api}/work_pools/{pool}/workers/filter", {}) or []
-    if any(w.get("status") == "ONLINE" for w in workers):
+    if any(w.get("status") == "ONLINE" and w.get("name") not in ours for w in workers):
         return None
     runs = _active_runs(api, pool)
     for flow_run in runs:
@@ -359,6 +364,29 @@ def crash_orphans(api: str, pool: str = WORK_POOL) -> str | None:
         if runs
         else None
     )
+
+
+def earlier_workers(state: Path) -> list[str]:
+    """The names of the workers earlier starts of this service (this state folder) ran."""
+    try:
+        names = json.loads((state / WORKERS_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def start_worker(api: str, state: Path, name: str, pool: str = WORK_POOL) -> str | None:
+    """Before the worker starts: the runs the earlier workers left are crashed, and this one is
+    recorded as the service's. Only one service runs on a state folder (its PostgreSQL data),
+    so every worker recorded there is dead when the next one starts; the last few are kept
+    (a start that crashed nothing, another worker being online, tries again next time)."""
+    earlier = earlier_workers(state)
+    note = crash_orphans(api, pool, ours=earlier)
+    state.mkdir(parents=True, exist_ok=True)
+    partial = state / f"{WORKERS_FILE}.partial"  # replaced whole: never a half-written list
+    partial.write_text(json.dumps([*earlier, name][-KEPT_WORKERS:]))
+    os.replace(partial, state / WORKERS_FILE)
+    return note
 
 
 def _worker_online(api: str, name: str) -> bool:

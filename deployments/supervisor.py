@@ -11,12 +11,14 @@ signal included). A component that exits on its own stops the others.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_SECONDS = 30.0  # a flow run the worker started gets this long to release its pool
+MARK_VARIABLE = "RETRAIN_SERVICE_MARK"
 
 
 class ServiceError(RuntimeError):
@@ -49,6 +52,10 @@ class Component:
     signal_tree: bool = True  # False: only the main process is signalled (it stops the rest)
     timeout: float = 180.0  # seconds to become ready
     grace: float = STOP_GRACE_SECONDS  # seconds to stop before what is left is killed
+    # Given to the process's environment (MARK_VARIABLE), and inherited by what it starts: a
+    # process that left its tree (its parent was killed, or it started a session of its own,
+    # as a worker's flow runs do) is still found and stopped with it.
+    mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass
@@ -103,7 +110,8 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=component.env,
+                env={**(os.environ if component.env is None else component.env)}
+                | {MARK_VARIABLE: component.mark},
                 start_new_session=True,  # Ctrl-C reaches the supervisor only: it stops in order
                 **({"cwd": str(ROOT)} | component.popen),
             )
@@ -172,17 +180,36 @@ def _stop_tree(started: Started, grace: float) -> str:
         main = psutil.Process(proc.pid)
         tree = [main, *main.children(recursive=True)]
     except psutil.NoSuchProcess:
-        tree = []
-    for p in tree if component.signal_tree else tree[:1]:
+        main, tree = None, []
+    # What left the tree: a worker killed outright leaves its flow runs running (each in a
+    # session of its own), holding their pools' locks; they carry the component's mark.
+    strays = [p for p in marked(component.mark) if p.pid not in {q.pid for q in tree}]
+    signalled = tree if component.signal_tree else tree[:1]
+    for p in [*signalled, *strays]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(component.stop_signal)
-    _, alive = psutil.wait_procs(tree, timeout=grace)
+    _, alive = psutil.wait_procs([*tree, *strays], timeout=grace if main or strays else 0)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     psutil.wait_procs(alive, timeout=10)
     proc.wait()
     return f" (killed {len(alive)} left after {grace:.0f} s)" if alive else ""
+
+
+def marked(mark: str) -> list[Any]:
+    """Every process carrying ``mark`` (MARK_VARIABLE), and every process below one of them
+    (a process may drop the variable from its children's environment: a training task does)."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.pid != os.getpid() and p.environ().get(MARK_VARIABLE) == mark:
+                found[p.pid] = p
+                for child in p.children(recursive=True):
+                    found.setdefault(child.pid, child)
+    return list(found.values())
 
 
 def shown(path: Path) -> str:

@@ -20,6 +20,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from backends.cluster import Cluster
+from backends.progress_deadline import ProgressDeadline
 from backends.taskspec import training_task, training_task_digest
 from core.config import PipelineConfig
 from core.run import Run
@@ -98,6 +99,9 @@ def run_training(
     epochs: list[dict[str, Any]] = []
     resumed: list[int] = []
     tail: deque[str] = deque(maxlen=30)
+    # No progress for too long ends the attempt (a rank stuck in a collective); the retry
+    # (Prefect's here on the local cluster, the next task on Batch) resumes from the checkpoint.
+    deadline = ProgressDeadline.of(config.retries)
 
     def on_line(line: str) -> None:
         tail.append(line)
@@ -113,6 +117,12 @@ def run_training(
         if "epoch" not in record:
             return  # an attempt that resumed after the last epoch: nothing trained
         epochs.append(record)
+        seconds = record.get("seconds")
+        deadline.progress(
+            int(record["epoch"]),
+            float(seconds) if isinstance(seconds, int | float) else None,
+            last=record["epoch"] == record.get("epochs"),
+        )
         if on_epoch is not None:
             on_epoch(record)
         update_progress_artifact(
@@ -121,10 +131,11 @@ def run_training(
             description=progress_text(record, epochs),
         )
 
-    result = cluster.run_task(spec, on_line)
+    result = cluster.run_task(spec, on_line, deadline)
     if result.exit_code != 0:
+        hung = f" (ended: {result.stalls[-1]})" if result.stalls else ""
         raise TrainingFailedError(
-            f"training task {spec.id} exited with {result.exit_code}; "
+            f"training task {spec.id} exited with {result.exit_code}{hung}; "
             "last lines:\n" + "\n".join(tail)
         )
     update_progress_artifact(progress_id, 100.0, description="training finished")
@@ -145,6 +156,7 @@ def run_training(
             "epochs_run": [e["epoch"] for e in epochs],
             "outputs": len(result.uploaded),
             "attempts": result.attempts,
+            "stalls": result.stalls,
         },
     )
 

@@ -13,6 +13,7 @@ forever.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
     from backends.cost import PoolUsage
+    from backends.progress_deadline import ProgressDeadline
 
 # Resize errors that no retry fixes: the account (Batch-service allocation mode) or the
 # subscription (user-subscription mode) has no more cores of that kind.
@@ -381,9 +383,40 @@ class BatchCluster:
         return job_id(self.pool_id, spec.id)
 
     def run_task(
-        self, spec: TaskSpec, on_line: Callable[[str], None] = lambda _: None
+        self,
+        spec: TaskSpec,
+        on_line: Callable[[str], None] = lambda _: None,
+        deadline: ProgressDeadline | None = None,
     ) -> TaskResult:
-        """Submit (or re-attach to) the task, follow it to the end, report its outputs."""
+        """Submit (or re-attach to) the task, follow it to the end, report its outputs.
+
+        An attempt the ``deadline`` finds hung is terminated through the API; Batch does not
+        retry a terminated task, so the attempts left go to a new task of the same command
+        (``<id>-<attempt>``, in a job of its own), which resumes from the checkpoint."""
+        started = time.perf_counter()
+        used, stalls, current = 0, [], spec
+        while True:
+            result = self._run_one(current, on_line, deadline)
+            used += result.attempts
+            stalls += result.stalls
+            next_id = f"{spec.id}-{used + 1}"
+            if (
+                not result.stalls
+                or used > spec.max_retries
+                or self.job_id(dataclasses.replace(spec, id=next_id)) == self.job_id(current)
+            ):
+                return dataclasses.replace(
+                    result, attempts=used, stalls=stalls, seconds=time.perf_counter() - started
+                )
+            current = dataclasses.replace(spec, id=next_id, max_retries=spec.max_retries - used)
+            on_line(
+                f"task {spec.id}: attempt {used + 1} of {spec.max_retries + 1} as task "
+                f"{current.id}, from the last checkpoint"
+            )
+
+    def _run_one(
+        self, spec: TaskSpec, on_line: Callable[[str], None], deadline: ProgressDeadline | None
+    ) -> TaskResult:
         from azure.core.exceptions import ResourceExistsError
 
         started = time.perf_counter()
@@ -405,7 +438,8 @@ class BatchCluster:
         # Only now may the job end with its task (see job_body); a completed job says 409.
         with contextlib.suppress(ResourceExistsError):
             self.client.update_job(job_id, job_completion_body())
-        task = self._follow(job_id, spec, on_line)
+        stalls: list[str] = []
+        task = self._follow(job_id, spec, on_line, deadline, stalls)
         info = task.execution_info
         if info is None:
             raise TaskFailedError(f"task {spec.id} ended without running (job {job_id})")
@@ -422,6 +456,7 @@ class BatchCluster:
             uploaded,
             time.perf_counter() - started,
             attempts=(info.retry_count or 0) + 1,
+            stalls=stalls,
         )
 
     def _get_task(self, job_id: str, spec: TaskSpec) -> tuple[Any, datetime]:
@@ -443,7 +478,14 @@ class BatchCluster:
             ) from None
         return task, now
 
-    def _follow(self, job_id: str, spec: TaskSpec, on_line: Callable[[str], None]) -> Any:
+    def _follow(
+        self,
+        job_id: str,
+        spec: TaskSpec,
+        on_line: Callable[[str], None],
+        deadline: ProgressDeadline | None = None,
+        stalls: list[str] | None = None,
+    ) -> Any:
         offset, retry = 0, 0
         start: tuple[Any, Any] | None = None  # (start time, node) of the attempt being read
         states: dict[Any, tuple[Any, Any]] = {}
@@ -467,6 +509,8 @@ class BatchCluster:
                         f"task {spec.id} was requeued (a node was preempted or recovered): "
                         f"it starts again on {node}, from its last checkpoint"
                     )
+                if deadline is not None and (start is None or start[0] != info.start_time):
+                    deadline.restart()  # an attempt starts (first, retried or requeued)
                 start = (info.start_time, node)
             if spec.coordination_command:
                 self._log_subtasks(job_id, spec, states, on_line)
@@ -474,9 +518,29 @@ class BatchCluster:
                 offset = self._stream(job_id, spec.id, offset, on_line)
             if task.state == "completed":
                 return task
+            reason = deadline.overdue() if deadline is not None and start is not None else None
+            if reason is not None and task.state == "running":
+                self._end_hung(job_id, spec, reason, on_line)
+                if stalls is not None:
+                    stalls.append(reason)
+                deadline = None  # ended: what follows is its end, not more progress
             if task.creation_time is not None and now > task.creation_time + lifetime:
                 self._give_up(job_id, spec, task, lifetime)
             time.sleep(next(delays))
+
+    def _end_hung(
+        self, job_id: str, spec: TaskSpec, reason: str, on_line: Callable[[str], None]
+    ) -> None:
+        """Terminate a hung attempt (every subtask of it): it would hold its nodes until its
+        maximum run time. A task that completed meanwhile (409) has nothing left to end."""
+        from azure.core.exceptions import HttpResponseError
+
+        on_line(f"task {spec.id}: {reason}: terminating it")
+        try:
+            self.client.terminate_task(job_id, spec.id)
+        except HttpResponseError as exc:
+            if exc.status_code != 409:
+                raise
 
     def _log_subtasks(
         self,

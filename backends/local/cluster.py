@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
     from backends.cost import PoolUsage
+    from backends.progress_deadline import ProgressDeadline
+
+
+WATCH_SECONDS = 0.5  # how often a running task's progress deadline is checked
 
 
 class ClusterError(RuntimeError):
@@ -157,6 +161,8 @@ class LocalCluster:
         log: Path,
         on_line: Callable[[str], None],
         timeout: float,
+        deadline: ProgressDeadline | None = None,
+        stalls: list[str] | None = None,
     ) -> int:
         # Batch command lines are executed without a shell: split like Batch does.
         proc = subprocess.Popen(
@@ -177,27 +183,69 @@ class LocalCluster:
             write_record(record, pidfile)  # lets release() from another process stop it
         timer = threading.Timer(timeout, self._kill, args=(key,))
         timer.start()
+        ended = threading.Event()
+        if deadline is not None:
+            threading.Thread(
+                target=self._watch,
+                args=(key, deadline, ended, on_line, stalls if stalls is not None else []),
+                daemon=True,
+            ).start()
         try:
             assert proc.stdout is not None
             with open(log, "a") as out:
                 pipe_lines(proc.stdout, on_line, copy=out)
             return proc.wait()
         finally:
+            ended.set()
             timer.cancel()
             pidfile.unlink(missing_ok=True)
             with self._lock:
                 self._running.pop(key, None)
 
+    def _watch(
+        self,
+        key: str,
+        deadline: ProgressDeadline,
+        ended: threading.Event,
+        on_line: Callable[[str], None],
+        stalls: list[str],
+    ) -> None:
+        """End the task once the deadline finds it hung; the reason goes to its log."""
+        while not ended.wait(WATCH_SECONDS):
+            reason = deadline.overdue()
+            if reason is not None:
+                stalls.append(reason)
+                on_line(f"task {key}: {reason}: ending the attempt")
+                self._kill(key)
+                return
+
     def _kill(self, key: str) -> None:
+        """The task's whole tree: its process group, and what left the group (launchers put
+        each rank in a session of its own), a stopped rank included (SIGKILL ends it too)."""
+        import psutil
+
         with self._lock:
             proc = self._running.get(key)
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            below = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            below = []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for child in below:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
     def run_task(
-        self, spec: TaskSpec, on_line: Callable[[str], None] = lambda _: None
+        self,
+        spec: TaskSpec,
+        on_line: Callable[[str], None] = lambda _: None,
+        deadline: ProgressDeadline | None = None,
     ) -> TaskResult:
+        """One attempt (Prefect retries the step here); one the ``deadline`` finds hung is
+        ended, and the result names why in ``stalls``."""
         if self.state() != "steady":
             raise ClusterError(f"pool {self.pool_id} is {self.state()}: ensure it first")
         if spec.instances != 1:
@@ -218,6 +266,9 @@ class LocalCluster:
         log = task_dir / "stdout.txt"
         (task_dir / "stderr.txt").touch()  # merged into stdout.txt here; Batch keeps both
         code = 0
+        stalls: list[str] = []
+        if deadline is not None:
+            deadline.restart()
         if spec.coordination_command:
             code = self._run(
                 spec.id,
@@ -227,6 +278,8 @@ class LocalCluster:
                 log,
                 on_line,
                 spec.max_wall_clock_seconds,
+                deadline,
+                stalls,
             )
         if code == 0:
             code = self._run(
@@ -237,9 +290,11 @@ class LocalCluster:
                 log,
                 on_line,
                 spec.max_wall_clock_seconds,
+                deadline,
+                stalls,
             )
         uploaded = self._upload_outputs(spec.outputs, task_dir / "wd", success=code == 0)
-        return TaskResult(code, task_dir, uploaded, time.perf_counter() - started)
+        return TaskResult(code, task_dir, uploaded, time.perf_counter() - started, stalls=stalls)
 
     def _wait_for_free_node(self, spec: TaskSpec, on_line: Callable[[str], None]) -> None:
         """One task per node, as on the Batch pool (task_slots_per_node=1): a task left running

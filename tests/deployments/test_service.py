@@ -27,6 +27,7 @@ from backends.local.ports import free_port
 from tests.conftest import ROOT, child_env
 from tests.deployments.test_alerts import webhook_receiver
 from tests.deployments.test_supervisor import lines_until, process_tree
+from tests.reliability import report
 
 
 def test_a_generated_relay_secret_is_the_owners_alone(
@@ -285,7 +286,7 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
         )
         assert proc.returncode == 0, proc.stderr
         rows = proc.stdout.strip().splitlines()
-        assert len(rows) == 1 + len(digits) and rows[0].startswith("image,label_1,")
+        assert len(rows) == 1 + len(digits) and rows[0].startswith('"image","label_1",')
         assert f"skipped {new / 'damaged.png'}: unreadable image" in proc.stderr
         mark("new images labelled")
 
@@ -334,15 +335,16 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them() -> None:
+def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them(tmp_path: Path) -> None:
     """Their processes are gone and each holds its deployment's only slot; unless another
-    worker is online on the pool, when they may be its own."""
+    worker is online on the pool, when they may be its own. A worker of this service killed
+    outright still looks online for 90 s: the next start knows it was its own."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.settings import PREFECT_API_URL
-    from prefect.states import Running
+    from prefect.states import Cancelled, Pending, Running
 
-    from deployments.service import cancel_runs, crash_orphans
+    from deployments.service import cancel_runs, crash_orphans, start_worker
 
     api = str(PREFECT_API_URL.value())
     pool = f"orphans-{uuid.uuid4().hex[:8]}"
@@ -357,6 +359,39 @@ def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them() -> N
         assert crash_orphans(api, pool) == "2 runs left by an earlier stop marked crashed"
         assert {client.read_flow_run(r.id).state.type.value for r in runs} == {"CRASHED"}
 
+        # The service's worker (recorded in its state folder) runs a run of a deployment that
+        # runs one at a time, and is killed: its heartbeat is recent, the run holds the slot.
+        one = client.create_deployment(
+            flow_id, "one-at-a-time", work_pool_name=pool, concurrency_limit=1
+        )
+        assert start_worker(api, tmp_path, "service-killed", pool) is None
+        client.send_worker_heartbeat(pool, "service-killed")
+        held = client.create_flow_run_from_deployment(one)
+        assert client.set_flow_run_state(held.id, Pending()).status.value == "ACCEPT"
+        client.set_flow_run_state(held.id, Running())
+        waiting = client.create_flow_run_from_deployment(one)
+        assert client.set_flow_run_state(waiting.id, Pending()).status.value != "ACCEPT"
+        assert crash_orphans(api, pool) is None  # a worker of unknown origin is online
+        # The service starts again: the killed worker's run is crashed, its slot given back.
+        assert start_worker(api, tmp_path, "service-restarted", pool) == (
+            "1 run left by an earlier stop marked crashed"
+        )
+        assert client.read_flow_run(held.id).state.type.value == "CRASHED"
+        assert client.set_flow_run_state(waiting.id, Pending()).status.value == "ACCEPT"
+        assert json.loads((tmp_path / "workers.json").read_text()) == [
+            "service-killed",
+            "service-restarted",
+        ]
+        client.set_flow_run_state(waiting.id, Cancelled(), force=True)
+        report.record(
+            "orchestrator",
+            "the service's worker killed, its heartbeat recent, its run holding the only slot; "
+            "the service started again",
+            "the run marked crashed at the start; the waiting run got the slot",
+            before_fix="nothing crashed (the dead worker counted as online for 90 s); the next "
+            "run waited for the slot",
+        )
+
         other = client.create_flow_run_from_deployment(deployment_id)
         client.set_flow_run_state(other.id, Running(), force=True)
         client.send_worker_heartbeat(pool, "a worker on another machine")
@@ -369,3 +404,93 @@ def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them() -> N
             "cancelled 1 run in progress, 1 still running after 2 s"
         )
         assert client.read_flow_run(other.id).state.type.value == "CANCELLING"
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_killed_worker_leaves_no_flow_run_and_the_restart_frees_its_slot(
+    tmp_path: Path,
+) -> None:
+    """The service's worker, as make service starts it, killed outright (SIGKILL) while it runs
+    a flow: the service's stop ends the flow run, which had left the worker's process tree;
+    the next start finds the run crashed and its deployment's only slot free."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.service import BIN, start_worker
+    from deployments.supervisor import Component, Supervisor
+
+    api = str(PREFECT_API_URL.value())
+    pool = f"killed-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        flow_id = client.create_flow_from_name("long-flow")
+        one = client.create_deployment(
+            flow_id,
+            "one-at-a-time",
+            work_pool_name=pool,
+            concurrency_limit=1,
+            entrypoint="tests/deployments/long_flow.py:long_flow",
+            pull_steps=[
+                {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}
+            ],
+        )
+        supervisor = Supervisor(tmp_path / "logs", say=lambda line: None)
+
+        def worker(name: str) -> Component:  # as deployments/service.py makes it
+            env = {**child_env(), "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": "1"}
+            return Component(
+                "worker",
+                [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--name", name],
+                ready=lambda: any(
+                    w.name == name and w.status.value == "ONLINE"
+                    for w in client.read_workers_for_work_pool(pool)
+                ),
+                before=lambda: start_worker(api, tmp_path, name, pool),
+                env=env,
+                grace=10,
+            )
+
+        run = client.create_flow_run_from_deployment(one)
+        flow_run: list[psutil.Process] = []
+        try:
+            supervisor.start(worker("service-first"))
+            running = _wait(
+                "the run to start",
+                lambda: (
+                    (r := client.read_flow_run(run.id)).state.type.value == "RUNNING"
+                    and r.infrastructure_pid
+                ),
+                120,
+            )
+            main = psutil.Process(int(running))
+            flow_run = [main, *main.children(recursive=True)]
+            (started,) = supervisor.running
+            started.proc.kill()  # the worker, killed outright (the OOM killer, kill -9)
+            started.proc.wait()
+            supervisor.stop()
+            alive = [p for p in flow_run if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            assert alive == [], [p.cmdline() for p in alive]
+
+            # The service starts again: the run is crashed, the slot goes to the next run.
+            waiting = client.create_flow_run_from_deployment(one)
+            supervisor.start(worker("service-second"))
+            assert client.read_flow_run(run.id).state.type.value == "CRASHED"
+            _wait(
+                "the next run to get the slot",
+                lambda: client.read_flow_run(waiting.id).state.type.value == "RUNNING",
+                120,
+            )
+            report.record(
+                "orchestrator",
+                "the service's worker SIGKILLed while it runs a flow; the service stopped, then "
+                "started again",
+                "the stop ended the flow run (outside the worker's tree); the run crashed; the "
+                "next run got the slot",
+                before_fix="the flow run's engine process survived the stop",
+            )
+        finally:
+            supervisor.stop()
+            for p in flow_run:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.processes  # each test runs a script or servers of its 
 
 # A service of three stand-ins: an HTTP server; a step that refuses to run unless that server
 # answers (so it proves it was started only after the first was healthy); and a process that
-# ignores SIGTERM and has a child of its own (what a worker running a flow looks like).
+# ignores SIGTERM and has a child of its own in a session of its own (what a worker running a
+# flow looks like).
 DRIVER = textwrap.dedent(
     """
     import sys, urllib.request
@@ -37,7 +38,8 @@ DRIVER = textwrap.dedent(
     )
     stubborn = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+        " start_new_session=True);"
         "open(sys.argv[1], 'w').close(); time.sleep(600)"
     )
     ready = logs.parent / "stubborn-ready"
@@ -147,3 +149,21 @@ def test_a_port_in_use_is_named_before_anything_starts(tmp_path: Path) -> None:
     assert driver.returncode == 1
     assert f"error: web: 127.0.0.1:{port} is already in use (another web?)" in out
     assert not (tmp_path / "logs" / "web.log").exists()
+
+
+def test_a_killed_component_leaves_no_process_of_its_own_behind(tmp_path: Path) -> None:
+    """A worker killed outright (SIGKILL, the OOM killer): its flow run, in a session of its
+    own, is no longer below it; the supervisor's stop ends it all the same."""
+    driver = _start(tmp_path, free_port())
+    try:
+        lines_until(driver, "all running")
+        (stubborn,) = [p for p in process_tree(driver.pid) if "stubborn-ready" in p.cmdline()[-1]]
+        (flow_run,) = stubborn.children()
+        stubborn.kill()
+        out, _ = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 1, out
+    assert "stubborn exited with -9" in out and "the service is stopped" in out
+    assert not flow_run.is_running() or flow_run.status() == psutil.STATUS_ZOMBIE, out

@@ -329,6 +329,14 @@ class FakeBatch:
                     raise Refused(404, "TaskNotFound", "The specified task does not exist.")
                 if len(p) == 4 and m == "GET":
                     return Response(200, self._checked(self._task_json(task), "BatchTask"))
+                if p[4:] == ["terminate"] and m == "POST":
+                    if task.state == "completed":
+                        raise Refused(409, "TaskCompleted", "The specified task is completed.")
+                    # Ended, not retried: the service counts no attempt against the retries.
+                    self._abandon(
+                        task, "completed", ("TaskEnded", "Task Was Ended by User Request")
+                    )
+                    return Response(204)
                 if p[4:] == ["subtasksinfo"] and m == "GET":
                     # Nodes that really ran the subtasks know their states; else the model's.
                     listing = getattr(self.executor, "subtasks", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from servers.gateway import serve
 from tests.conftest import ROOT
 from tests.isolated import label_with_onnxruntime_alone
 from tests.pipeline_helpers import flow_run_logs, make_config, seed, task_runs_and_artifacts
+from tests.reliability import report
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "horovodrun")
 
@@ -357,6 +359,72 @@ def test_killed_training_attempt_is_retried_and_resumes(
     assert 1 not in steps["run-training"]["details"]["epochs_run"]
     task_runs, _ = task_runs_and_artifacts(state.state_details.flow_run_id)
     assert task_runs["run-training"].run_count == 2
+
+
+def test_a_stopped_rank_ends_the_attempt_by_its_deadline_and_the_retry_resumes(
+    tmp_path: Path, digits_source: Path
+) -> None:
+    """A rank stuck in a collective (SIGSTOP: a frozen node) hangs the other one in its
+    allreduce; no progress for the bound after epoch 1 ends the attempt with that reason, and
+    the retry resumes from the checkpoint. The bound is kept small, and under Gloo's own
+    30-second timeout, so it is the deadline that ends the attempt."""
+    import psutil
+
+    config = make_config(
+        tmp_path,
+        "training.epochs=5",
+        "pool.processes_per_node=2",
+        "retries.backoff_seconds=0",
+        "retries.stall_floor_seconds=8",
+        "retries.stall_factor=2",
+        "retries.stall_first_epoch_seconds=300",
+    )
+    seed(config, digits_source)
+    box: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: box.update(state=retrain(config=config, return_state=True))
+    )
+    worker.start()
+    running = config.work_dir / "pools" / config.pool.id / "running"
+    deadline = time.monotonic() + 600
+    stopped: psutil.Process | None = None
+    while worker.is_alive() and stopped is None and time.monotonic() < deadline:
+        # Epoch 1 reported (its PROGRESS line in the task's log) and checkpointed.
+        logs = (config.work_dir / "pools" / config.pool.id / "tasks").glob("train-*/stdout.txt")
+        reported = any('"epoch": 1,' in log.read_text(errors="replace") for log in logs)
+        ckpts = list((config.nfs.local_dir / "checkpoints").glob("*/checkpoint-1.pt"))
+        pidfiles = list(running.glob("train-*.pid")) if running.exists() else []
+        record = read_record(pidfiles[0]) if pidfiles else None
+        if reported and ckpts and record:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for proc in psutil.Process(record.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if proc.environ().get("HOROVOD_RANK") == "1":
+                            proc.send_signal(signal.SIGSTOP)  # rank 1 freezes mid-epoch
+                            stopped = proc
+                            break
+        time.sleep(0.05)
+    worker.join(timeout=600)
+    assert stopped is not None, "the training task finished before a rank could be stopped"
+    assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE  # ended
+    state = box["state"]
+    assert state.is_completed(), state.message
+    steps = {s["step"]: s for s in state.result()["steps"]}
+    assert steps["run-training"]["details"]["resumed_from_epoch"] >= 1
+    task_runs, _ = task_runs_and_artifacts(state.state_details.flow_run_id)
+    assert task_runs["run-training"].run_count == 2
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    reason = re.search(r"no progress for 8 s after epoch \d+(?=: ending the attempt)", logs)
+    assert reason, logs[-3000:]
+    report.record(
+        "training",
+        "a rank stopped (SIGSTOP) after epoch 1, 2 ranks (local cluster, through the flow)",
+        "attempt ended by the progress deadline; Prefect's retry resumed; model produced",
+        message=reason.group(0),
+        resumed_from=steps["run-training"]["details"]["resumed_from_epoch"],
+        before_fix="no deadline: the hang lasts until Gloo's own timeout (NCCL: none) or the "
+        "task's 6-hour maximum",
+    )
 
 
 def test_task_processes_do_not_inherit_storage_secrets(tmp_path: Path, azurite: str) -> None:

@@ -26,6 +26,7 @@ from backends.taskspec import TaskSpec, scoring_task, training_task
 from core.config import ConfigError, PipelineConfig
 from tests.azure_helpers import azure_config
 from tests.fakes.batch import Attempt, wait_until
+from tests.reliability import report
 
 FAST = Polling(first=0.01, factor=1.0, cap=0.01, lro_seconds=0)
 SHARE_KEY, REGISTRY_PASSWORD = "ZmlsZXMta2V5LXZhbHVl", "acr-token-password-value"
@@ -232,6 +233,52 @@ def test_failed_attempt_is_retried_by_batch_and_reported(
     assert result.exit_code == 0 and result.attempts == 2
     assert any("attempt 2 of 3" in line for line in lines)
     assert "resuming from checkpoint-2.pt: starting at epoch 3" in lines
+
+
+def test_a_hung_attempt_is_terminated_and_the_attempts_left_resume(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """A rank stuck in a collective: epoch 1 is reported, then nothing. The deadline ends the
+    attempt through the API (terminate task); Batch does not retry a terminated task, so the
+    next attempt is a task of its own, which resumes from the checkpoint."""
+    from backends.progress_deadline import ProgressDeadline
+
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
+    epoch_1 = {"epoch": 1, "epochs": 3, "seconds": 0.1}
+    batch.scripts["train-h-2"] = [
+        Attempt(0, "resuming from checkpoint-1.pt: starting at epoch 2\n", _training_outputs())
+    ]
+    batch.scripts["train-h"] = [Attempt(0, f"PROGRESS {json.dumps(epoch_1)}\n", seconds=120)]
+    deadline = ProgressDeadline(first_epoch_seconds=60, factor=2, floor_seconds=1)
+    lines: list[str] = []
+
+    def on_line(line: str) -> None:  # as the training step feeds it (tasks/train_and_score.py)
+        lines.append(line)
+        if line.startswith("PROGRESS "):
+            record = json.loads(line.removeprefix("PROGRESS "))
+            deadline.progress(record["epoch"], record["seconds"])
+
+    spec = training_task(config, "train-h", "k", "runs/h")
+    result = cluster.run_task(spec, on_line, deadline)
+    assert result.exit_code == 0, lines
+    assert result.stalls == ["no progress for 1 s after epoch 1"]
+    assert result.attempts == 2
+    job = cluster.job_id(spec)
+    assert batch.requests.find("POST", f"/jobs/{job}/tasks/train-h/terminate")
+    assert batch.tasks[(job, "train-h")].execution["failureInfo"]["code"] == "TaskEnded"
+    assert "task train-h: attempt 2 of 3 as task train-h-2, from the last checkpoint" in lines
+    assert "resuming from checkpoint-1.pt: starting at epoch 2" in lines
+    # The second task may use only the attempts left: 3 in all, one spent.
+    (second,) = batch.bodies("POST", f"/jobs/{job.replace('train-h', 'train-h-2')}/tasks")
+    assert second["constraints"]["maxTaskRetryCount"] == 1
+    report.record(
+        "training",
+        "a Batch attempt hung after epoch 1 (real SDK, fake Batch)",
+        "task terminated through the API (TaskEnded); the attempts left ran as task train-h-2, "
+        "which resumed from the checkpoint",
+        message=result.stalls[0],
+    )
 
 
 def test_task_that_keeps_failing_returns_its_exit_code(fake_azure_account, tmp_path: Path) -> None:
