@@ -462,7 +462,7 @@ def test_a_run_starts_from_the_champion_and_records_it(
     # not the config's default), but what the run sets itself (its overrides) wins.
     state = retrain(
         config=config,
-        overrides=["training.follow_champion=true", "training.batch_size=16"],
+        overrides=["training.follow_champion=true", "training.batch_size=32"],
         return_state=True,
     )
     assert state.is_completed(), state.message
@@ -470,7 +470,7 @@ def test_a_run_starts_from_the_champion_and_records_it(
     steps = {s["step"]: s for s in result["steps"]}
     settings = steps["follow-champion"]["details"]["settings"]
     assert f"training.lr = 0.07: the champion's recipe (run {champion_run})" in settings
-    assert "training.batch_size = 16: set in the deployment's config" in settings
+    assert "training.batch_size = 32: set in the deployment's config" in settings
     assert (
         f"training.init_from = 'champion': a champion exists (run {champion_run}): "
         "retrain it" in settings
@@ -487,7 +487,7 @@ def test_a_run_starts_from_the_champion_and_records_it(
     assert started["run_id"] == champion_run and started["md5"] == first_metrics["model_md5"]
     assert started["classes_carried"] == first_metrics["class_names"]
     assert started["classes_new"] == [] and started["kind"] == "model file"
-    assert metrics["args"]["lr"] == 0.07 and metrics["args"]["batch_size"] == 16
+    assert metrics["args"]["lr"] == 0.07 and metrics["args"]["batch_size"] == 32
     # The lineage of the new model, as `cli.models lineage` prints it, back to scratch.
     from cli.models import main as models
 
@@ -499,6 +499,15 @@ def test_a_run_starts_from_the_champion_and_records_it(
         f"{result['run_id']}  started from run {champion_run}",
         f"{champion_run}  started from scratch",
     ]
+
+    # The same retrain again: whichever run is the champion now, the version it was trained
+    # on with this code and recipe is up to date (the start is not a new input when following).
+    again = retrain(
+        config=config,
+        overrides=["training.follow_champion=true", "training.batch_size=32"],
+        return_state=True,
+    )
+    assert again.is_completed() and again.result()["up_to_date"] is True, again.message
 
     champion_blob_name = champion_blob("", config.data.root)
     champion = outputs.download_blob(champion_blob_name).readall()
