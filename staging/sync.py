@@ -463,10 +463,12 @@ def sync_to_directory(
         if todo:
             download_all(object_store(container, retry), todo, pinned, workers, landed, retry)
     finally:
-        # What did arrive is recorded; files finished but unrecorded are recognised by their
-        # MD5 next time. Before the manifest vouches for what was written, it is made safe
-        # from a crash, or marked as trusted under this boot only (staging.durability). A file
-        # lost to a crash before this point is not in the manifest and is checked again.
+        # What did arrive is recorded. A sync killed before this point (SIGKILL skips it)
+        # leaves files no manifest names: the next one keeps those its listing names, checked
+        # by their MD5, and deletes the others with the temporary files. Before the manifest
+        # vouches for what was written, it is made safe from a crash, or marked as trusted
+        # under this boot only (staging.durability). A file lost to a crash before this point
+        # is not in the manifest and is checked again.
         settled = settle(dest, boot) if fresh else None
         if settled in ("unflushed", "failed"):
             for name in fresh:
@@ -515,5 +517,5 @@ def _write_manifest(
     boot: str | None,
     flush_failed: bool,
 ) -> None:
-    report.data_version = write_manifest(dest, prefix, files, None, syncs, boot, flush_failed)
+    report.data_version = write_manifest(dest, prefix, files, syncs, boot, flush_failed)
     report.manifest = str(dest / MANIFEST)

@@ -8,7 +8,7 @@ The manifest (``.staging-manifest.json``) maps each staged blob to the file it b
      "flush_failed": true,   # a flush under ``boot`` reported a write error: marks stay
      "files": {"<blob name>": {"path": "<relative path>", "etag": ..., "size": ..., "md5": ...,
                                "stat": [mtime_ns, ctime_ns, inode], "unflushed": true}},
-     "stale": {...}}   # files a cut-short sync still has to delete (same entry shape)
+     "stale": {...}}   # written by earlier versions (files yet to delete): read, not written
 
 ``data_version`` names the content, not the time: the same bytes under the same names give the
 same version. ``stat`` is the file's status right after staging renamed it into place: a later
@@ -84,15 +84,13 @@ def write_manifest(
     dest: Path,
     prefix: str,
     files: dict[str, dict[str, Any]],
-    stale: dict[str, dict[str, Any]] | None = None,
     syncs: int = 0,
     boot: str | None = None,
     flush_failed: bool = False,
 ) -> str:
-    """Write the manifest of ``files`` atomically; returns its data version. ``stale`` entries
-    (files still to be deleted) are kept apart from the data version, so an interrupted sync
-    can finish the cleanup. ``boot``: the boot its unflushed files are trusted under;
-    ``flush_failed``: a flush under that boot reported a write error."""
+    """Write the manifest of ``files`` atomically; returns its data version. ``boot``: the boot
+    its unflushed files are trusted under; ``flush_failed``: a flush under that boot reported
+    a write error."""
     version = data_version(files)
     manifest: dict[str, Any] = {
         "prefix": prefix,
@@ -104,8 +102,6 @@ def write_manifest(
         manifest["boot"] = boot
     if flush_failed:
         manifest["flush_failed"] = True
-    if stale:
-        manifest["stale"] = stale
     text = json.dumps(manifest, separators=(",", ":")).encode()  # compact: one entry per file
     atomic_write(dest / MANIFEST, lambda fh: fh.write(text))
     return version

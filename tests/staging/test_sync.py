@@ -486,3 +486,50 @@ def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
     assert read_before_answer == [True]
     assert (report.skipped, report.downloaded, report.repaired) == (4, [], [])
     assert report.deleted == []  # the damaged entry names no file: nothing to delete
+
+
+def test_the_folder_holds_exactly_the_listing_whatever_was_left_there(
+    container: ContainerClient, tmp_path: Path
+) -> None:
+    """Whatever the folder holds that the listing does not name is deleted before anything is
+    written, whoever left it: files no manifest recorded, temporary files of downloads and of
+    a manifest write, a stray class folder, an empty one, a file where the listing needs a
+    folder and a folder where it needs a file, a link (its target untouched). The manifest and
+    the packed shards stay; nothing listed is downloaded again."""
+    dest, outside = tmp_path / "data", tmp_path / "elsewhere.png"
+    sync_to_directory(container, "ds", dest)
+    outside.write_bytes(b"not staging's")
+    left = {
+        "train/c1/stray.png": b"x",
+        "train/c1/.staging-0123456789ab-7.part": b"half",
+        ".staging-manifest.json.k2j3.tmp": b"{",
+        "train/bad/1.png": b"y",
+        "train/gone/deeper/2.png": b"z",
+        "val": b"a file where a folder will be needed",
+        "train/c2/new.png/inner.png": b"a folder where a file will be needed",
+    }
+    for rel, data in left.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(data)
+    (dest / "train" / "empty").mkdir()
+    (dest / "train" / "c0" / "link.png").symlink_to(outside)
+    (dest / ".shards").mkdir()
+    (dest / ".shards" / "index.json").write_text("{}")
+    container.upload_blob("ds/val/c0/1.png", b"val image")
+    container.upload_blob("ds/train/c2/new.png", b"new image")
+
+    again = sync_to_directory(container, "ds", dest)
+    listed = {b.name[len("ds/") :] for b in container.list_blobs(name_starts_with="ds/")}
+    on_disk = {
+        p.relative_to(dest).as_posix()
+        for p in dest.rglob("*")
+        if (p.is_file() or p.is_symlink()) and p.name != MANIFEST
+    }
+    assert on_disk == listed | {".shards/index.json"}
+    assert not (dest / "train" / "bad").exists() and not (dest / "train" / "empty").exists()
+    assert (dest / "val" / "c0" / "1.png").read_bytes() == b"val image"
+    assert (dest / "train" / "c2" / "new.png").read_bytes() == b"new image"
+    assert outside.read_bytes() == b"not staging's"
+    assert sorted(again.removed) == sorted([*left, "train/c0/link.png"])
+    assert sorted(again.downloaded) == ["ds/train/c2/new.png", "ds/val/c0/1.png"]
+    assert again.skipped == 30 and again.deleted == []
