@@ -60,6 +60,7 @@ from training.staged_folder import (
     MANIFEST,
     SHARD_DIR,
     TEMP_PREFIX,
+    current_pack,
     previous_sync,
     write_manifest,
 )
@@ -497,14 +498,22 @@ def stage(
     an older pack is removed). Returns the report."""
     report = sync_to_directory(container, prefix, dest, workers=workers, listing=listing)
     result = report.as_dict()
-    # Imported here: packing needs torch (about 2 s to import), a sync does not.
-    from training.shards import pack_shards, remove_shards
-
+    # The packer needs torch (about 2 s to import): imported only to pack, to check a pack
+    # that is not plainly current, or to remove one. After a sync the manifest vouches for
+    # every file in the folder, so its version is the one a current pack records.
     if pack_image_size:
-        result["shards"] = pack_shards(dest, pack_image_size).as_dict()
-    else:
+        current = current_pack(dest, pack_image_size, report.data_version)
+        if current is None:
+            from training.shards import pack_shards
+
+            current = pack_shards(dest, pack_image_size)
+        result["shards"] = current.as_dict()
+        return result
+    if (dest / SHARD_DIR).is_dir():
+        from training.shards import remove_shards
+
         remove_shards(dest)
-        result["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}
+    result["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}
     return result
 
 

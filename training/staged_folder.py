@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +34,57 @@ from training.atomic import atomic_write, read_json_object
 MANIFEST = ".staging-manifest.json"
 TEMP_PREFIX = ".staging-"  # a download in progress: ``.staging-<token>-<n>.part`` by its target
 SHARD_DIR = ".shards"  # the packed shards (training.shards) live here
+INDEX = "index.json"  # in SHARD_DIR: the pack's commit point, written last
+# 2: rows decoded by what the pixels mean (training.images.to_rgb: EXIF orientation, 16-bit
+# scaled, transparency composited); rows of format 1 are neither reused nor read.
+PACK_FORMAT = 2
+
+
+@dataclass
+class PackReport:
+    """What a pack did (``training.shards``)."""
+
+    action: str  # packed | unchanged | not packed
+    reason: str = ""
+    images: int = 0
+    decoded: int = 0
+    reused: int = 0
+    skipped: int = 0
+    shards: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pack_is_current(index: dict[str, Any] | None, version: str, image_size: int) -> bool:
+    """Whether the pack ``index`` describes holds data version ``version`` at ``image_size``."""
+    return bool(
+        index
+        and index.get("format") == PACK_FORMAT
+        and index.get("version") == version
+        and index.get("image_size") == image_size
+    )
+
+
+def unchanged_pack(index: dict[str, Any]) -> PackReport:
+    return PackReport("unchanged", images=sum(s["count"] for s in index["splits"].values()))
+
+
+def current_pack(root: Path, image_size: int, version: str) -> PackReport | None:
+    """The report of a pack already current for ``version`` (a staged folder's manifest
+    version, when the manifest vouches for every file in it, as after a sync), or None when
+    it must be checked and maybe packed. Read without importing the packer (torch): a
+    re-sync that changed nothing pays for neither."""
+    index = _read(root / SHARD_DIR, INDEX)
+    if not pack_is_current(index, version, image_size):
+        return None
+    assert index is not None
+    try:
+        return unchanged_pack(index)
+    except (AttributeError, KeyError, TypeError):  # a damaged index: the packer decides
+        return None
 
 
 def data_version(files: dict[str, dict[str, Any]]) -> str:
@@ -42,9 +94,9 @@ def data_version(files: dict[str, dict[str, Any]]) -> str:
     ).hexdigest()[:16]
 
 
-def _read(dest: Path) -> dict[str, Any] | None:
+def _read(dest: Path, name: str = MANIFEST) -> dict[str, Any] | None:
     try:
-        return read_json_object(dest / MANIFEST)
+        return read_json_object(dest / name)
     except NotADirectoryError:  # the destination is a file: nothing was staged there
         return None
 

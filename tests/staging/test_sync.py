@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,8 +26,9 @@ from azure.storage.blob import ContainerClient, ContainerSasPermissions, generat
 from backends.blob import API_VERSION
 from staging.blob import Retry, data_container
 from staging.listing import ChangedSinceGateError, PinnedBlob, pin
-from staging.sync import UnsafeBlobNameError, safe_relative_path, sync_to_directory
+from staging.sync import UnsafeBlobNameError, safe_relative_path, stage, sync_to_directory
 from staging.transfer import IntegrityError, TransferError, redact
+from tests.conftest import child_env
 from training.staged_folder import MANIFEST
 
 
@@ -533,3 +536,57 @@ def test_the_folder_holds_exactly_the_listing_whatever_was_left_there(
     assert sorted(again.removed) == sorted([*left, "train/c0/link.png"])
     assert sorted(again.downloaded) == ["ds/train/c2/new.png", "ds/val/c0/1.png"]
     assert again.skipped == 30 and again.deleted == []
+
+
+# A re-sync in a process of its own: what it imported, what it did.
+RESYNC = """
+import json, os, sys
+from pathlib import Path
+from azure.storage.blob import ContainerClient
+from backends.blob import API_VERSION
+from staging.sync import stage
+
+container = ContainerClient.from_connection_string(
+    os.environ["STAGE_CONN"], sys.argv[1], api_version=API_VERSION
+)
+done = stage(container, "ds", Path(sys.argv[2]), int(sys.argv[3]))
+print(json.dumps({
+    "torch": "torch" in sys.modules,
+    "downloaded": len(done["downloaded"]),
+    "shards": done["shards"]["action"],
+}))
+"""
+
+
+@pytest.mark.parametrize("pack", [0, 8], ids=["shards off", "shards on"])
+def test_a_resync_with_nothing_changed_imports_no_torch(
+    azurite: str, tmp_path: Path, pack: int
+) -> None:
+    """The packer needs torch (seconds to import); a re-sync that changes nothing, whether its
+    pack is current or packing is off, does not import it."""
+    import io
+
+    from PIL import Image
+
+    client = ContainerClient.from_connection_string(
+        azurite, f"lazy-{uuid.uuid4().hex[:12]}", api_version=API_VERSION
+    )
+    client.create_container()
+    for i in range(8):
+        png = io.BytesIO()
+        Image.new("RGB", (10, 10), (i * 30, 0, 0)).save(png, "PNG")
+        client.upload_blob(f"ds/{('train', 'test')[i % 2]}/c{i % 4 // 2}/{i}.png", png.getvalue())
+    dest = tmp_path / "data"
+    first = stage(client, "ds", dest, pack)
+    assert first["shards"]["action"] == ("packed" if pack else "not packed"), first["shards"]
+    done = subprocess.run(
+        [sys.executable, "-c", RESYNC, client.container_name, str(dest), str(pack)],
+        env=child_env() | {"STAGE_CONN": azurite},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads(done.stdout.strip().splitlines()[-1])
+    shards = "unchanged" if pack else "not packed"
+    assert again == {"torch": False, "downloaded": 0, "shards": shards}
