@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,33 +48,21 @@ from imagedata.image_folders import (
     list_files,
     list_image_folders,
 )
-from imagedata.staged_folder import SHARD_DIR, staged_md5s
+from imagedata.staged_folder import (
+    INDEX,
+    PACK_FORMAT,
+    SHARD_DIR,
+    PackReport,
+    pack_is_current,
+    staged_md5s,
+    unchanged_pack,
+)
 from imagedata.webdataset import TarMember
 
-INDEX = "index.json"
 LOCK = ".pack.lock"  # held while a pack runs: two packs of one folder take turns
-# 2: rows decoded by what the pixels mean (imagedata.images.to_rgb: EXIF orientation, 16-bit
-# scaled, transparency composited); rows of format 1 are neither reused nor read.
-PACK_FORMAT = 2
 TARGET_SHARD_BYTES = 64 << 20
 DECODE_BATCH = 4096  # images in flight at once: bounds memory on datasets of any size
 PROCESS_DECODE_MIN = 1024  # fewer images decode faster in threads than processes start
-
-
-@dataclass
-class PackReport:
-    action: str  # packed | unchanged | not packed
-    reason: str = ""
-    images: int = 0
-    decoded: int = 0
-    reused: int = 0
-    skipped: int = 0
-    shards: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _files(listed: dict[str, dict[str, list[ImageSource]]]) -> Iterator[ImageSource]:
@@ -256,24 +243,11 @@ def pack_shards(root: Path, image_size: int, workers: int | None = None) -> Pack
         return PackReport("not packed", reason=str(exc))
     directory = root / SHARD_DIR
     index = read_json_object(directory / INDEX)
-    if index is not None and _is_current(index, version, image_size):
-        return _unchanged(index)
+    if index is not None and pack_is_current(index, version, image_size):
+        return unchanged_pack(index)
     directory.mkdir(parents=True, exist_ok=True)
     with _pack_lock(directory) as locked:
         return _pack(root, image_size, workers, locked, started)
-
-
-def _is_current(index: dict[str, Any] | None, version: str, image_size: int) -> bool:
-    return bool(
-        index
-        and index.get("format") == PACK_FORMAT
-        and index.get("version") == version
-        and index.get("image_size") == image_size
-    )
-
-
-def _unchanged(index: dict[str, Any]) -> PackReport:
-    return PackReport("unchanged", images=sum(s["count"] for s in index["splits"].values()))
 
 
 @contextlib.contextmanager
@@ -310,8 +284,8 @@ def _pack(
     version, keys = _content_keys(root, listed)
     directory = root / SHARD_DIR
     index = read_json_object(directory / INDEX)
-    if index is not None and _is_current(index, version, image_size):
-        return _unchanged(index)
+    if index is not None and pack_is_current(index, version, image_size):
+        return unchanged_pack(index)
     pack = hashlib.sha256(f"{version}/{image_size}/{PACK_FORMAT}".encode()).hexdigest()[:12]
     packer = _SplitPacker(directory, image_size, keys, _OldRows(directory, index, image_size))
     labels_of = {name: i for i, name in enumerate(class_names)}

@@ -8,7 +8,7 @@ The manifest (``.staging-manifest.json``) maps each staged blob to the file it b
      "flush_failed": true,   # a flush under ``boot`` reported a write error: marks stay
      "files": {"<blob name>": {"path": "<relative path>", "etag": ..., "size": ..., "md5": ...,
                                "stat": [mtime_ns, ctime_ns, inode], "unflushed": true}},
-     "stale": {...}}   # files a cut-short sync still has to delete (same entry shape)
+     "stale": {...}}   # written by earlier versions (files yet to delete): read, not written
 
 ``data_version`` names the content, not the time: the same bytes under the same names give the
 same version. ``stat`` is the file's status right after staging renamed it into place: a later
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +34,57 @@ from common.atomic import atomic_write, read_json_object
 MANIFEST = ".staging-manifest.json"
 TEMP_PREFIX = ".staging-"  # a download in progress: ``.staging-<token>-<n>.part`` by its target
 SHARD_DIR = ".shards"  # the packed shards (imagedata.shards) live here
+INDEX = "index.json"  # in SHARD_DIR: the pack's commit point, written last
+# 2: rows decoded by what the pixels mean (imagedata.images.to_rgb: EXIF orientation, 16-bit
+# scaled, transparency composited); rows of format 1 are neither reused nor read.
+PACK_FORMAT = 2
+
+
+@dataclass
+class PackReport:
+    """What a pack did (``imagedata.shards``)."""
+
+    action: str  # packed | unchanged | not packed
+    reason: str = ""
+    images: int = 0
+    decoded: int = 0
+    reused: int = 0
+    skipped: int = 0
+    shards: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pack_is_current(index: dict[str, Any] | None, version: str, image_size: int) -> bool:
+    """Whether the pack ``index`` describes holds data version ``version`` at ``image_size``."""
+    return bool(
+        index
+        and index.get("format") == PACK_FORMAT
+        and index.get("version") == version
+        and index.get("image_size") == image_size
+    )
+
+
+def unchanged_pack(index: dict[str, Any]) -> PackReport:
+    return PackReport("unchanged", images=sum(s["count"] for s in index["splits"].values()))
+
+
+def current_pack(root: Path, image_size: int, version: str) -> PackReport | None:
+    """The report of a pack already current for ``version`` (a staged folder's manifest
+    version, when the manifest vouches for every file in it, as after a sync), or None when
+    it must be checked and maybe packed. Read without importing the packer (torch): a
+    re-sync that changed nothing pays for neither."""
+    index = _read(root / SHARD_DIR, INDEX)
+    if not pack_is_current(index, version, image_size):
+        return None
+    assert index is not None
+    try:
+        return unchanged_pack(index)
+    except (AttributeError, KeyError, TypeError):  # a damaged index: the packer decides
+        return None
 
 
 def data_version(files: dict[str, dict[str, Any]]) -> str:
@@ -42,9 +94,9 @@ def data_version(files: dict[str, dict[str, Any]]) -> str:
     ).hexdigest()[:16]
 
 
-def _read(dest: Path) -> dict[str, Any] | None:
+def _read(dest: Path, name: str = MANIFEST) -> dict[str, Any] | None:
     try:
-        return read_json_object(dest / MANIFEST)
+        return read_json_object(dest / name)
     except NotADirectoryError:  # the destination is a file: nothing was staged there
         return None
 
@@ -84,15 +136,13 @@ def write_manifest(
     dest: Path,
     prefix: str,
     files: dict[str, dict[str, Any]],
-    stale: dict[str, dict[str, Any]] | None = None,
     syncs: int = 0,
     boot: str | None = None,
     flush_failed: bool = False,
 ) -> str:
-    """Write the manifest of ``files`` atomically; returns its data version. ``stale`` entries
-    (files still to be deleted) are kept apart from the data version, so an interrupted sync
-    can finish the cleanup. ``boot``: the boot its unflushed files are trusted under;
-    ``flush_failed``: a flush under that boot reported a write error."""
+    """Write the manifest of ``files`` atomically; returns its data version. ``boot``: the boot
+    its unflushed files are trusted under; ``flush_failed``: a flush under that boot reported
+    a write error."""
     version = data_version(files)
     manifest: dict[str, Any] = {
         "prefix": prefix,
@@ -104,8 +154,6 @@ def write_manifest(
         manifest["boot"] = boot
     if flush_failed:
         manifest["flush_failed"] = True
-    if stale:
-        manifest["stale"] = stale
     text = json.dumps(manifest, separators=(",", ":")).encode()  # compact: one entry per file
     atomic_write(dest / MANIFEST, lambda fh: fh.write(text))
     return version

@@ -24,9 +24,13 @@ Properties a training run relies on:
 * pinned: given the listing the data gate validated (names, ETags, sizes), exactly that listing
   is staged, each blob downloaded only while its ETag is still the validated one; a blob added
   after the gate is not staged, one changed or deleted since fails the sync and is named;
-* stale files go by destination path: a file is deleted when no staged blob lands on its path
-  any more, so a new data version under a new prefix (``images/v2`` after ``images/v1``, the
-  same relative paths under new blob names) keeps every file it staged;
+* exactly the listing: before anything is written, whatever the folder holds that no staged
+  blob lands on is deleted, whoever left it: an earlier version's files, files a sync killed
+  before its manifest renamed into place (no manifest names them), temporary files of
+  interrupted downloads, and the folders left empty; the trainer reads every class folder it
+  finds. It goes by destination path, so a new version under a new prefix (``images/v2``
+  after ``images/v1``, the same relative paths under new blob names) keeps every file it
+  staged. A walk of names, nothing read;
 * parallel: downloads run in :mod:`staging.transfer`, many in flight, outside the
   interpreter lock (see there for why, and for each download's own guarantees); a sync
   that lists the container itself asks for the listing first and reads the manifest and
@@ -36,6 +40,7 @@ Properties a training run relies on:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -51,6 +56,7 @@ from imagedata.staged_folder import (
     MANIFEST,
     SHARD_DIR,
     TEMP_PREFIX,
+    current_pack,
     previous_sync,
     write_manifest,
 )
@@ -82,7 +88,11 @@ class SyncReport:
     verified: int = 0
     # Files the manifest vouched for, found changed when read: downloaded again.
     repaired: list[str] = field(default_factory=list)
+    # Blob names of the files an earlier sync recorded that this listing does not name.
     deleted: list[str] = field(default_factory=list)
+    # Relative paths of what no manifest recorded and the listing does not name, deleted: files
+    # a killed sync renamed into place, temporary files of interrupted downloads.
+    removed: list[str] = field(default_factory=list)
     bytes_downloaded: int = 0
     total_files: int = 0
     manifest: str = ""
@@ -157,63 +167,54 @@ def _plan(blobs: list[PinnedBlob], prefix: str) -> dict[str, tuple[PinnedBlob, s
     return planned
 
 
-def _clear_way(dest: Path, name: str, rel: PurePosixPath, stale: dict[str, str]) -> list[str]:
-    """Make room for ``rel`` when a new version turns a file into a folder or back: a stale
-    file where the blob needs a folder, or a folder of stale files where it needs a file, is
-    deleted now. Anything else in the way fails the sync naming the blob. ``stale`` maps the
-    relative path of each file to delete to its old blob name; returns the names deleted."""
-    deleted = []
-    for parent in reversed(rel.parents):
-        where = dest / parent
-        if str(parent) == "." or not where.is_file():
+def _remove_unlisted(dest: Path, planned: dict[str, tuple[PinnedBlob, str]]) -> list[str]:
+    """Delete whatever in ``dest`` no listed file needs, and return the relative paths of the
+    files deleted. The trainer reads every class folder it finds, so the folder must hold the
+    listing and nothing else, whatever an earlier sync left: an earlier version's files, files
+    a sync killed before its manifest renamed into place (no manifest names them), temporary
+    files of interrupted downloads and manifest writes, links, and folders left empty. Only
+    names are walked (a directory read per folder), nothing is read. Left alone: the manifest
+    and the packed shards (their packer keeps them). A link where the listing needs a file or
+    a folder is refused, naming a blob, before anything is deleted: it may lead outside."""
+    listed = {rel: name for name, (_, rel) in planned.items()}
+    folders: dict[str, str] = {}  # each folder a listed file needs -> a blob below it
+    for rel, name in listed.items():
+        end = rel.rfind("/")
+        while end > 0 and rel[:end] not in folders:
+            folders[rel[:end]] = name
+            end = rel.rfind("/", 0, end)
+    files: list[str] = []
+    doomed: list[str] = []  # folders no listed file needs, each before those inside it
+    base = os.fspath(dest)
+    todo = [""]
+    while todo:
+        folder = todo.pop()
+        try:
+            entries = list(os.scandir(f"{base}/{folder}" if folder else base))
+        except FileNotFoundError:
             continue
-        if str(parent) not in stale:
-            raise UnsafeBlobNameError(
-                f"blob {name!r} rejected: {where} is a file, the blob needs a folder there"
-            )
-        where.unlink()
-        deleted.append(stale.pop(str(parent)))
-    target = dest / rel
-    if target.is_dir() and not target.is_symlink():
-        inside = sorted(target.rglob("*"), reverse=True)  # children before their folders
-        foreign = [
-            p
-            for p in inside
-            if p.is_symlink() or (not p.is_dir() and str(p.relative_to(dest)) not in stale)
-        ]
-        if foreign:
-            raise UnsafeBlobNameError(
-                f"blob {name!r} rejected: {target} is a folder holding files staging did not "
-                f"write (e.g. {foreign[0]})"
-            )
-        for path in inside:
-            if path.is_dir():
-                path.rmdir()
-            else:
-                path.unlink()
-                deleted.append(stale.pop(str(path.relative_to(dest))))
-        target.rmdir()
-    return deleted
-
-
-def _remove_stale(dest: Path, root: Path, stale: dict[str, str]) -> list[str]:
-    """Delete files no staged blob lands on any more, and the folders they leave empty (an
-    empty class folder would stop the trainer). Returns the old blob names deleted."""
-    deleted = []
-    for path, name in sorted(stale.items()):
-        target = dest / path
-        if not (target.is_file() and target.resolve().is_relative_to(root)):
-            continue
-        target.unlink()
-        deleted.append(name)
-        parent = target.parent
-        while parent != dest and parent.resolve().is_relative_to(root):
-            try:
-                parent.rmdir()  # only when empty
-            except OSError:
-                break
-            parent = parent.parent
-    return deleted
+        for entry in entries:
+            rel = f"{folder}/{entry.name}" if folder else entry.name
+            if not folder and entry.name in (MANIFEST, SHARD_DIR):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                todo.append(rel)
+                if rel not in folders:
+                    doomed.append(rel)
+            elif entry.is_symlink() and (rel in listed or rel in folders):
+                name = listed.get(rel) or folders[rel]
+                raise UnsafeBlobNameError(
+                    f"blob {name!r} rejected: resolves outside {dest} ({rel} is a link)"
+                )
+            elif rel not in listed:
+                files.append(rel)
+    files.sort()
+    for rel in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{base}/{rel}")
+    for rel in reversed(doomed):
+        os.rmdir(f"{base}/{rel}")
+    return files
 
 
 def _same_content(name: str, blob: PinnedBlob, old_name: str, old: dict[str, Any]) -> bool:
@@ -369,12 +370,16 @@ def sync_to_directory(
             with pause.resumed():
                 flushed = flush_filesystem(dest)
             flush_failed = not flushed
-        # Stale is decided on destination paths, not blob names: a new version under a new prefix
-        # renames every blob but lands on the same paths, which must stay.
+        # Whatever the folder holds that the listing does not name goes before anything is
+        # written, whoever left it. Decided on destination paths, not blob names: a new version
+        # under a new prefix renames every blob but lands on the same paths, which must stay.
         by_path = {str(old["path"]): (n, old) for n, old in previous.items()}
-        new_paths = {rel for _, rel in planned.values()}
-        stale = {path: n for path, (n, _) in by_path.items() if path not in new_paths}
         report = SyncReport(total_files=len(planned))
+        for path in _remove_unlisted(dest, planned):
+            if path in by_path:
+                report.deleted.append(by_path[path][0])
+            else:
+                report.removed.append(path)
         todo: list[Download] = []
         entries: dict[str, dict[str, Any]] = {}
         files: dict[str, dict[str, Any]] = {}
@@ -391,9 +396,6 @@ def sync_to_directory(
             st = _lstat(target)  # one call answers every question
             if not within or (st and stat.S_ISLNK(st.st_mode)):
                 raise UnsafeBlobNameError(f"blob {name!r} rejected: resolves outside {dest}")
-            if first or (st and stat.S_ISDIR(st.st_mode)):
-                report.deleted += _clear_way(dest, name, PurePosixPath(path), stale)
-                st = None if st and stat.S_ISDIR(st.st_mode) else st
             entry: dict[str, Any] = {
                 "path": path,
                 "etag": blob.etag,
@@ -462,10 +464,12 @@ def sync_to_directory(
         if todo:
             download_all(object_store(container, retry), todo, pinned, workers, landed, retry)
     finally:
-        # What did arrive is recorded; files finished but unrecorded are recognised by their
-        # MD5 next time. Before the manifest vouches for what was written, it is made safe
-        # from a crash, or marked as trusted under this boot only (staging.durability). A file
-        # lost to a crash before this point is not in the manifest and is checked again.
+        # What did arrive is recorded. A sync killed before this point (SIGKILL skips it)
+        # leaves files no manifest names: the next one keeps those its listing names, checked
+        # by their MD5, and deletes the others with the temporary files. Before the manifest
+        # vouches for what was written, it is made safe from a crash, or marked as trusted
+        # under this boot only (staging.durability). A file lost to a crash before this point
+        # is not in the manifest and is checked again.
         settled = settle(dest, boot) if fresh else None
         if settled in ("unflushed", "failed"):
             for name in fresh:
@@ -477,22 +481,8 @@ def sync_to_directory(
                 "staged files; they are read again after the next restart",
                 dest,
             )
-        # Stale files are still recorded as such, so a sync cut short deletes them next time.
-        pending = {n: _carried(previous[n], same_boot) for n in stale.values()}
-        _write_manifest(dest, prefix, files, report, pending, syncs, boot, flush_failed)
-    report.deleted += _remove_stale(dest, root, stale)
-    if stale:
-        _write_manifest(dest, prefix, files, report, None, syncs, boot, flush_failed)
+        _write_manifest(dest, prefix, files, report, syncs, boot, flush_failed)
     return report
-
-
-def _carried(entry: dict[str, Any], same_boot: bool) -> dict[str, Any]:
-    """A stale entry kept for a later sync to delete: one written unflushed under another
-    boot loses its status, so that if a blob lands on its path again it is read, not trusted
-    under the boot this manifest names."""
-    if entry.get("unflushed") and not same_boot:
-        return {k: v for k, v in entry.items() if k not in ("stat", "unflushed")}
-    return entry
 
 
 def stage(
@@ -508,14 +498,22 @@ def stage(
     an older pack is removed). Returns the report."""
     report = sync_to_directory(container, prefix, dest, workers=workers, listing=listing)
     result = report.as_dict()
-    # Imported here: packing needs torch (about 2 s to import), a sync does not.
-    from imagedata.shards import pack_shards, remove_shards
-
+    # The packer needs torch (about 2 s to import): imported only to pack, to check a pack
+    # that is not plainly current, or to remove one. After a sync the manifest vouches for
+    # every file in the folder, so its version is the one a current pack records.
     if pack_image_size:
-        result["shards"] = pack_shards(dest, pack_image_size).as_dict()
-    else:
+        current = current_pack(dest, pack_image_size, report.data_version)
+        if current is None:
+            from imagedata.shards import pack_shards
+
+            current = pack_shards(dest, pack_image_size)
+        result["shards"] = current.as_dict()
+        return result
+    if (dest / SHARD_DIR).is_dir():
+        from imagedata.shards import remove_shards
+
         remove_shards(dest)
-        result["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}
+    result["shards"] = {"action": "not packed", "reason": "nfs.shards is off"}
     return result
 
 
@@ -524,10 +522,9 @@ def _write_manifest(
     prefix: str,
     files: dict[str, dict[str, Any]],
     report: SyncReport,
-    stale: dict[str, dict[str, Any]] | None,
     syncs: int,
     boot: str | None,
     flush_failed: bool,
 ) -> None:
-    report.data_version = write_manifest(dest, prefix, files, stale, syncs, boot, flush_failed)
+    report.data_version = write_manifest(dest, prefix, files, syncs, boot, flush_failed)
     report.manifest = str(dest / MANIFEST)

@@ -74,12 +74,18 @@ def stage_data(target: Target, cluster: Cluster, run: Run) -> Done[StagedData]:
         report["data_version"], report["total_files"], len(report["downloaded"]), report["skipped"]
     )
     return Done(
-        bool(report["downloaded"] or report["deleted"] or shards["action"] == "packed"),
+        bool(
+            report["downloaded"]
+            or report["deleted"]
+            or report.get("removed")  # left by a killed sync: the folder changed
+            or shards["action"] == "packed"
+        ),
         staged,
         {
             "downloaded": staged.downloaded,
             "unchanged": staged.unchanged,
             "deleted": len(report["deleted"]),
+            "removed": len(report.get("removed", [])),
             "bytes": report["bytes_downloaded"],
             "files": staged.files,
             "data_version": staged.version,

@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +27,9 @@ from backends.blob import API_VERSION
 from imagedata.staged_folder import MANIFEST
 from staging.blob import Retry, data_container
 from staging.listing import ChangedSinceGateError, PinnedBlob, pin
-from staging.sync import UnsafeBlobNameError, safe_relative_path, sync_to_directory
+from staging.sync import UnsafeBlobNameError, safe_relative_path, stage, sync_to_directory
 from staging.transfer import IntegrityError, TransferError, redact
+from tests.conftest import child_env
 
 
 @pytest.fixture
@@ -486,3 +489,104 @@ def test_a_manifest_path_no_file_can_have_does_not_stop_the_sync(
     assert read_before_answer == [True]
     assert (report.skipped, report.downloaded, report.repaired) == (4, [], [])
     assert report.deleted == []  # the damaged entry names no file: nothing to delete
+
+
+def test_the_folder_holds_exactly_the_listing_whatever_was_left_there(
+    container: ContainerClient, tmp_path: Path
+) -> None:
+    """Whatever the folder holds that the listing does not name is deleted before anything is
+    written, whoever left it: files no manifest recorded, temporary files of downloads and of
+    a manifest write, a stray class folder, an empty one, a file where the listing needs a
+    folder and a folder where it needs a file, a link (its target untouched). The manifest and
+    the packed shards stay; nothing listed is downloaded again."""
+    dest, outside = tmp_path / "data", tmp_path / "elsewhere.png"
+    sync_to_directory(container, "ds", dest)
+    outside.write_bytes(b"not staging's")
+    left = {
+        "train/c1/stray.png": b"x",
+        "train/c1/.staging-0123456789ab-7.part": b"half",
+        ".staging-manifest.json.k2j3.tmp": b"{",
+        "train/bad/1.png": b"y",
+        "train/gone/deeper/2.png": b"z",
+        "val": b"a file where a folder will be needed",
+        "train/c2/new.png/inner.png": b"a folder where a file will be needed",
+    }
+    for rel, data in left.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(data)
+    (dest / "train" / "empty").mkdir()
+    (dest / "train" / "c0" / "link.png").symlink_to(outside)
+    (dest / ".shards").mkdir()
+    (dest / ".shards" / "index.json").write_text("{}")
+    container.upload_blob("ds/val/c0/1.png", b"val image")
+    container.upload_blob("ds/train/c2/new.png", b"new image")
+
+    again = sync_to_directory(container, "ds", dest)
+    listed = {b.name[len("ds/") :] for b in container.list_blobs(name_starts_with="ds/")}
+    on_disk = {
+        p.relative_to(dest).as_posix()
+        for p in dest.rglob("*")
+        if (p.is_file() or p.is_symlink()) and p.name != MANIFEST
+    }
+    assert on_disk == listed | {".shards/index.json"}
+    assert not (dest / "train" / "bad").exists() and not (dest / "train" / "empty").exists()
+    assert (dest / "val" / "c0" / "1.png").read_bytes() == b"val image"
+    assert (dest / "train" / "c2" / "new.png").read_bytes() == b"new image"
+    assert outside.read_bytes() == b"not staging's"
+    assert sorted(again.removed) == sorted([*left, "train/c0/link.png"])
+    assert sorted(again.downloaded) == ["ds/train/c2/new.png", "ds/val/c0/1.png"]
+    assert again.skipped == 30 and again.deleted == []
+
+
+# A re-sync in a process of its own: what it imported, what it did.
+RESYNC = """
+import json, os, sys
+from pathlib import Path
+from azure.storage.blob import ContainerClient
+from backends.blob import API_VERSION
+from staging.sync import stage
+
+container = ContainerClient.from_connection_string(
+    os.environ["STAGE_CONN"], sys.argv[1], api_version=API_VERSION
+)
+done = stage(container, "ds", Path(sys.argv[2]), int(sys.argv[3]))
+print(json.dumps({
+    "torch": "torch" in sys.modules,
+    "downloaded": len(done["downloaded"]),
+    "shards": done["shards"]["action"],
+}))
+"""
+
+
+@pytest.mark.parametrize("pack", [0, 8], ids=["shards off", "shards on"])
+def test_a_resync_with_nothing_changed_imports_no_torch(
+    azurite: str, tmp_path: Path, pack: int
+) -> None:
+    """The packer needs torch (seconds to import); a re-sync that changes nothing, whether its
+    pack is current or packing is off, does not import it."""
+    import io
+
+    from PIL import Image
+
+    client = ContainerClient.from_connection_string(
+        azurite, f"lazy-{uuid.uuid4().hex[:12]}", api_version=API_VERSION
+    )
+    client.create_container()
+    for i in range(8):
+        png = io.BytesIO()
+        Image.new("RGB", (10, 10), (i * 30, 0, 0)).save(png, "PNG")
+        client.upload_blob(f"ds/{('train', 'test')[i % 2]}/c{i % 4 // 2}/{i}.png", png.getvalue())
+    dest = tmp_path / "data"
+    first = stage(client, "ds", dest, pack)
+    assert first["shards"]["action"] == ("packed" if pack else "not packed"), first["shards"]
+    done = subprocess.run(
+        [sys.executable, "-c", RESYNC, client.container_name, str(dest), str(pack)],
+        env=child_env() | {"STAGE_CONN": azurite},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads(done.stdout.strip().splitlines()[-1])
+    shards = "unchanged" if pack else "not packed"
+    assert again == {"torch": False, "downloaded": 0, "shards": shards}
