@@ -170,36 +170,35 @@ def list_pinned(container: ContainerClient, prefix: str) -> list[PinnedBlob]:
 
     Why not the SDK's iterator: it builds a model object per blob through its generic XML
     deserializer, about 1 ms of interpreter-locked CPU per blob, which is 20 minutes for a
-    1.28 M-image dataset and most of a re-sync's time. Here each page (5,000 blobs) goes
-    through the SDK's own request pipeline (its authentication, retries and service version)
-    and read for only the four fields staging needs (``staging.list_page``: a scanner for the
-    service's plain form, the C XML parser for any other page).
+    1.28 M-image dataset and most of a re-sync's time. Here each page (5,000 blobs) is asked
+    for through azure-core's public pipeline client with the container's own credential
+    (:func:`_page_client`) and read for only the four fields staging needs
+    (``staging.list_page``).
 
     Pages are a chain: each is asked for with the marker the one before ended with. The next
     page is asked for as soon as this one's marker is read from the end of its body, before
-    the body is read, so reading it (most of a large listing's CPU) overlaps the service's
-    answer instead of adding to it: an ImageNet-sized listing is 266 pages. Why not list
-    folder by folder with a delimiter, several at once, as rclone does: that asks for a page
-    per folder (2,002 for ImageNet's layout instead of 266), which, measured against a fixed
-    delay per request, cost more than it overlapped wherever folders hold far fewer blobs
-    than a page.
+    the body is read, so reading it overlaps the service's answer instead of adding to it.
+    Why not list folder by folder with a delimiter, several at once, as rclone does: that
+    asks for a page per folder (2,002 for ImageNet's layout instead of 266), which, measured
+    against a fixed delay per request, cost more than it overlapped wherever folders hold far
+    fewer blobs than a page.
     """
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import quote
 
     from staging.list_page import next_marker
 
-    base, _, sas = container.url.partition("?")
+    client, base, sas = _page_client(container)
     query = f"restype=container&comp=list&maxresults={PAGE_SIZE}"
     if start := folder(prefix):
         query += f"&prefix={quote(start, safe='')}"
 
     def fetch(marker: str) -> bytes:
         url = f"{base}?{query}" + (f"&marker={quote(marker, safe='')}" if marker else "")
-        return _page(container, url + (f"&{sas}" if sas else ""))
+        return _page(client, container.container_name, url + (f"&{sas}" if sas else ""))
 
     pinned: list[PinnedBlob] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="list") as ahead:
+    with client, ThreadPoolExecutor(1, thread_name_prefix="list") as ahead:
         body = fetch("")
         while True:
             marker = next_marker(body)
@@ -208,6 +207,88 @@ def list_pinned(container: ContainerClient, prefix: str) -> list[PinnedBlob]:
             if not marker:
                 return pinned
             body = following.result() if following else fetch(marker)
+
+
+def _page_client(container: ContainerClient) -> tuple[Any, str, str]:
+    """azure-core's pipeline client for the container's List Blobs pages, with its credential:
+    (the client, the container's URL, a SAS query every request carries or ""). A shared key
+    signs a short-lived SAS that may list only (``generate_container_sas``); a token credential
+    signs each request (storage's scope); a SAS is carried as it is. The SAS never leaves
+    this process: errors are redacted (:func:`_page`)."""
+    from datetime import UTC, datetime
+
+    from azure.core import PipelineClient
+    from azure.core.pipeline.policies import (
+        BearerTokenCredentialPolicy,
+        HeadersPolicy,
+        RetryPolicy,
+    )
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    base, _, sas = container.url.partition("?")
+    credential: Any = container.credential
+    policies: list[Any] = [HeadersPolicy({"x-ms-version": API_VERSION}), RetryPolicy()]
+    if getattr(credential, "account_key", None):
+        sas = generate_container_sas(
+            container.account_name or "",
+            container.container_name,
+            account_key=credential.account_key,
+            permission=ContainerSasPermissions(list=True),
+            expiry=datetime.now(UTC) + timedelta(hours=1),
+        )
+    elif credential is not None and hasattr(credential, "signature"):  # AzureSasCredential
+        sas = str(credential.signature).lstrip("?")
+    elif credential is not None and hasattr(credential, "get_token"):
+        scope = "https://storage.azure.com/.default"
+        policies.append(BearerTokenCredentialPolicy(credential, scope))
+    elif not sas:
+        raise ValueError(
+            f"container {container.container_name!r}: no credential staging can list with (a "
+            "shared key, a SAS or a token credential)"
+        )
+    return PipelineClient(base, policies=policies), base, sas
+
+
+def _blobs(body: bytes) -> list[PinnedBlob]:
+    """The blobs of one List Blobs page, with the four fields staging needs."""
+    from staging.list_page import blobs
+
+    with paused_gc():
+        return blobs(body)
+
+
+def _page(client: Any, container_name: str, url: str, attempts: int = 3) -> bytes:
+    """One List Blobs page's body. Streamed: the body is read once, by the page's reader. A
+    body cut off on the way is asked for again, as the pipeline's own retries do for a body
+    they read. An error names the page's path, never its query (which may hold a SAS)."""
+    from azure.core.exceptions import AzureError, IncompleteReadError, ServiceResponseError
+    from azure.core.rest import HttpRequest
+
+    path = urlsplit(url).path
+    attempt = 0
+    while True:
+        try:
+            response = client.send_request(HttpRequest("GET", url), stream=True)
+        except AzureError as exc:
+            raise ConnectionError(
+                f"container {container_name!r}: listing {path} failed ({redact(str(exc))})"
+            ) from None
+        try:
+            if response.status_code != 200:
+                raise ValueError(
+                    f"container {container_name!r}: listing {path} refused with HTTP "
+                    f"{response.status_code}"
+                )
+            return response.read()
+        except (IncompleteReadError, ServiceResponseError):
+            attempt += 1
+            if attempt >= attempts:
+                raise ConnectionError(
+                    f"container {container_name!r}: listing {path} was cut off {attempts} times"
+                ) from None
+        finally:
+            response.close()
+        time.sleep(0.5 * attempt)  # as the pipeline's retries, a pause before the next try
 
 
 class GcPause:
@@ -248,42 +329,3 @@ def paused_gc() -> Iterator[GcPause]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _blobs(body: bytes) -> list[PinnedBlob]:
-    """The blobs of one List Blobs page, with the four fields staging needs."""
-    from staging.list_page import blobs
-
-    with paused_gc():
-        return blobs(body)
-
-
-def _page(container: ContainerClient, url: str, attempts: int = 3) -> bytes:
-    """One List Blobs page's body, through the SDK's pipeline (its authentication, retries
-    and service version). Streamed: unstreamed, the pipeline parses every XML body into an
-    element tree it never gives back, which doubled a listing's CPU. A body cut off on the way
-    is asked for again, as the pipeline's own retries do for a body they read."""
-    from urllib.parse import urlsplit
-
-    from azure.core.exceptions import IncompleteReadError, ServiceResponseError
-    from azure.core.rest import HttpRequest
-
-    attempt = 0
-    while True:
-        request = HttpRequest("GET", url)
-        request.headers["x-ms-version"] = API_VERSION
-        response = container._client._send_request(request, stream=True)
-        try:
-            if response.status_code != 200:
-                raise ValueError(
-                    f"container {container.container_name!r}: listing "
-                    f"{urlsplit(url).path} refused with HTTP {response.status_code}"
-                )
-            return response.read()
-        except (IncompleteReadError, ServiceResponseError):
-            attempt += 1
-            if attempt >= attempts:
-                raise
-        finally:
-            response.close()
-        time.sleep(0.5 * attempt)  # as the pipeline's retries, a pause before the next try

@@ -561,15 +561,13 @@ class BatchCluster:
 
     def _give_up(self, job_id: str, spec: TaskSpec, task: Any, lifetime: Any) -> None:
         """Past the longest the task could take: stop it (nothing runs unobserved) and say why."""
-        from azure.batch.models._models import BatchJobTerminateOptions
-
         pool = self.client.get_pool(self.pool_id)
         nodes = sorted(service_name(n.state) for n in self.client.list_nodes(self.pool_id))
         errors = "; ".join(f"{e.code}: {e.message}" for e in pool.resize_errors or [])
         reason = f"task {spec.id} did not finish within {lifetime} of its submission"
         self.client.begin_terminate_job(
             job_id,
-            BatchJobTerminateOptions(termination_reason=reason[:100]),
+            _terminate_body(reason[:100]),
             polling_interval=self.polling.lro_seconds,
         ).result()
         raise TaskFailedError(
@@ -623,10 +621,7 @@ class BatchCluster:
     # -- release ------------------------------------------------------------------------------
     def terminate_jobs(self) -> list[str]:
         """Terminate every active job of this pipeline on the pool (cancellation)."""
-        # azure-batch 15.1 fails to build the request without a body (a None content type).
-        from azure.batch.models._models import BatchJobTerminateOptions
-
-        reason = BatchJobTerminateOptions(termination_reason="retrain flow released the pool")
+        reason = _terminate_body("retrain flow released the pool")
         stopped = []
         for job in self.client.list_jobs(filter="state eq 'active'"):
             pool = job.pool_info.pool_id if job.pool_info else None
@@ -681,3 +676,9 @@ class BatchCluster:
             ).result()
             pool = self.client.get_pool(self.pool_id)
         return pool
+
+
+def _terminate_body(reason: str) -> Any:
+    """A job's terminate body as the JSON the operation accepts: azure-batch 15.1 exports no
+    model for it, and fails to build the request without a body (a None content type)."""
+    return {"terminateReason": reason}

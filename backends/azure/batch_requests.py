@@ -56,9 +56,12 @@ def nccl_topology(config: PipelineConfig) -> str | None:
 
 
 def wire(model: Any) -> dict[str, Any]:
-    from azure.batch._utils.model_base import SdkJSONEncoder
+    """A request body as it goes on the wire (the model's public ``as_dict``, with
+    azure-core's encoder for dates and durations)."""
+    from azure.core.serialization import AzureJSONEncoder
 
-    return dict(json.loads(json.dumps(model, cls=SdkJSONEncoder, exclude_readonly=True)))
+    body = model.as_dict(exclude_readonly=True)
+    return dict(json.loads(json.dumps(body, cls=AzureJSONEncoder)))
 
 
 class HasIdentity(Protocol):

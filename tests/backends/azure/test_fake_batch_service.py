@@ -14,6 +14,7 @@ from azure.core.rest import HttpRequest
 
 from backends.azure.clients import batch_client
 from tests.azure_helpers import azure_config
+from tests.fakes.batch import API_VERSION as BATCH_API_VERSION
 from tests.fakes.batch import Attempt, FakeBatch
 
 
@@ -109,7 +110,7 @@ def test_pool_and_node_lifecycle(fake_azure_account, tmp_path: Path) -> None:
     resize = HttpRequest(
         "POST",
         "/pools/life/resize",
-        params={"api-version": client._config.api_version},
+        params={"api-version": BATCH_API_VERSION},
         json={"targetDedicatedNodes": 1},
     )
     assert client.send_request(resize).status_code == 202
