@@ -11,7 +11,6 @@ these are subclasses that change defaults only.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from collections.abc import Callable
@@ -84,14 +83,20 @@ def _from_base(cls: type[BaseModel], value: Any) -> Any:
     return value
 
 
-def _default(info: FieldInfo, value: Any, validate: bool) -> FieldInfo:
-    """``info`` (description, bounds) with ``value`` as its default instead of its own.
-    ``validate``: the default is a section given as a mapping (the training section is a
-    dataclass, not a model), which validation turns into the section itself."""
-    base = copy.copy(info)
-    base.default_factory = None
-    base._attributes_set = {k: v for k, v in info._attributes_set.items() if k != "default_factory"}
-    return FieldInfo.merge_field_infos(base, default=value, validate_default=validate)
+def _default(info: FieldInfo, value: Any, validate: bool) -> tuple[Any, FieldInfo]:
+    """The annotation (with its bounds) and field of ``info`` with ``value`` as its default
+    instead of its own. ``validate``: the default is a section given as a mapping (the
+    training section is a dataclass, not a model), which validation turns into the section."""
+    described = info.asdict()
+    kept = {
+        k: v
+        for k, v in described["attributes"].items()
+        if k not in ("default", "default_factory", "validate_default") and v is not None
+    }
+    annotation: Any = described["annotation"]
+    if described["metadata"]:
+        annotation = Annotated[annotation, *described["metadata"]]
+    return annotation, Field(default=value, validate_default=validate, **kept)
 
 
 def with_defaults(
@@ -111,7 +116,7 @@ def with_defaults(
             sub = with_defaults(section, value, f"{name.capitalize()}Location" if shared else None)
             fields[name] = (sub, Field(default_factory=sub, description=info.description))
         else:
-            fields[name] = (info.annotation, _default(info, value, isinstance(value, dict)))
+            fields[name] = _default(info, value, isinstance(value, dict))
     return create_model(
         title or model.__name__,
         __base__=model,

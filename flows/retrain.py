@@ -67,7 +67,8 @@ def retrain(
     before anything is provisioned (force trains anyway).
 
     Args:
-        epochs: Training epochs. Empty: the config's (configs/local.yaml has 4).
+        epochs: Training epochs. Empty: the config's training.epochs (the file at
+            config_path below, which the deployment sets).
         model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
             config's.
         data_container: The Blob container with the training data. Empty: the config's
@@ -85,9 +86,9 @@ def retrain(
             YAML; null clears an optional field). Applied after the config, before the fields
             above. A run may change the training section and data.container, data.prefix and
             data.version; endpoints, credentials, the image and the pool are the config file's.
-        config_path: The config file the run starts from (the deployment sets
-            configs/local.yaml; another must be in the project's configs/ folder). Ignored
-            when the advanced config below is filled in.
+        config_path: The config file the run starts from (the deployment sets its own;
+            another must be in the project's configs/ folder). Ignored when the advanced
+            config below is filled in.
         config: Advanced: the whole config, every field, starting from the shipped config's
             values. Filled in, it replaces the file at config_path; only its training section
             and data.container, data.prefix and data.version may differ from the deployment's
