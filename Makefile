@@ -42,9 +42,9 @@ image: setup
 
 # The local target's Blob storage for the deployments (docs/service.md):
 # Azurite on its default port 127.0.0.1:10000 with the demo's dataset uploaded, in the
-# foreground until Ctrl-C.
+# foreground until Ctrl-C. AZURITE_ARGS: e.g. --port 10001.
 azurite: setup
-	$(PY) scripts/demo.py --serve-storage
+	$(PY) scripts/demo.py --serve-storage $(AZURITE_ARGS)
 
 # The whole local service in one command (docs/service.md): Azurite, PostgreSQL,
 # a Prefect server on it, the work pool and deployments, a worker, the relay and the outputs

@@ -54,6 +54,7 @@ class Options:
     prefect_port: int
     relay_host: str
     relay_port: int
+    gateway_port: int | None = None  # None: output.links_url's when loopback, else 4280
 
 
 def relay_secret(state: Path) -> str:
@@ -99,7 +100,7 @@ def components(options: Options) -> list[Component]:
             env[variable] = storage
     postgres = Cluster.at(state / "postgres")
     worker_name = f"service-{socket.gethostname()}-{os.getpid()}"
-    gateway_host, gateway_port = listen_address(config.output.links_url)
+    gateway_host, gateway_port = listen_address(config.output.links_url, None, options.gateway_port)
     gateway_netloc = f"[{gateway_host}]" if ":" in gateway_host else gateway_host
     relay_env = {
         **env,
@@ -126,8 +127,7 @@ def components(options: Options) -> list[Component]:
                 port_in_use("127.0.0.1", options.azurite_port)
                 and _said(state, "azurite", "Azurite is serving")
             ),
-            where=f"Blob on 127.0.0.1:{options.azurite_port}, "
-            f"{config.data.container}/{config.data.prefix} uploaded",
+            where=f"Blob on 127.0.0.1:{options.azurite_port}, {_seeded(config)}",
             env=env,
             port=("127.0.0.1", options.azurite_port),
             timeout=300,
@@ -244,6 +244,21 @@ def tracking_components(
     artifacts = state / "mlflow-artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
     return [mlflow_component(host, port, cluster.sync_url(DATABASE), artifacts, env, create)]
+
+
+def _seeded(config: Any) -> str:
+    """What the Azurite component uploads, in words: the demo's digits, into the data root
+    of the shipped local config (scripts/demo.py --serve-storage), and nothing else."""
+    from core.config import load_config
+
+    demo = load_config(ROOT / "configs" / "local.yaml").data.root
+    said = f"the demo's digits uploaded to {demo.where}"
+    if config.data.root != demo:
+        said += (
+            f"; {config.data.root.where} left as it is (python -m cli.data upload puts a "
+            "folder there: docs/data.md)"
+        )
+    return said
 
 
 def postgres_component(cluster: Cluster) -> Component:
@@ -416,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--relay-port", type=int, default=8080)
     p.add_argument(
+        "--gateway-port",
+        type=int,
+        help="the outputs gateway's (default: output.links_url's when it is this machine's, "
+        "else 4280); the runs' links follow output.links_url, so set it to the same port",
+    )
+    p.add_argument(
         "--cancel-runs",
         action="store_true",
         help="start nothing: cancel the runs in progress on the retrain-workers pool of the "
@@ -438,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prefect_port,
         args.relay_host,
         args.relay_port,
+        args.gateway_port,
     )
     logs = options.state / "logs"
 
