@@ -8,15 +8,19 @@ data folder only (``listen_addresses=''``), so no port can collide and only the 
 (and root) can connect; authentication inside is ``trust`` for the one role, ``prefect``.
 
 PostgreSQL refuses to run as root: as root, the server and ``initdb`` run as the ``postgres``
-user the package creates (which must be able to reach the folder: every folder above it needs
-``o+x``).
+user the package creates. Where that user cannot reach the state folder (a checkout in a
+private folder, as ``/root`` is), the data folder goes below that user's home instead
+(``~postgres/retrain/<digest of the state folder>``, mode 0700, owned by it alone), the same one
+at every start of that state folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +54,43 @@ def binaries() -> Path:
     )
 
 
+def _reachable(folder: Path, user: str) -> bool:
+    """Whether ``user`` may pass through every existing folder from ``/`` to ``folder`` (those
+    not made yet are made by this process, with its umask's search bits)."""
+    try:
+        account = pwd.getpwnam(user)
+    except KeyError:
+        return True  # Cluster._as_owner names the missing user
+    groups = {account.pw_gid, *(g.gr_gid for g in _groups_of(user))}
+    for part in [folder, *folder.parents]:
+        try:
+            st = part.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == account.pw_uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid in groups:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return False
+    return True
+
+
+def _groups_of(user: str) -> list[Any]:
+    import grp
+
+    return [g for g in grp.getgrall() if user in g.gr_mem]
+
+
+def _in_home_of(user: str, data_dir: Path) -> Path:
+    """The data folder of ``data_dir``'s state below ``user``'s home: one per state folder."""
+    home = Path(pwd.getpwnam(user).pw_dir)
+    digest = hashlib.sha256(os.fsencode(data_dir)).hexdigest()[:16]
+    return home / "retrain" / digest
+
+
 @dataclass(frozen=True)
 class Cluster:
     """One PostgreSQL data folder and how to run its server."""
@@ -57,17 +98,22 @@ class Cluster:
     data_dir: Path
     bin_dir: Path
     user: str | None  # the account the server runs as; None: this process's own
+    in_home: bool = False  # below the server account's home (the state folder is private)
 
     @classmethod
     def at(cls, data_dir: Path) -> Cluster:
         data_dir = data_dir.resolve()
+        user = "postgres" if os.geteuid() == 0 else None
+        in_home = user is not None and not _reachable(data_dir.parent, user)
+        if in_home:
+            data_dir = _in_home_of(str(user), data_dir)
         socket = data_dir / f".s.PGSQL.{SOCKET_PORT}"
         if len(os.fsencode(socket)) > _SOCKET_PATH_MAX:
             raise PostgresError(
                 f"{data_dir} is too deep for PostgreSQL's socket ({socket} is over "
                 f"{_SOCKET_PATH_MAX} bytes): choose a shorter state folder"
             )
-        return cls(data_dir, binaries(), "postgres" if os.geteuid() == 0 else None)
+        return cls(data_dir, binaries(), user, in_home)
 
     @property
     def url(self) -> str:
@@ -96,9 +142,13 @@ class Cluster:
             return False
         self.data_dir.mkdir(parents=True, exist_ok=True)
         owner = self._as_owner()
-        if owner:
-            os.chown(self.data_dir, owner["user"], owner["group"])
-        self.data_dir.chmod(0o700)
+        folders = [self.data_dir]
+        if self.in_home:
+            folders.append(self.data_dir.parent)  # ~postgres/retrain: the server's own too
+        for folder in folders:
+            if owner:
+                os.chown(folder, owner["user"], owner["group"])
+            folder.chmod(0o700)
         proc = subprocess.run(
             [
                 str(self.bin_dir / "initdb"),

@@ -229,10 +229,10 @@ def postgres_prefect_api() -> Iterator[str]:
     from deployments.service import postgres_component, prefect_component
     from deployments.supervisor import Supervisor
 
-    # Not below pytest's own temporary folder (mode 0700): as root, PostgreSQL runs as the
-    # postgres user, which must reach its data folder.
+    # A private state folder (mode 0700, as a checkout under /root is): as root, PostgreSQL
+    # runs as the postgres user, and its data folder goes where that user can reach it.
     state = Path(tempfile.mkdtemp(prefix="retrain-postgres-", dir="/tmp"))
-    state.chmod(0o755)
+    cluster = None
     try:
         cluster = Cluster.at(state / "pg")
     except PostgresError as exc:
@@ -249,6 +249,8 @@ def postgres_prefect_api() -> Iterator[str]:
     finally:
         supervisor.stop()
         shutil.rmtree(state, ignore_errors=True)
+        if cluster is not None:
+            shutil.rmtree(cluster.data_dir, ignore_errors=True)
 
 
 @pytest.fixture(params=PREFECT_DATABASES)
