@@ -31,7 +31,14 @@ from core.config import BlobLocation
 from core.data_versions import MARKER
 from gate.deadline import GateTimeoutError, read_within
 from imagedata.class_names import name_problem, normal, shown
-from imagedata.images import SPLITS, is_image_name, open_image, to_rgb
+from imagedata.images import (
+    MAX_IMAGE_BYTES,
+    SPLITS,
+    ImageTooLarge,
+    is_image_name,
+    open_image,
+    to_rgb,
+)
 from imagedata.webdataset import ShardError, is_tar_name, open_shard, read_samples
 from staging.blob import list_pinned, paused_gc
 from staging.listing import PinnedBlob
@@ -39,8 +46,10 @@ from staging.listing import PinnedBlob
 # Bumped when what a row says about an image changes, so cached rows of older rules are not
 # reused (2: only PNG and JPEG, by name and content, are readable; 3: rows kept by content;
 # 4: readable means decoded whole, width and height after the EXIF orientation; 5: a shard's
-# labels in NFC, refused rather than stripped, hostile member headers refused).
-DESCRIBE_VERSION = 5
+# labels in NFC, refused rather than stripped, hostile member headers refused; 6: an image
+# over imagedata.images.MAX_PIXELS is refused by its header, never decoded, and one over
+# MAX_IMAGE_BYTES by its listed size, never read).
+DESCRIBE_VERSION = 6
 # What a cached row holds: what the image's bytes say, nothing that depends on its name.
 CONTENT_FIELDS = ("width", "height", "channels", "readable", "md5")
 
@@ -72,6 +81,8 @@ def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
     as the trainer decodes it."""
     if blob.size == 0 or not is_image_name(rel):  # the trainer reads only .png/.jpg/.jpeg
         return {**_UNREAD, "md5": blob.md5}
+    if blob.size > MAX_IMAGE_BYTES:  # unreadable by its listed size: never downloaded
+        return {**_UNREAD, "md5": blob.md5}
     return _decoded(container.download_blob(blob.name).readall(), blob.md5)
 
 
@@ -97,6 +108,8 @@ def _decoded(data: bytes, md5: str | None) -> dict[str, Any]:
             channels = len(image.getbands())
             picture = to_rgb(image)  # every pixel decoded: a cut or corrupt file fails here
         row.update(width=picture.width, height=picture.height, channels=channels, readable=True)
+    except ImageTooLarge as exc:  # refused by its header: its size fails the side rule too
+        row.update(width=exc.width, height=exc.height)
     except Exception:  # PIL raises many types for garbage; the gate reports them as unreadable
         pass
     return row

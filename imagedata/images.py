@@ -60,9 +60,38 @@ def is_image_name(name: str | PurePath) -> bool:
     return suffix(name) in IMAGE_SUFFIXES
 
 
+# The most pixels an image may have before it is decoded: larger than a 45-megapixel camera's
+# photos, and about 150 MB as 8-bit RGB. Pillow's own guard (DecompressionBombError) starts at
+# twice its MAX_IMAGE_PIXELS, some 179 M: a 13,000 x 13,000 PNG of 189 KB passes it and takes
+# half a gigabyte to decode, and a reader decodes several at once.
+MAX_PIXELS = 50_000_000
+# The most bytes an image file may have to be read at all: a 50-megapixel JPEG is a few tens
+# of MB; a larger "image" is not training data, and readers hold a file whole while decoding.
+MAX_IMAGE_BYTES = 64 << 20
+
+
+class ImageTooLarge(ValueError):
+    """An image whose header declares more pixels than :data:`MAX_PIXELS`; nothing of it was
+    decoded."""
+
+    def __init__(self, width: int, height: int) -> None:
+        super().__init__(
+            f"{width} x {height} pixels is over the {MAX_PIXELS:,}-pixel limit (its header "
+            "was read, nothing decoded)"
+        )
+        self.width, self.height = width, height
+
+
 def open_image(source: str | PurePath | IO[bytes]) -> Image.Image:
-    """Open ``source`` as PNG or JPEG only; anything else raises UnidentifiedImageError."""
-    return Image.open(source, formats=IMAGE_FORMATS)
+    """Open ``source`` as PNG or JPEG only (anything else raises UnidentifiedImageError), and
+    only when its header declares at most :data:`MAX_PIXELS` (else :class:`ImageTooLarge`).
+    Opening reads the header alone: pixels are decoded later, by whoever asks for them."""
+    image = Image.open(source, formats=IMAGE_FORMATS)
+    width, height = image.size
+    if width * height > MAX_PIXELS:
+        image.close()
+        raise ImageTooLarge(width, height)
+    return image
 
 
 def _to_eight_bits(image: Image.Image) -> Image.Image:

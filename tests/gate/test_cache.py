@@ -137,3 +137,22 @@ def test_cached_rows_are_built_without_the_collector_walking_the_process(
     assert reused == len(rows) == 20_000 and rows[7]["width"] == 500
     assert len(collections) <= 2
     assert gc.isenabled()
+
+
+def test_a_blob_over_the_byte_cap_is_not_read(
+    seeded: tuple[PipelineConfig, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image file larger than imagedata.images.MAX_IMAGE_BYTES is unreadable by its listed
+    size, never downloaded: here the cap is lowered below a valid image's size, which then
+    reads as unreadable (it would decode fine if it were read)."""
+    import gate.manifest
+
+    config, _ = seeded
+    rows, _ = _build(config)
+    image = max((r for r in rows if r["readable"]), key=lambda r: r["bytes"])
+    monkeypatch.setattr(gate.manifest, "MAX_IMAGE_BYTES", image["bytes"] - 1)
+    monkeypatch.setattr(gate.manifest, "DESCRIBE_VERSION", -1)  # a cache of its own
+    again, cached = _build(config)
+    assert cached == 0
+    assert next(r for r in again if r["path"] == image["path"])["readable"] is False
+    assert sum(r["readable"] for r in again) == sum(r["readable"] for r in rows) - 1

@@ -93,3 +93,64 @@ def test_the_suffix_is_pathlibs_for_every_name() -> None:
             name = "".join(pieces)
             assert suffix(name) == PurePath(name).suffix.lower(), name
             assert suffix(PurePath(name)) == PurePath(name).suffix.lower(), name
+
+
+def _png_bomb(side: int) -> bytes:
+    """A valid grayscale PNG of side x side black pixels, a few hundred KB: its rows compress
+    to almost nothing, so a small upload declares hundreds of megabytes of pixels."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    packer = zlib.compressobj(9)
+    row = bytes(side + 1)  # filter byte 0, then the row's pixels
+    body = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    header = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+    )
+
+
+_BOMB_PROBE = """
+import resource, sys
+from gate.manifest import _decoded
+from imagedata.model_input import decode_array
+data = open(sys.argv[1], "rb").read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+row = _decoded(data, None)
+verdict = decode_array(__import__("pathlib").Path(sys.argv[1]), 32)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(row["readable"], row["width"], row["height"], grown // 1024, verdict)
+"""
+
+
+@pytest.mark.processes  # a fresh interpreter, whose peak memory is the probe's own
+def test_an_image_bomb_is_refused_by_its_header_before_any_decode(tmp_path: Path) -> None:
+    """A 13,000 x 13,000 PNG of a few hundred KB (169 M pixels: under Pillow's own bomb guard)
+    is refused by the gate and by the predictor from its header: their peak memory does not
+    grow by the image's pixels (169 MB as grey, 507 MB as RGB)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(_png_bomb(13_000))
+    assert bomb.stat().st_size < 400_000
+    with open_image(io.BytesIO(_png_bomb(64))) as small:
+        assert small.size == (64, 64)  # the same writer makes a PNG Pillow reads
+    out = subprocess.run(
+        [sys.executable, "-c", _BOMB_PROBE, str(bomb)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split(maxsplit=4)
+    readable, width, height, grown_mb, verdict = out
+    assert (readable, width, height) == ("False", "13000", "13000")
+    assert int(grown_mb) < 100, f"peak memory grew {grown_mb} MB: the image was decoded"
+    assert "13000 x 13000 pixels is over the 50,000,000-pixel limit" in verdict
