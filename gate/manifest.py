@@ -76,6 +76,29 @@ def _path_fields(rel: str, size: int) -> dict[str, Any]:
     }
 
 
+class BlobChangedError(RuntimeError):
+    """A blob was rewritten between the listing the gate pinned and its read of it; the
+    message names it. What the gate read would be filed under the listing's MD5."""
+
+
+def _download(container: Any, blob: PinnedBlob) -> Any:
+    """The blob's content as the listing pinned it: read only while its ETag is the listed
+    one (as staging reads), so a producer rewriting it mid-gate never files other bytes under
+    the listed MD5 in the cache."""
+    from azure.core import MatchConditions
+    from azure.core.exceptions import ResourceModifiedError
+
+    try:
+        return container.download_blob(
+            blob.name, etag=blob.etag, match_condition=MatchConditions.IfNotModified
+        )
+    except ResourceModifiedError:
+        raise BlobChangedError(
+            f"blob {blob.name} changed while the gate read it (its ETag is no longer the "
+            f"listed {blob.etag}): run again once its upload has finished"
+        ) from None
+
+
 def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
     """What the blob's bytes say (:data:`CONTENT_FIELDS`): one read of the whole image, decoded
     as the trainer decodes it."""
@@ -83,7 +106,7 @@ def _content(container: Any, blob: PinnedBlob, rel: str) -> dict[str, Any]:
         return {**_UNREAD, "md5": blob.md5}
     if blob.size > MAX_IMAGE_BYTES:  # unreadable by its listed size: never downloaded
         return {**_UNREAD, "md5": blob.md5}
-    return _decoded(container.download_blob(blob.name).readall(), blob.md5)
+    return _decoded(_download(container, blob).readall(), blob.md5)
 
 
 _UNREAD: dict[str, Any] = {
@@ -126,7 +149,7 @@ def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
     blob (as every loose image is read whole), spooled to disk past 8 MB; or ``error``: why it
     cannot be read as samples (``imagedata.webdataset``'s rules, the trainer's)."""
     with tempfile.SpooledTemporaryFile(max_size=8 * 2**20) as spool:
-        container.download_blob(blob.name).readinto(spool)
+        _download(container, blob).readinto(spool)
         spool.seek(0)
         try:
             with open_shard(None, spool) as tar:

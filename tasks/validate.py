@@ -23,7 +23,7 @@ from core.data_versions import DataVersion, DataVersionError
 from core.run import Run
 from gate.deadline import GateTimeoutError
 from gate.docs_assets import DocsAssetError, localize
-from gate.manifest import build_manifest, list_dataset
+from gate.manifest import BlobChangedError, build_manifest, list_dataset
 from gate.report import DataValidationError, failure, gate_markdown
 from gate.verdicts import judge
 from servers.gateway import output_link
@@ -34,7 +34,12 @@ from tasks.steps import Done, step
 # and the message names the files, the versions and what to do. A run the gate refuses ends
 # failed with that message (flows/retrain.py); a traceback would only say where in the gate
 # the refusal was raised, so none is logged with it.
-REFUSALS: tuple[type[Exception], ...] = (DataValidationError, DataVersionError, GateTimeoutError)
+REFUSALS: tuple[type[Exception], ...] = (
+    BlobChangedError,
+    DataValidationError,
+    DataVersionError,
+    GateTimeoutError,
+)
 
 
 class _RefusalsWithoutTraceback(logging.Filter):

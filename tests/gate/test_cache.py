@@ -156,3 +156,23 @@ def test_a_blob_over_the_byte_cap_is_not_read(
     assert cached == 0
     assert next(r for r in again if r["path"] == image["path"])["readable"] is False
     assert sum(r["readable"] for r in again) == sum(r["readable"] for r in rows) - 1
+
+
+def test_a_blob_rewritten_after_the_listing_is_not_read_under_the_listed_md5(
+    seeded: tuple[PipelineConfig, int],
+) -> None:
+    """A producer re-uploads an image between the gate's listing and its read: the read is
+    refused by the listed ETag (If-Match), naming the blob, so no row of other bytes is filed
+    under the listed MD5 for a later version to reuse."""
+    from gate.manifest import BlobChangedError, _content
+    from staging.blob import list_pinned
+
+    config, _ = seeded
+    container = container_client(config.data)
+    listed = [b for b in list_pinned(container, config.data.prefix) if b.name.endswith(".png")]
+    pinned = listed[0]
+    rel = pinned.name.removeprefix(f"{config.data.prefix}/")
+    assert _content(container, pinned, rel)["readable"] is True  # as listed: read
+    container.upload_blob(pinned.name, b"garbage now", overwrite=True)
+    with pytest.raises(BlobChangedError, match=f"blob {pinned.name} changed while the gate"):
+        _content(container, pinned, rel)
