@@ -313,12 +313,11 @@ def _header_reads(count: int, work: Path) -> dict[str, Any]:
 
 
 def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
-    """The listing's three choices, with each page ``--page-delay-ms`` after it is asked for
+    """The listing's two choices, with each page ``--page-delay-ms`` after it is asked for
     (a stand-in for the service's time to answer, which this server does not have),
     alternating, medians: as shipped (the next page asked for before this one is read, the
-    collector paused while a page is read, a page of the service's plain form read by the
-    scanner); one page after another; the collector running while a page is read; and every
-    page read by the XML parser. Measured with Prefect imported, as in the flow's process: the
+    collector paused while a page is read); one page after another; and the collector running
+    while a page is read. Measured with Prefect imported, as in the flow's process: the
     collector's cost grows with the objects a process holds."""
     import contextlib
     import gc
@@ -327,7 +326,6 @@ def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
     import prefect  # noqa: F401  # the heap of the process the gate runs in
 
     import staging.blob
-    import staging.list_page
     from staging.blob import list_pinned
 
     classes = max(1, min(args.classes, args.ahead_blobs // 1_000))
@@ -336,7 +334,6 @@ def _listing_ahead(args: argparse.Namespace) -> dict[str, Any]:
         "ahead": [],
         "one_after_another": [(staging.blob, {"LIST_AHEAD": False})],
         "collector_running": [(staging.blob, {"paused_gc": contextlib.nullcontext})],
-        "parser": [(staging.list_page, {"scan": lambda body: None})],
     }
     runs: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     with synthetic_container(args.ahead_blobs, 0, classes, delay) as conn:

@@ -283,11 +283,10 @@ STAGING_NOTES = [
     "with rclone, three pairs: 158 against 182 ms of CPU per 64 MB file (medians; rclone",
     "158-170 ms), 463 against 446 MB/s. Trim thresholds tried: 8 MB left most of the churn",
     "(176 ms), 16 MB some (155), 32 MB none (146), 128 MB gained nothing more (147). It",
-    "lists with the SDK's request pipeline (its authentication and retries), and instead of",
-    "the SDK's per-blob models reads each page for the four fields it pins: a page of the",
-    "service's plain form with a scanner (`staging/list_page.py`), at about a third of the C",
-    "XML parser's CPU, any other page with the parser; the cyclic garbage collector is paused",
-    "while a page is read (the gate's section below measures all three choices). A sync",
+    "lists through azure-core's public pipeline client with the container's credential, and",
+    "instead of the SDK's per-blob models reads each page with the C XML parser for the four",
+    "fields it pins (`staging/list_page.py`); the cyclic garbage collector is paused while a",
+    "page is read (the gate's section below measures both choices). A sync",
     "that lists reads its manifest, each recorded file's status and its slice of files while",
     "the listing is on its way, so a re-sync's own work overlaps the wait. A re-sync reads no file",
     "whose status (size, modification and change times, inode) is the one recorded when it was",
@@ -320,8 +319,8 @@ STAGING_NOTES = [
     "as rclone's (the server's share in the re-sync rows), and it is what either tool mostly",
     "waits for; in scratch runs of the same listing it took Azurite 0.38-0.69 s of CPU from",
     "one listing to the next. The step spends about a third of rclone's CPU on a re-sync. In",
-    "a scratch run, reading the page took it 19 ms (48 ms with the XML parser, before the",
-    "scanner) and its own work after (plan, status checks, manifest) 74 ms, of a 0.50 s",
+    "a scratch run, reading the page took it 48 ms with the XML parser (19 ms with a scanner",
+    "since removed) and its own work after (plan, status checks, manifest) 74 ms, of a 0.50 s",
     "re-sync against rclone's 0.61 s. Large files: the MD5 of every byte, which rclone",
     "computes too, is about half of either client's CPU, and client and server together fill",
     "both cores, so",
@@ -365,25 +364,6 @@ def _listing_ahead(a: dict[str, Any] | None) -> list[str]:
         "the smaller of the page's reading and the wait for the next one.",
         "",
         *_collector(a),
-        *_scanner(a),
-    ]
-
-
-def _scanner(a: dict[str, Any]) -> list[str]:
-    """The third choice of the listing: a page of the service's plain form read by a scanner
-    for the four fields staging pins, not by the XML parser."""
-    parser = a.get("parser")
-    if parser is None:
-        return []
-    ahead = a["ahead"]
-    return [
-        "A page of the service's plain form is read by a scanner for the four fields staging "
-        "pins (staging.list_page); any other page by the XML parser, which builds an element "
-        "per field of every blob. In the same rounds, every page read by the parser took "
-        f"{parser['wall_s']:.1f} s and {parser['cpu_s']:.1f} s of CPU against "
-        f"{ahead['wall_s']:.1f} s and {ahead['cpu_s']:.1f} s with the scanner "
-        f"({parser['cpu_s'] / max(ahead['cpu_s'], 1e-9):.2f}x the CPU).",
-        "",
     ]
 
 
@@ -395,8 +375,8 @@ def _collector(a: dict[str, Any]) -> list[str]:
     ahead = a["ahead"]
     return [
         "Each page is read with the cyclic garbage collector paused: a page of 5,000 blobs "
-        "becomes some 80,000 objects the collector tracks in the XML parser's tree (about "
-        "10,000 from the scanner, below), none in a cycle, and each time they outnumber a "
+        "becomes some 80,000 objects the collector tracks in the XML parser's tree, none in a "
+        "cycle, and each time they outnumber a "
         "quarter of the process's long-lived objects the collector walks all of them. In the "
         f"same rounds, with Prefect imported as in the flow's process "
         f"({a['tracked_objects']:,} objects tracked), the collector running took "
@@ -495,8 +475,8 @@ GATE_NOTES = [
     "channels. The cache makes the nightly run and a new version of mostly unchanged images",
     "read only new content. Per blob, the listing pays one read of its page (taken as a",
     "stream: unstreamed, the SDK's pipeline parsed every page a second time, into a tree it",
-    "never returned; a page of the service's plain form is read by a scanner, at about a",
-    "third of the XML parser's CPU) and the cached manifest a few dicts in the listing's",
+    "never returned; the XML parser reads it for four fields per blob) and the cached",
+    "manifest a few dicts in the listing's",
     "thread (a cache hit no longer goes through the thread pool). What is left is interpreter",
     "work per blob; the manifest taking each page while the next is read would overlap the two",
     "(not done: the manifest is the smaller part now). Listing by folder, several at once",

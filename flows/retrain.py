@@ -194,6 +194,7 @@ def _retrain(
             run_config = run_config.model_copy(
                 update={"data": run_config.data.pinned(data.version)}
             )
+            target = target_for(run_config)
             if run_config.training.follow_champion:
                 # The champion's recipe and weights, but what this run sets itself.
                 followed = follow_champion(run_config, explicit, run)

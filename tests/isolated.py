@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 # Every top-level package of this project (pyproject.toml's packages.find).
-PROJECT = ("core", "training", "staging", "gate", "registry", "flows", "tasks", "backends")
-PROJECT += ("deployments", "bench", "scripts", "tests")
+PROJECT = ("core", "common", "imagedata", "training", "staging", "gate", "registry", "flows")
+PROJECT += ("tasks", "backends", "cli", "servers", "deployments", "bench", "scripts", "tests")
 
 _PRELUDE = """\
 import sys

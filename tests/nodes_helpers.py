@@ -56,7 +56,9 @@ def require_image_tools() -> None:
 
 def copy_scripts(target: Path) -> None:
     """The scripts share as upload-scripts fills it (the node-side package)."""
-    for rel, source in collect_files(ROOT, ["training"]).items():
+    from tasks.provision import SCRIPT_PACKAGES
+
+    for rel, source in collect_files(ROOT, SCRIPT_PACKAGES).items():
         dest = target / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, dest)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from backends.taskspec import TaskSpec, training_task
 from core.config import ConfigError, PipelineConfig, load_config
 from imagedata.make_images import write_digits
 from tests.conftest import ROOT, prefect_api_env
+from tests.nodes_helpers import copy_scripts
 from tests.pipeline_helpers import make_config, seed
 from tests.reliability import report
 
@@ -71,7 +71,7 @@ def test_hostile_extra_args_run_nothing_on_the_local_cluster(tmp_path: Path) -> 
     base = tmp_path / "paths with spaces"
     config = _with_extra_args(make_config(base), hostile_args(markers))
     share = config.share.local_dir
-    shutil.copytree(ROOT / "training", share / "training")
+    copy_scripts(share)
     cluster = LocalCluster(
         config.work_dir,
         config.pool.id,

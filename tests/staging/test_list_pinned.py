@@ -5,6 +5,7 @@ as streams, so the pipeline does not parse each one into an element tree it neve
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -13,7 +14,7 @@ import pytest
 from azure.storage.blob import ContainerClient
 
 from staging.blob import API_VERSION, list_pinned
-from staging.list_page import parsed, scan
+from staging.list_page import blobs as read_page
 from staging.listing import PinnedBlob
 from tests.staging.list_server import data_client, page, reply_headers, serving
 
@@ -84,20 +85,6 @@ def hostile(azurite: str) -> ContainerClient:
     return container
 
 
-def _requests(azurite: str, name: str) -> tuple[ContainerClient, list[str]]:
-    """The container as a client that records each request's query."""
-    from urllib.parse import unquote, urlsplit
-
-    seen: list[str] = []
-    client = ContainerClient.from_connection_string(
-        azurite,
-        name,
-        api_version=API_VERSION,
-        raw_request_hook=lambda r: seen.append(unquote(urlsplit(r.http_request.url).query)),
-    )
-    return client, seen
-
-
 @pytest.mark.parametrize("page_size", [5000, 3])
 @pytest.mark.parametrize("prefix", ["p", ""])
 def test_the_listing_is_what_the_sdk_lists_page_after_page(
@@ -118,9 +105,18 @@ def test_the_listing_is_what_the_sdk_lists_page_after_page(
 
     monkeypatch.setattr(staging.blob, "PAGE_SIZE", page_size)
     pages: list[bytes] = []
+    queries: list[str] = []
     fetch = staging.blob._page
-    monkeypatch.setattr(staging.blob, "_page", lambda *a: pages.append(fetch(*a)) or pages[-1])
-    client, queries = _requests(azurite, hostile.container_name)
+
+    def recorded(client: object, name: str, url: str) -> bytes:
+        queries.append(url)
+        pages.append(fetch(client, name, url))
+        return pages[-1]
+
+    monkeypatch.setattr(staging.blob, "_page", recorded)
+    client = ContainerClient.from_connection_string(
+        azurite, hostile.container_name, api_version=API_VERSION
+    )
     listed = list_pinned(client, prefix)
     expected = [
         pin(b) for b in hostile.list_blobs(name_starts_with=f"{prefix}/" if prefix else None)
@@ -129,8 +125,8 @@ def test_the_listing_is_what_the_sdk_lists_page_after_page(
     assert len(listed) == (len(HOSTILE) - 3 if prefix else len(HOSTILE))
     assert len(queries) == math.ceil(len(listed) / page_size)
     assert sum("marker=" in q for q in queries) == len(queries) - 1
-    # Azurite's pages are of the service's plain form: the scanner read each, not the parser.
-    assert pages and all(scan(page) == parsed(page) and scan(page) is not None for page in pages)
+    # Each page Azurite sent, read on its own, holds its share of the listing.
+    assert pages and sum(len(read_page(p)) for p in pages) == len(listed)
 
 
 @contextlib.contextmanager
@@ -155,7 +151,8 @@ def test_a_next_page_refused_fails_the_listing_naming_the_container() -> None:
     with _two_pages(PAGE) as (port, calls):
         with pytest.raises(ValueError, match=r"container 'data': listing .* refused with HTTP 403"):
             list_pinned(data_client(port), "p")
-        assert calls[1].endswith("&marker=p%2Fa.png%261")  # the marker, unescaped and quoted
+        # The marker, unescaped and quoted (the SAS a shared key signs follows it).
+        assert re.search(r"&marker=p%2Fa\.png%261(&|$)", calls[1]), calls[1]
 
 
 @pytest.mark.processes
@@ -174,17 +171,15 @@ def test_a_page_is_read_without_the_collector_walking_the_process(md5: str | Non
     """A 5,000-blob page becomes some 80,000 objects in the XML parser's tree: with the cyclic
     collector running, each page set off about a hundred collections, some walking every
     object of the process (145 ms of a page's 183 ms with Prefect imported). None runs while
-    a page is read, by the parser (blobs without an MD5 element: not the service's plain form)
-    or by the scanner; the collector is running again afterwards, and its first allocation
-    sets off one collection (the count of allocations made in the pause is over its
-    threshold)."""
+    a page is read (blobs with an MD5 and without one); the collector is running again
+    afterwards, and its first allocation sets off one collection (the count of allocations
+    made in the pause is over its threshold)."""
     import gc
 
     from staging.blob import _blobs
 
     blobs = [PinnedBlob(f"p/c{i % 20}/{i}.png", f'"0x{i:X}"', i, md5) for i in range(5000)]
     body = page(blobs)
-    assert (scan(body) is None) == (md5 is None)
     collections: list[int] = []
 
     def counted(phase: str, info: dict[str, int]) -> None:
