@@ -12,6 +12,10 @@ its whole process tree; runs in progress are cancelled through the API first, so
 are released, and runs an unclean stop left marked in progress are marked crashed at the next
 start.
 
+Each component that listens on a port has an option for it, but two: MLflow listens where
+``tracking.mlflow_uri`` says (the address the runs log to: change that field to move it), and
+PostgreSQL on a socket in its data folder only.
+
 Everything listens on loopback; the relay too unless ``--relay-host`` says otherwise (put it
 behind TLS: README, "Running it as a service"). The relay's shared secret is generated once into
 ``<state>/relay-secret`` (mode 0600) unless ``RETRAIN_RELAY_SECRET`` is set; it is never printed.

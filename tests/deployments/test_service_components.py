@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deployments.postgres import Cluster
-from deployments.service import DEMO_VERSION, Options, components
+from deployments.service import DEMO_VERSION, Options, components, main
 from deployments.supervisor import Component
 from tests.conftest import ROOT, child_env
 
@@ -163,3 +163,20 @@ def test_the_azurite_component_seeds_the_demos_root_alone(tmp_path: Path) -> Non
     assert len(blobs) == 1797 + 1, len(blobs)  # the digits and the version's marker
     assert all(b.startswith(seeded) for b in blobs), [b for b in blobs if not b.startswith(seeded)]
     assert "training-data/textures is left as it is" in azurite.where
+
+
+def test_mlflow_listens_where_the_config_tracks_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow has no port option: its address is tracking.mlflow_uri, the one the runs log to,
+    so the config moves both (docs/service.md)."""
+    spec = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    spec["tracking"]["mlflow_uri"] = "http://127.0.0.1:5931"
+    moved = tmp_path / "mlflow.yaml"
+    moved.write_text(yaml.safe_dump(spec))
+    mlflow = _by_name(_options(tmp_path, str(moved)))["mlflow"]
+    assert "5931" in mlflow.command and mlflow.where.startswith("http://127.0.0.1:5931,")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "tracking.mlflow_uri" in help_text and "--gateway-port" in help_text
