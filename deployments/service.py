@@ -12,6 +12,10 @@ its whole process tree; runs in progress are cancelled through the API first, so
 are released, and runs an unclean stop left marked in progress are marked crashed at the next
 start.
 
+Each component that listens on a port has an option for it, but two: MLflow listens where
+``tracking.mlflow_uri`` says (the address the runs log to: change that field to move it), and
+PostgreSQL on a socket in its data folder only.
+
 Everything listens on loopback; the relay too unless ``--relay-host`` says otherwise (put it
 behind TLS: README, "Running it as a service"). The relay's shared secret is generated once into
 ``<state>/relay-secret`` (mode 0600) unless ``RETRAIN_RELAY_SECRET`` is set; it is never printed.
@@ -33,6 +37,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from deployments.setup import WORK_POOL
 from deployments.supervisor import Component, http_ok, port_in_use, shown, supervise
@@ -199,7 +204,7 @@ def components(options: Options) -> list[Component]:
                 f"{gateway_netloc}:{gateway_port}",
                 below=500,
             ),
-            where=f"the runs' links: http://{gateway_netloc}:{gateway_port}/",
+            where=_gateway_where(config.output.links_url, gateway_netloc, gateway_port),
             env=env,
             port=(gateway_host, gateway_port),
         ),
@@ -246,19 +251,29 @@ def tracking_components(
     return [mlflow_component(host, port, cluster.sync_url(DATABASE), artifacts, env, create)]
 
 
+DEMO_VERSION = "v1"  # the data version scripts/demo.py seeds the digits as (its SEED_VERSION)
+
+
 def _seeded(config: Any) -> str:
-    """What the Azurite component uploads, in words: the demo's digits, into the data root
-    of the shipped local config (scripts/demo.py --serve-storage), and nothing else."""
+    """What the Azurite component uploads, in words: the demo's digits as data version
+    DEMO_VERSION of the shipped local config's data root (scripts/demo.py --serve-storage is
+    given no config), and nothing else; the config's own root, when it is another, is named
+    as left alone, so nobody takes the digits for their dataset."""
     from core.config import load_config
 
     demo = load_config(ROOT / "configs" / "local.yaml").data.root
-    said = f"the demo's digits uploaded to {demo.where}"
-    if config.data.root != demo:
-        said += (
-            f"; {config.data.root.where} left as it is (python -m cli.data upload puts a "
-            "folder there: docs/data.md)"
-        )
-    return said
+    said = (
+        f"the demo's digits uploaded to {demo.container}/{demo.folder(DEMO_VERSION)} "
+        f"(data version {DEMO_VERSION} of {demo.where})"
+    )
+    on_azurite = bool(config.data.connection_string_env)  # the service points it here
+    if on_azurite and config.data.root == demo:
+        return said
+    where = config.data.root.where + ("" if on_azurite else " in its own storage account")
+    return (
+        f"{said}; the config's data root {where} is left as it is (python -m cli.data upload "
+        "puts a folder there: docs/data.md)"
+    )
 
 
 def postgres_component(cluster: Cluster) -> Component:
@@ -267,7 +282,7 @@ def postgres_component(cluster: Cluster) -> Component:
         "postgres",
         cluster.server_command(),
         ready=cluster.accepting,
-        where=f"socket in {shown(cluster.data_dir)}",
+        where=_postgres_where(cluster),
         env=cluster.environment(),
         popen=cluster.popen_options(),
         before=lambda: "new database folder" if cluster.initialise() else None,
@@ -275,6 +290,29 @@ def postgres_component(cluster: Cluster) -> Component:
         stop_signal=signal.SIGINT,  # a fast shutdown: sessions closed, data flushed
         signal_tree=False,
     )
+
+
+def _gateway_where(links_url: str | None, netloc: str, port: int) -> str:
+    """Where the gateway listens and where the runs' links point: the links come from
+    ``output.links_url`` alone, so a --gateway-port that differs from it is said, not hidden."""
+    url = f"http://{netloc}:{port}"
+    if links_url is None:
+        return f"{url}/; output.links_url is unset, so the runs' links point at Blob storage"
+    parts = urlsplit(links_url)
+    if (parts.scheme, parts.hostname, parts.port or 80) == ("http", netloc.strip("[]"), port):
+        return f"the runs' links: {url}/"
+    return f"{url}/; the runs' links point at output.links_url, {links_url}"
+
+
+def _postgres_where(cluster: Cluster) -> str:
+    """Where the server keeps its data (its socket is there too), and why when it is not in
+    the state folder: the person who removes the state folder must know to remove it too."""
+    where = f"data and socket in {shown(cluster.data_dir)}, no port"
+    if cluster.in_home:
+        where += (
+            f" (the {cluster.user} user's own, mode 0700: that user cannot reach the state folder)"
+        )
+    return where
 
 
 def prefect_component(port: int, cluster: Cluster, env: dict[str, str]) -> Component:

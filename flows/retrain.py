@@ -89,10 +89,10 @@ def retrain(
         config_path: The config file the run starts from (the deployment sets its own;
             another must be in the project's configs/ folder). Ignored when the advanced
             config below is filled in.
-        config: Advanced: the whole config, every field, starting from the shipped config's
-            values. Filled in, it replaces the file at config_path; only its training section
-            and data.container, data.prefix and data.version may differ from the deployment's
-            config file.
+        config: Advanced: the whole config, every field, starting from the values of the
+            config file the deployment was made with. Filled in, it replaces the file at
+            config_path; only its training section and data.container, data.prefix and
+            data.version may differ from the deployment's config file.
     """
     from tasks.outcome import RunLog
     from tasks.tracking import Tracker

@@ -4,13 +4,18 @@ exactly what it uploads."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-from deployments.service import Options, components
+from deployments.postgres import Cluster
+from deployments.service import DEMO_VERSION, Options, components, main
 from deployments.supervisor import Component
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 
 
 def _options(tmp_path: Path, config: str, **ports: int) -> Options:
@@ -55,5 +60,123 @@ def test_the_azurite_line_says_what_it_uploads_and_what_it_leaves(tmp_path: Path
     other.write_text(yaml.safe_dump(spec))
     azurite = _by_name(_options(tmp_path, str(other)))["azurite"]
     assert "--config" not in azurite.command
-    assert "/textures left as it is" in azurite.where
+    assert "training-data/textures is left as it is" in azurite.where
     assert "the demo's digits uploaded to" in azurite.where
+
+
+def test_the_azurite_line_names_the_version_demo_seeds(tmp_path: Path) -> None:
+    from scripts.demo import SEED_VERSION
+
+    assert SEED_VERSION == DEMO_VERSION
+    shipped = _by_name(_options(tmp_path, "configs/local.yaml"))["azurite"]
+    assert f"training-data/digits/{DEMO_VERSION} (data version {DEMO_VERSION} of" in shipped.where
+
+
+def test_the_azurite_line_leaves_a_root_in_another_account_alone(tmp_path: Path) -> None:
+    """Same container and prefix as the demo's, but read from an account of its own (no
+    connection string: the service does not point it at Azurite): nothing lands there."""
+    spec = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    spec["data"].update(
+        connection_string_env=None, account_url="https://example.blob.core.windows.net"
+    )
+    other = tmp_path / "account.yaml"
+    other.write_text(yaml.safe_dump(spec))
+    azurite = _by_name(_options(tmp_path, str(other)))["azurite"]
+    assert "training-data/digits in its own storage account is left as it is" in azurite.where
+
+
+def test_the_gateway_line_says_where_the_runs_links_point(tmp_path: Path) -> None:
+    """--gateway-port moves the gateway, not the links (output.links_url's): a line that
+    called the new port the runs' links would send people where no link goes."""
+    moved = _by_name(_options(tmp_path, "configs/local.yaml", gateway=4931))["gateway"]
+    assert moved.where.startswith("http://127.0.0.1:4931/")
+    assert "the runs' links point at output.links_url, http://127.0.0.1:4280" in moved.where
+    same = _by_name(_options(tmp_path, "configs/local.yaml", gateway=4280))["gateway"]
+    assert same.where == "the runs' links: http://127.0.0.1:4280/"
+
+
+def test_the_postgres_line_says_where_its_data_is(tmp_path: Path) -> None:
+    """A private state folder (as a checkout under /root is): as root the data goes where
+    the server's user can reach it, and the line names that folder, so removing the state
+    folder is not taken for removing the database."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    options = _options(private, "configs/local.yaml")
+    cluster = Cluster.at(options.state / "postgres")
+    line = _by_name(options)["postgres"].where
+    assert f"data and socket in {cluster.data_dir}, no port" in line
+    if os.geteuid() == 0:
+        assert not cluster.data_dir.is_relative_to(private)
+        assert "the postgres user's own, mode 0700" in line
+
+
+@pytest.mark.processes
+def test_the_azurite_component_seeds_the_demos_root_alone(tmp_path: Path) -> None:
+    """The service's Azurite command, as `make service --config` of another data root starts
+    it: every blob it writes lies in the folder its status line names, and the config's own
+    root stays empty."""
+    from azure.storage.blob import BlobServiceClient
+
+    from backends.local.azurite import connection_string
+    from backends.local.ports import free_port
+    from staging.blob import API_VERSION
+
+    spec = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    spec["data"]["prefix"] = "textures"
+    other = tmp_path / "textures.yaml"
+    other.write_text(yaml.safe_dump(spec))
+    port = free_port()
+    azurite = _by_name(_options(tmp_path, str(other), azurite=port))["azurite"]
+    proc = subprocess.Popen(
+        azurite.command,
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # until it says it is serving (or exits)
+            lines.append(line)
+            if "Azurite is serving" in line:
+                break
+        assert any("Azurite is serving" in x for x in lines), "".join(lines)
+        service = BlobServiceClient.from_connection_string(
+            connection_string(port), api_version=API_VERSION
+        )
+        blobs = [
+            f"{c.name}/{b.name}"
+            for c in service.list_containers()
+            for b in service.get_container_client(c.name).list_blobs()
+        ]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    seeded = f"training-data/digits/{DEMO_VERSION}/"
+    assert f"uploaded to {seeded.rstrip('/')} " in azurite.where
+    assert len(blobs) == 1797 + 1, len(blobs)  # the digits and the version's marker
+    assert all(b.startswith(seeded) for b in blobs), [b for b in blobs if not b.startswith(seeded)]
+    assert "training-data/textures is left as it is" in azurite.where
+
+
+def test_mlflow_listens_where_the_config_tracks_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow has no port option: its address is tracking.mlflow_uri, the one the runs log to,
+    so the config moves both (docs/service.md)."""
+    spec = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    spec["tracking"]["mlflow_uri"] = "http://127.0.0.1:5931"
+    moved = tmp_path / "mlflow.yaml"
+    moved.write_text(yaml.safe_dump(spec))
+    mlflow = _by_name(_options(tmp_path, str(moved)))["mlflow"]
+    assert "5931" in mlflow.command and mlflow.where.startswith("http://127.0.0.1:5931,")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "tracking.mlflow_uri" in help_text and "--gateway-port" in help_text

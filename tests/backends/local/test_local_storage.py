@@ -143,3 +143,17 @@ def test_azure_config_is_created_from_the_example_and_never_overwritten(tmp_path
     again = subprocess.run(make, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "configs/azure.yaml exists" in again.stderr
     assert created.read_text() == "target: azure  # filled in\n"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_azurite_passes_its_args_on() -> None:
+    """`make azurite AZURITE_ARGS="--port 10001"` reaches scripts/demo.py, whose --port the
+    serving test above reads back from its status line (make -n: nothing runs)."""
+    result = subprocess.run(
+        ["make", "-n", "-s", "-C", str(ROOT), "azurite", "AZURITE_ARGS=--port 10001"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].endswith("scripts/demo.py --serve-storage --port 10001")
