@@ -68,7 +68,11 @@ class NodeAccess:
 def _container_sas(
     container: ContainerClient, start: datetime, expiry: datetime, **permissions: bool
 ) -> str:
-    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+    from azure.storage.blob import (
+        BlobServiceClient,
+        ContainerSasPermissions,
+        generate_container_sas,
+    )
 
     credential: Any = container.credential
     key = getattr(credential, "account_key", None)
@@ -84,8 +88,10 @@ def _container_sas(
     if key:
         return generate_container_sas(account_key=key, **common)
     # Entra ID: a user delegation key, itself valid only as long as the token it signs.
-    service = container._get_blob_service_client()
-    delegation = service.get_user_delegation_key(start, expiry)
+    # The account's service endpoint (path-style on an emulator: host, port and account).
+    account = f"{container.scheme}://{container.primary_hostname}"
+    with BlobServiceClient(account, credential, api_version=container.api_version) as service:
+        delegation = service.get_user_delegation_key(start, expiry)
     return generate_container_sas(user_delegation_key=delegation, **common)
 
 
