@@ -24,17 +24,17 @@ from common.atomic import b64md5
 from core.config import ValidationConfig
 from gate.manifest import (
     _UNREAD,
-    SHARD,
     _flag_class_names,
     _flag_leaks,
     _flag_mixed_splits,
     _path_fields,
     _shard_rows,
+    shard_samples,
 )
 from gate.report import examples
 from gate.suites import run_expectations
 from imagedata.images import is_image_name
-from imagedata.webdataset import ShardError, is_tar_name, open_shard, read_samples
+from imagedata.webdataset import is_tar_name
 
 # Decided only by decoding, at the run's gate: left empty (unknown) here.
 _UNDECODED = {"width": None, "height": None, "channels": None, "readable": None}
@@ -62,24 +62,15 @@ class FolderCheck:
 def _shard(path: Path) -> dict[str, Any]:
     """A tar shard's samples as the gate describes them (``gate.manifest``), each member's MD5
     from its bytes, nothing decoded; or ``error``: why the trainer could not read it."""
+
+    def undecoded(data: bytes) -> dict[str, Any]:
+        return {**_UNDECODED, "md5": b64md5(hashlib.md5(data, usedforsecurity=False))}
+
     try:
-        with open(path, "rb") as fh, open_shard(None, fh) as tar:  # named as the gate names it
-            found = []
-            for sample in read_samples(tar, SHARD):
-                handle = tar.extractfile(sample.image)
-                data = handle.read() if handle else b""
-                found.append(
-                    {
-                        "name": sample.image.name,
-                        "label": sample.label,
-                        "bytes": sample.image.size,
-                        **_UNDECODED,
-                        "md5": b64md5(hashlib.md5(data, usedforsecurity=False)),
-                    }
-                )
-    except (ShardError, OSError) as exc:
-        return {"error": str(exc).removeprefix(f"{SHARD}: ")}
-    return {"samples": found}
+        with open(path, "rb") as fh:
+            return shard_samples(fh, undecoded)
+    except OSError as exc:  # the file itself, before any shard is read
+        return {"error": str(exc)}
 
 
 def folder_rows(files: list[LocalFile]) -> list[dict[str, Any]]:

@@ -22,8 +22,9 @@ import io
 import json
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import IO, Any, TypeGuard
 
 from backends.blob import container_client
 from common.atomic import atomic_write, b64md5, read_json_object
@@ -144,31 +145,37 @@ SHARD = "the shard"  # how a shard's own errors name it: its rows carry its path
 SAMPLE_FIELDS = ("name", "label", "bytes", *CONTENT_FIELDS)
 
 
+def shard_samples(fh: IO[bytes], describe: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
+    """A WebDataset shard's samples, each its name, label and size with what ``describe`` says
+    of its bytes; or ``error``: why it cannot be read as samples (``imagedata.webdataset``'s
+    rules, the trainer's). The gate and the folder check before an upload read shards alike."""
+    try:
+        with open_shard(None, fh) as tar:
+            found = []
+            for sample in read_samples(tar, SHARD):
+                handle = tar.extractfile(sample.image)
+                data = handle.read() if handle else b""
+                found.append(
+                    {
+                        "name": sample.image.name,
+                        "label": sample.label,
+                        "bytes": sample.image.size,
+                        **describe(data),
+                    }
+                )
+    except (ShardError, OSError) as exc:
+        # Kept by content, so no name in it: the row under the shard's path says where.
+        return {"error": str(exc).removeprefix(f"{SHARD}: ")}
+    return {"samples": found}
+
+
 def _shard_samples(container: Any, blob: PinnedBlob) -> dict[str, Any]:
     """A WebDataset shard's samples (:data:`SAMPLE_FIELDS` each), from one read of the whole
-    blob (as every loose image is read whole), spooled to disk past 8 MB; or ``error``: why it
-    cannot be read as samples (``imagedata.webdataset``'s rules, the trainer's)."""
+    blob (as every loose image is read whole), spooled to disk past 8 MB."""
     with tempfile.SpooledTemporaryFile(max_size=8 * 2**20) as spool:
         _download(container, blob).readinto(spool)
         spool.seek(0)
-        try:
-            with open_shard(None, spool) as tar:
-                found = []
-                for sample in read_samples(tar, SHARD):
-                    handle = tar.extractfile(sample.image)
-                    data = handle.read() if handle else b""
-                    found.append(
-                        {
-                            "name": sample.image.name,
-                            "label": sample.label,
-                            "bytes": sample.image.size,
-                            **_decoded(data, None),
-                        }
-                    )
-        except (ShardError, OSError) as exc:
-            # Kept by content, so no name in it: the row under the shard's path says where.
-            return {"error": str(exc).removeprefix(f"{SHARD}: ")}
-    return {"samples": found}
+        return shard_samples(spool, lambda data: _decoded(data, None))
 
 
 def _shard_rows(rel: str, size: int, shard: dict[str, Any]) -> list[dict[str, Any]]:

@@ -269,30 +269,20 @@ class LocalCluster:
         stalls: list[str] = []
         if deadline is not None:
             deadline.restart()
-        if spec.coordination_command:
-            code = self._run(
-                spec.id,
-                spec.coordination_command,
-                env,
-                task_dir / "wd",
-                log,
-                on_line,
-                spec.max_wall_clock_seconds,
-                deadline,
-                stalls,
-            )
-        if code == 0:
-            code = self._run(
-                spec.id,
-                spec.command_line,
-                env,
-                task_dir / "wd",
-                log,
-                on_line,
-                spec.max_wall_clock_seconds,
-                deadline,
-                stalls,
-            )
+        # The coordination command first, as Batch runs it; the task's own only if it passed.
+        for command in (spec.coordination_command, spec.command_line):
+            if command and code == 0:
+                code = self._run(
+                    spec.id,
+                    command,
+                    env,
+                    task_dir / "wd",
+                    log,
+                    on_line,
+                    spec.max_wall_clock_seconds,
+                    deadline,
+                    stalls,
+                )
         uploaded = self._upload_outputs(spec.outputs, task_dir / "wd", success=code == 0)
         return TaskResult(code, task_dir, uploaded, time.perf_counter() - started, stalls=stalls)
 
