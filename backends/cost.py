@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 TASK_PHASES = ("staging", "training", "scoring")
+# The pipeline's task ids start with their step (backends/taskspec.py, tasks/*.py).
+PHASE_OF_TASK = (("stage-", "staging"), ("train-", "training"), ("score-", "scoring"))
 PHASES = ("allocating", *TASK_PHASES, "idle between steps", "idle before release")
 IDLE_PHASES = ("idle between steps", "idle before release")
 
@@ -35,6 +37,11 @@ class PoolUsage:
 
     nodes: list[Span]  # each node's time in the pool during the run
     tasks: dict[str, list[Span]]  # phase (TASK_PHASES) -> the run's task spans
+
+
+def phase_of_task(task_id: str) -> str | None:
+    """The phase a task of the pipeline belongs to, by its id."""
+    return next((phase for prefix, phase in PHASE_OF_TASK if task_id.startswith(prefix)), None)
 
 
 def _phase(

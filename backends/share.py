@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.atomic import atomic_write_json, read_json_object
+from common.atomic import atomic_write, atomic_write_json, read_json_object
 
 HASHES = ".content-hashes.json"
 
@@ -82,3 +82,10 @@ class LocalShare:
         atomic_write_json(current, self.root / HASHES)
         report.digest = tree_digest(current)
         return report
+
+    def put_text(self, rel: str, text: str) -> None:
+        """A small file the nodes read (a stop request); not one of the scripts."""
+        atomic_write(self.root / rel, lambda fh: fh.write(text.encode()))
+
+    def delete(self, rel: str) -> None:
+        (self.root / rel).unlink(missing_ok=True)

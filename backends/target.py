@@ -35,6 +35,11 @@ class Share(Protocol):
 
     def upload(self, files: dict[str, Path]) -> UploadReport: ...
 
+    # A small file for the nodes beside the scripts (a stop request: training/train.py).
+    def put_text(self, rel: str, text: str) -> None: ...
+
+    def delete(self, rel: str) -> None: ...
+
 
 class Target(Protocol):
     # Staging runs on the pool's nodes (it then waits for the pool and the uploaded scripts).

@@ -121,6 +121,16 @@ def _bash(script: str) -> str:
     return f"/bin/bash -c {shlex.quote(script)}"
 
 
+STOP_REQUESTS = "stop-requests"  # a folder of the scripts share
+
+
+def stop_request(task_id: str) -> str:
+    """The share file that asks the training task ``task_id`` to stop at its next checkpoint:
+    the share is the one place both the orchestrator (Files API) and every node (its mount)
+    reach; NFS is the nodes' alone."""
+    return f"{STOP_REQUESTS}/{task_id}"
+
+
 def training_task(
     config: PipelineConfig, task_id: str, training_key: str, output_prefix: str
 ) -> TaskSpec:
@@ -137,6 +147,9 @@ def training_task(
         node_path(MOUNTS_DIR, NFS_MOUNT, "checkpoints", training_key),
         "--prune-checkpoint-folders",
         shlex.quote(f"{config.nfs.checkpoint_days:g}"),
+        # The orchestrator's stop request (the budget's) reaches every node through the share.
+        "--stop-file",
+        node_path(MOUNTS_DIR, SHARE_MOUNT, stop_request(task_id)),
     ]
     values = [*settings_argv(config.training), *config.training.extra_args]
     # Every config value is quoted, extra_args included: only the paths above expand.

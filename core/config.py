@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -605,6 +606,36 @@ class AzureConfig(_Section):
         return _account_url(value)
 
 
+class BudgetConfig(_Section):
+    """What runs may spend, in the currency of the pool's prices (the price table's USD, or
+    ``pool.hourly_price``'s unit); null: no limit. A run whose estimate is over either limit
+    is refused before anything is provisioned; one whose spend passes it while training stops
+    at its next checkpoint, resumable (docs/cost.md)."""
+
+    max_run_cost: float | None = Field(
+        None,
+        description="the most one run may cost (its estimate before it starts, its spend as "
+        "it trains); null: no limit",
+    )
+    monthly_cap: float | None = Field(
+        None,
+        description="the most this data root's runs may cost together in a calendar month "
+        "(UTC), counted from their run records; null: no limit",
+    )
+
+    @field_validator("max_run_cost", "monthly_cap")
+    @classmethod
+    def _positive(cls, value: float | None) -> float | None:
+        if value is None:
+            return None
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"{value:g} is no budget: it must be more than 0 (null: no limit); 0 or less "
+                "would refuse every run"
+            )
+        return value
+
+
 _BLOCK_SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,98}[a-z0-9])?\Z")
 
 
@@ -715,6 +746,7 @@ class PipelineConfig(_Section):
     azure: AzureConfig = Field(default_factory=AzureConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
     work_dir: Path = Field(Path(".work"), description="local state: run folders, logs")
 
     @model_validator(mode="after")

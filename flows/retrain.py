@@ -94,6 +94,7 @@ def retrain(
             config_path; only its training section and data.container, data.prefix and
             data.version may differ from the deployment's config file.
     """
+    from tasks.cost import OverBudgetError
     from tasks.outcome import RunLog
     from tasks.tracking import Tracker
     from tasks.validate import REFUSALS
@@ -124,12 +125,14 @@ def retrain(
         _announce_failure(run, exc)
         raise
     tracker = Tracker(run_config, logger.warning)
+    refusals: tuple[type[Exception], ...] = (*REFUSALS, OverBudgetError)
     try:
         explicit = explicit_training_fields(request.overrides, request.run_fields())
         return _retrain(run_config, effective.source, run, record, force, tracker, explicit)
-    except REFUSALS as exc:
-        # The data gate refused the data, naming why in its artifact and its step's log: the
-        # run ends failed with that message, not as an error in the code (no traceback).
+    except refusals as exc:
+        # The data gate refused the data, or the budget the run, naming why in its artifact and
+        # its step's log: the run ends failed with that message, not as an error in the code
+        # (no traceback).
         record.failed(exc)
         _announce_failure(run, exc)
         tracker.end(exc)
@@ -165,7 +168,7 @@ def _retrain(
     from backends.target import target_for
     from core.run_events import model_promoted
     from servers.gateway import output_link
-    from tasks.cost import PoolMeter
+    from tasks.cost import BudgetWatch, PoolMeter, data_counts, estimate_cost, run_cost_record
     from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
     from tasks.promote import promote
@@ -182,6 +185,8 @@ def _retrain(
     steps: list[StepRecord] = []
     meter = PoolMeter(run_config, cluster, run.id)  # node-minutes from the pool's own timestamps
     fresh = False
+    trained = scored = watch = None
+    cost: dict[str, Any] = {}
     # One run per pool at a time, across deployments, shells and machines (flows/pool_lock.py).
     holder = f"flow run {flow_run.get_id() or run.id}"
     with hold_pool(run_config, holder, shared=cluster.shared, say=logger.info):
@@ -216,7 +221,11 @@ def _retrain(
                 result = report_up_to_date(run.id, steps, check.value, run_config, source)
                 record.ended("up to date", check.value.why, None, result["matched_run"])
                 return result
-            meter.start()
+            # What the run will cost, and whether the budget lets it start: the one place, once
+            # its config is the effective one and before anything is provisioned.
+            priced = estimate_cost(run_config, run, data_counts(gate.value.images_by_split))
+            steps.append(priced.record)
+            meter.start(priced.value)
             scripts_f = upload_scripts.submit(target)
             image_f = build_image.submit(target)
             pool_f = ensure_pool.submit(cluster)
@@ -253,30 +262,54 @@ def _retrain(
                 else run_config.retries.training_attempts - 1,
                 retry_delay_seconds=run_config.retries.backoff_seconds,
             )
-            steps.append(trainer(run_config, cluster, run, key, tracker.epoch).record)
+            # Past what the run may spend, training is asked to stop at its next checkpoint.
+            watch = BudgetWatch(
+                priced.value, target.share(), f"train-{run.id}", meter.spent_so_far()
+            ).start()
+            try:
+                trained = trainer(run_config, cluster, run, key, tracker.epoch)
+            finally:
+                watch.stop()
+            steps.append(trained.record)
             steps.insert(image_at, (image or image_f.result()).record)
-            scored = collect_and_score(cluster, run)
-            steps.append(scored.record)
-            tracker.trained(scored.value.metrics, scored.value.score)
-            promotion = promote(
-                run_config, cluster, run, scored.value.score, staged.value.version, data
-            )
-            steps.append(promotion.record)
-            tracker.decided(run, promotion.value, scored.value.metrics)
-            if promotion.value.promoted:
-                model_promoted(
-                    run.id,
-                    run_config.data.root.where,
-                    promotion.value.reason,
-                    run_config.promotion.metric,
+            if trained.value.stopped_after is None:
+                scored = collect_and_score(cluster, run)
+                steps.append(scored.record)
+                tracker.trained(scored.value.metrics, scored.value.score)
+                promotion = promote(
+                    run_config, cluster, run, scored.value.score, staged.value.version, data
                 )
+                steps.append(promotion.record)
+                tracker.decided(run, promotion.value, scored.value.metrics)
+                if promotion.value.promoted:
+                    model_promoted(
+                        run.id,
+                        run_config.data.root.where,
+                        promotion.value.reason,
+                        run_config.promotion.metric,
+                    )
         finally:
             if not fresh:
                 meter.before_release()
                 steps.append(release_pool(cluster).record)
+                if meter.plan is not None:  # what a run that provisioned paid, whatever its end
+                    cost = meter.report()
+                    record.paid(
+                        run_cost_record(
+                            cost,
+                            meter.plan,
+                            sum(gate.value.images_by_split.values()) or None,
+                            _work(run_config, trained, scored),
+                        )
+                    )
         # Still holding the pool (released above, the lock kept): a run of the same inputs
         # waiting for it decides whether it is up to date only once this run's record is there.
-        cost = meter.report()
+        if trained is not None and trained.value.stopped_after is not None:
+            budget = watch is not None and watch.fired
+            stopped = _stopped_by_budget(run, record, steps, cost, trained.value, budget)
+            tracker.end()
+            return stopped
+        assert scored is not None  # training ended, not stopped: the model was scored above
         outputs_url = output_link(run_config.output, cluster.outputs, f"{run.output_prefix}/")
         decision, score = promotion.value, scored.value.score
         report(
@@ -315,8 +348,46 @@ def _retrain(
     }
 
 
+def _work(config: PipelineConfig, trained: Any, scored: Any) -> Any:
+    """What training did, for the run's cost record (None: it did not get that far)."""
+    from tasks.cost import work_of
+
+    if trained is None:
+        return None
+    test = scored.value.score.get("num_images") if scored is not None else None
+    return work_of(config, trained.value.epochs, test)
+
+
+def _stopped_by_budget(
+    run: Run, record: RunLog, steps: list[Any], cost: dict[str, Any], trained: Any, budget: bool
+) -> dict[str, Any]:
+    """A run whose training stopped at a checkpoint when asked: no model, nothing promoted, the
+    checkpoint kept for the next run of the same inputs to resume from. Not a failure."""
+    from tasks.cost import stopped_markdown
+
+    why = (
+        f"training stopped after epoch {trained.stopped_after}"
+        + (": the run's spend reached its budget" if budget else " on request")
+        + "; the next run of the same data, code and settings resumes from that checkpoint"
+    )
+    get_run_logger().warning("run %s: %s", run.id, why)
+    stopped_markdown(run.id, why, cost)
+    record.ended("stopped by budget" if budget else "failed", why)
+    return {
+        "run_id": run.id,
+        "stopped": "budget" if budget else "request",
+        "stopped_after_epoch": trained.stopped_after,
+        "reason": why,
+        "steps": [s.as_dict() for s in steps],
+        "cost": cost,
+    }
+
+
 # The run form's fields (flows/form.py): what `prefect deploy` derives the parameter schema from.
 retrain.__signature__ = run_form_signature(retrain.fn)  # type: ignore[attr-defined]
+
+
+STOPPED = 3  # the exit status of a run whose training was stopped at a checkpoint (budget)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"retrain failed: {state.message}", file=sys.stderr)
             return 1
         result = cast(dict[str, Any], state.result())  # a completed run returns its summary
+    if result.get("stopped"):  # not a failure: the next run of the same inputs resumes it
+        print(f"run {result['run_id']}: {result['reason']}", file=sys.stderr)
+        return STOPPED
     serve = (
         f"  (links open while `python -m cli.models --config {shlex.quote(str(args.config))} "
         "serve` runs)"

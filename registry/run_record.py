@@ -25,8 +25,17 @@ from registry.record_blob import fraction, json_object, read_record, shown
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
-Outcome = Literal["running", "promoted", "not promoted", "up to date", "failed"]
-OUTCOMES: tuple[Outcome, ...] = ("running", "promoted", "not promoted", "up to date", "failed")
+Outcome = Literal[
+    "running", "promoted", "not promoted", "up to date", "failed", "stopped by budget"
+]
+OUTCOMES: tuple[Outcome, ...] = (
+    "running",
+    "promoted",
+    "not promoted",
+    "up to date",
+    "failed",
+    "stopped by budget",  # training stopped at a checkpoint, resumable (core/budget.py)
+)
 MAX_RECORD_BYTES = 64 << 10  # a record is well under 2 KB
 MAX_ERROR_CHARS = 300
 # Connection-string fields a message could quote (a SAS in a URL is ``redact``'s).
@@ -44,6 +53,8 @@ class RunRecord:
     failed_step: str | None = None
     matched_run: str | None = None  # up to date: the run whose model is the one to use
     finished_at: str | None = None
+    # What the run paid and was estimated to (core/cost_estimate.py reads it back as history).
+    cost: dict[str, Any] | None = None
 
     def but(self, **changes: Any) -> RunRecord:
         return replace(self, **changes)
@@ -89,6 +100,7 @@ def parse_run_record(data: bytes) -> RunRecord | str:
         failed_step=text("failed_step"),
         matched_run=text("matched_run"),
         finished_at=text("finished_at"),
+        cost=doc["cost"] if isinstance(doc.get("cost"), dict) else None,
     )
 
 

@@ -8,6 +8,7 @@ record cannot be written at its start fails before anything is paid for.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from prefect import get_run_logger
 
@@ -56,6 +57,17 @@ class RunLog:
             finished_at=_now(),
         )
         self._write()
+
+    def paid(self, cost: dict[str, Any] | None) -> None:
+        """What the run paid and was estimated to, kept for the estimates and the budget of
+        later runs (whatever its outcome: a failed run paid too); never raises."""
+        if cost is None:
+            return
+        try:
+            self.record = self.record.but(cost=cost)
+            self._write()
+        except Exception as problem:
+            get_run_logger().warning("could not record the run's cost: %s", problem)
 
     def failed(self, exc: BaseException) -> None:
         """Record the failure; never raises (the run's own error is the one to see)."""

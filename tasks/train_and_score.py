@@ -34,6 +34,15 @@ class TrainingFailedError(RuntimeError):
     """The training task exited non-zero; the message carries the end of its log."""
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What the training task did: its epochs' records, and where it stopped when asked to
+    (``training/train.py --stop-file``: the budget's stop), resumable from that checkpoint."""
+
+    epochs: list[dict[str, Any]]
+    stopped_after: int | None = None  # the epoch whose checkpoint it stopped at
+
+
 def training_key(config: PipelineConfig, staged_version: str, code_version: str) -> str:
     """Names the checkpoint folder: same data, code and settings, same folder (resume). The
     data version's folder is part of it: two versions of equal content are still two
@@ -86,7 +95,7 @@ def run_training(
     run: Run,
     key: str,
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
-) -> Done[None]:
+) -> Done[Trained]:
     """``on_epoch``: given each epoch's ``PROGRESS`` record as it arrives (run tracking)."""
     logger = get_run_logger()
     spec = training_task(config, f"train-{run.id}", key, run.output_prefix)
@@ -98,6 +107,7 @@ def run_training(
     )
     epochs: list[dict[str, Any]] = []
     resumed: list[int] = []
+    stopped: list[dict[str, Any]] = []
     tail: deque[str] = deque(maxlen=30)
     # No progress for too long ends the attempt (a rank stuck in a collective); the retry
     # (Prefect's here on the local cluster, the next task on Batch) resumes from the checkpoint.
@@ -114,6 +124,9 @@ def run_training(
             return
         if record.get("resumed_from") is not None:
             resumed.append(record["resumed_from"])
+        if record.get("stopped"):
+            stopped.append(record)
+            return
         if "epoch" not in record:
             return  # an attempt that resumed after the last epoch: nothing trained
         epochs.append(record)
@@ -138,6 +151,19 @@ def run_training(
             f"training task {spec.id} exited with {result.exit_code}{hung}; "
             "last lines:\n" + "\n".join(tail)
         )
+    if stopped:  # a requested stop: no model, the checkpoint kept to resume from
+        done = int(stopped[-1].get("epochs_done", 0))
+        update_progress_artifact(
+            progress_id,
+            100.0 * done / max(int(stopped[-1].get("epochs", 1)), 1),
+            description=f"training stopped on request after epoch {done}",
+        )
+        details = {"task": spec.id, "checkpoint_key": key, "stopped_after_epoch": done}
+        return Done(
+            True,
+            Trained(epochs, done),
+            {**details, "epochs_run": [e["epoch"] for e in epochs], "attempts": result.attempts},
+        )
     update_progress_artifact(progress_id, 100.0, description="training finished")
     missing = [
         name for name in REQUIRED_OUTPUTS if f"{run.output_prefix}/{name}" not in result.uploaded
@@ -148,7 +174,7 @@ def run_training(
         )
     return Done(
         True,
-        None,
+        Trained(epochs),
         {
             "task": spec.id,
             "checkpoint_key": key,

@@ -10,7 +10,8 @@ is trained is what was validated.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import get_run_logger
@@ -43,17 +44,26 @@ REFUSALS: tuple[type[Exception], ...] = (
 
 
 class _RefusalsWithoutTraceback(logging.Filter):
-    """Prefect logs a failed task's exception with its traceback: for the gate's refusals, the
-    message alone (the record is kept, its traceback dropped)."""
+    """Prefect logs a failed task's exception with its traceback: for a refusal (the gate's,
+    the budget's), the message alone (the record is kept, its traceback dropped)."""
+
+    def __init__(self, refusals: tuple[type[Exception], ...]) -> None:
+        super().__init__()
+        self.refusals = refusals
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], REFUSALS):
+        if record.exc_info and isinstance(record.exc_info[1], self.refusals):
             record.exc_info = None
             record.exc_text = None
         return True
 
 
-logging.getLogger("prefect.task_runs").addFilter(_RefusalsWithoutTraceback())
+def drop_tracebacks(*refusals: type[Exception]) -> None:
+    """Log these refusals of a step without their traceback: the message says it all."""
+    logging.getLogger("prefect.task_runs").addFilter(_RefusalsWithoutTraceback(refusals))
+
+
+drop_tracebacks(*REFUSALS)
 
 
 def gate_cache_dir(config: PipelineConfig) -> Path:
@@ -68,6 +78,7 @@ class Validated:
 
     version: DataVersion
     listing_version: str
+    images_by_split: dict[str, int] = field(default_factory=dict)  # what the estimate scales by
 
 
 @step("validate-data")
@@ -115,7 +126,11 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
     )
     return Done(
         True,
-        Validated(version, listing_version(blobs)),
+        Validated(
+            version,
+            listing_version(blobs),
+            dict(Counter(str(r["split"]) for r in rows if r.get("split"))),
+        ),
         {
             "data_version": version.label,
             "data_prefix": dataset.prefix,

@@ -245,6 +245,14 @@ class TrainerArgs(TrainingSettings):
         ),
     )
     log_every: int = field(default=50, metadata=about("steps between loss checks", ge=1))
+    stop_file: Path | None = field(
+        default=None,
+        metadata=about(
+            "when this file exists at the start of an epoch, stop there: the last checkpoint "
+            "is kept to resume from, a PROGRESS line says so, and the exit status is 0 (a "
+            "requested stop is no failure to retry); the pipeline's budget stop"
+        ),
+    )
 
     @property
     def checkpoints(self) -> Path:
@@ -263,7 +271,13 @@ def flag(name: str) -> str:
 
 # What a pipeline's run passes itself: where it reads and writes (the validated data it staged,
 # the run's outputs, the checkpoints of its training key) and which checkpoint folders go.
-PIPELINE_OPTIONS = ("data_dir", "output_dir", "checkpoint_dir", "prune_checkpoint_folders")
+PIPELINE_OPTIONS = (
+    "data_dir",
+    "output_dir",
+    "checkpoint_dir",
+    "prune_checkpoint_folders",
+    "stop_file",
+)
 
 
 # What a pipeline's run sets from its ``training.init_from`` (the weights it resolved and checked).

@@ -468,7 +468,9 @@ def run(args: TrainerArgs, world: World) -> dict[str, Any]:
             log.info("removed checkpoint folder %s: %s", folder, why)
     job = set_up(args, world)
     writer = _tensorboard(args, world)
-    _train(job, writer)
+    stopped = _train(job, writer)
+    if stopped is not None:
+        return {"stopped_after_epoch": stopped}
     return _finish(job, writer, started)
 
 
@@ -622,13 +624,37 @@ def _open_data(args: TrainerArgs, world: World) -> tuple[DatasetInfo, list[str]]
     return info, skipped
 
 
-def _train(job: Job, writer: Any) -> None:
-    """The epochs not yet done: train, evaluate, checkpoint and report each one."""
+def _stop_requested(args: TrainerArgs, world: World) -> bool:
+    """Whether ``--stop-file`` exists, as rank 0 sees it: every rank gets its answer, so all
+    stop at the same checkpoint."""
+    if args.stop_file is None:
+        return False
+    return bool(dist.broadcast_object(world.is_root and args.stop_file.exists()))
+
+
+def _train(job: Job, writer: Any) -> int | None:
+    """The epochs not yet done: train, evaluate, checkpoint and report each one. Returns the
+    epoch whose checkpoint training stopped at when a stop was requested (None: it was not)."""
     args, world, trainer = job.args, job.world, job.trainer
     if args.timeline:
         dist.start_timeline(str(args.output_dir / "timeline.json"))
     step = (job.start_epoch - 1) * job.steps_per_epoch
     for epoch in range(job.start_epoch, args.epochs + 1):
+        if _stop_requested(args, world):  # at a checkpoint: the last epoch's, or the resumed one
+            job.checkpoints.wait()  # the checkpoint to resume from is on disk
+            if args.timeline:
+                dist.stop_timeline()
+            if world.is_root:
+                log.info("stop requested (%s): stopping after epoch %d", args.stop_file, epoch - 1)
+                emit_progress(
+                    {
+                        "stopped": "requested",
+                        "epochs": args.epochs,
+                        "epochs_done": epoch - 1,
+                        "resumed_from": job.resumed_from,
+                    }
+                )
+            return epoch - 1
         job.sampler.set_epoch(epoch)
         # The first epoch this attempt trains is profiled when asked (rank 0).
         profiler = (
@@ -663,6 +689,7 @@ def _train(job: Job, writer: Any) -> None:
         # Resumed after the last epoch (a job killed after its last checkpoint): nothing is
         # trained, but orchestrators still learn where this attempt started.
         emit_progress({"epochs": args.epochs, "resumed_from": job.resumed_from})
+    return None
 
 
 def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:

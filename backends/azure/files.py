@@ -94,3 +94,15 @@ class AzureFilesShare:
             report.uploaded.append(rel)
         report.digest = tree_digest(current)
         return report
+
+    def put_text(self, rel: str, text: str) -> None:
+        """A small file the nodes read through their mount (a stop request)."""
+        self._ensure_share()
+        self._ensure_directories(rel, set())
+        self.share.get_file_client(rel).upload_file(text.encode())
+
+    def delete(self, rel: str) -> None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        with contextlib.suppress(ResourceNotFoundError):
+            self.share.get_file_client(rel).delete_file()

@@ -40,6 +40,26 @@ def _container_url(location: Any) -> str:
     return f"{base}/{location.container}"
 
 
+def plan_estimate(config: PipelineConfig) -> dict[str, Any]:
+    """The run's cost estimate from the config and the price table alone (the plan reads no
+    storage: the data root's past runs and the data's size come in when a run starts)."""
+    from core.cost_estimate import estimate_run
+    from core.pricing import PriceError, node_prices
+
+    try:
+        prices, problem = node_prices(config), None
+    except PriceError as exc:
+        prices, problem = None, str(exc)
+    record = estimate_run(config, [], None, prices).as_record()
+    record["sources"] = (
+        "the config and the price table only; a run estimates again from its data root's "
+        "past runs and its data's size before it provisions anything"
+    )
+    if problem is not None:
+        record["price_error"] = problem
+    return record
+
+
 def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
     from backends.target import image_reference
 
@@ -126,6 +146,7 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
     return {
         "target": "azure",
         "batch_account": config.azure.batch_account_url,
+        "cost_estimate": plan_estimate(config),
         "resources": {
             "data": {
                 "container": _container_url(config.data),

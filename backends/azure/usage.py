@@ -15,10 +15,7 @@ from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from backends.cost import PoolUsage, Span
-
-# The pipeline's task ids start with their step (backends/taskspec.py, tasks/*.py).
-PHASE_OF_TASK = (("stage-", "staging"), ("train-", "training"), ("score-", "scoring"))
+from backends.cost import PoolUsage, Span, phase_of_task
 
 
 def node_allocations(client: Any, pool_id: str) -> list[datetime]:
@@ -85,7 +82,7 @@ def run_tasks(client: Any, pool_id: str, run_id: str, until: datetime) -> dict[s
         if pool != pool_id or not job_id.startswith(f"{pool_id}-") or run_id not in job_id:
             continue
         task_id = job_id[len(pool_id) + 1 :]  # one task per job, named as the job's suffix
-        phase = next((p for prefix, p in PHASE_OF_TASK if task_id.startswith(prefix)), None)
+        phase = phase_of_task(task_id)
         if phase is None:
             continue
         try:

@@ -34,7 +34,7 @@ from backends.local.processes import (
     write_record,
 )
 from backends.taskspec import NFS_MOUNT, SHARE_MOUNT, OutputSpec, TaskSpec, node_environment
-from common.atomic import atomic_write_json
+from common.atomic import atomic_write_json, read_json_object
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
@@ -44,6 +44,15 @@ if TYPE_CHECKING:
 
 
 WATCH_SECONDS = 0.5  # how often a running task's progress deadline is checked
+TIMES = "times.json"  # in a task's folder: when it was created and when it ended
+
+
+def _now_dt() -> datetime:
+    return datetime.now(UTC)
+
+
+def _now() -> str:
+    return _now_dt().isoformat()
 
 
 class ClusterError(RuntimeError):
@@ -124,8 +133,13 @@ class LocalCluster:
                 link.unlink()
             if not link.exists():
                 link.symlink_to(target.resolve(), target_is_directory=True)
-        self._set_state("steady", cpus=os.cpu_count())
+        # The node's allocation time, as Batch records a node's: kept while the pool stays up.
+        allocated = self._read_state().get("allocated") if existed else None
+        self._set_state("steady", cpus=os.cpu_count(), allocated=allocated or _now())
         return {"pool": self.pool_id, "created": not existed, "nodes": 1, "cpus": os.cpu_count()}
+
+    def _read_state(self) -> dict[str, object]:
+        return read_json_object(self.state_file) or {}
 
     def _environment(self, spec: TaskSpec, task_dir: Path) -> dict[str, str]:
         bindir = str(Path(self.python).parent)
@@ -253,10 +267,24 @@ class LocalCluster:
                 f"task {spec.id} asks for {spec.instances} nodes; the local pool has 1"
             )
         started = time.perf_counter()
+        created = _now()  # from here on the node is the task's, as from a Batch task's creation
         self._wait_for_free_node(spec, on_line)
         task_dir = (self.root / "tasks" / f"{spec.id}-{int(time.time() * 1000)}").resolve()
         for sub in ("wd", "shared"):
             (task_dir / sub).mkdir(parents=True)
+        try:
+            return self._run_in(spec, task_dir, on_line, deadline, started)
+        finally:
+            atomic_write_json({"created": created, "ended": _now()}, task_dir / TIMES)
+
+    def _run_in(
+        self,
+        spec: TaskSpec,
+        task_dir: Path,
+        on_line: Callable[[str], None],
+        deadline: ProgressDeadline | None,
+        started: float,
+    ) -> TaskResult:
         for resource in spec.resources:
             target = task_dir / "wd" / resource.file_path
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -336,14 +364,33 @@ class LocalCluster:
                 found[pidfile.stem] = record
         return found
 
+    # -- usage: the node's time as Batch would bill it (backends/cost.py); priced only when
+    # pool.hourly_price is set, but measured, so estimates can be checked against it here.
     def node_allocations(self) -> list[datetime] | None:
-        return None  # this machine is not rented
+        allocated = self._read_state().get("allocated")
+        if self.state() != "steady" or not isinstance(allocated, str):
+            return []
+        return [datetime.fromisoformat(allocated)]
 
     def clock(self) -> datetime:
         return datetime.now(UTC)
 
     def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage:
-        raise NotImplementedError("the local pool rents nothing to measure")
+        from backends.cost import PoolUsage, Span, phase_of_task
+
+        state = self._read_state()
+        released = state.get("time") if self.state() == "released" else None
+        until = datetime.fromtimestamp(released, UTC) if isinstance(released, float) else _now_dt()
+        tasks: dict[str, list[Span]] = {}
+        for task_dir in sorted((self.root / "tasks").glob(f"*{run_id}*")):
+            phase = phase_of_task(task_dir.name)
+            times = read_json_object(task_dir / TIMES)
+            if phase is None or times is None or not isinstance(times.get("created"), str):
+                continue
+            ended = times.get("ended")
+            end = datetime.fromisoformat(ended) if isinstance(ended, str) else until
+            tasks.setdefault(phase, []).append(Span(datetime.fromisoformat(times["created"]), end))
+        return PoolUsage([Span(max(a, since), until) for a in allocations], tasks)
 
     def release(self) -> dict[str, object]:
         """Stop the tasks this pool started and mark it released (scaled to zero).

@@ -1,7 +1,7 @@
 """A fake Azure Files account: shares, directories, files with metadata, ranges and rename.
 
-Enough of the File REST API for the scripts upload, with the service's rules: paths are
-case-insensitive and case-preserving (``Training/x.py`` is ``training/x.py``), a file or
+Enough of the File REST API for the scripts upload and Delete File, with the service's rules:
+paths are case-insensitive and case-preserving (``Training/x.py`` is ``training/x.py``), a file or
 directory needs its parent directory, a file is created at its full size and then written in
 ranges of at most 4 MiB that must fit inside it (``x-ms-range``, ``x-ms-write: update``,
 ``Content-Length`` equal to the range), every request carries ``x-ms-version``. Errors carry
@@ -114,6 +114,11 @@ class FakeFiles:
             meta = {k[10:]: v for k, v in req.headers.items() if k.lower().startswith("x-ms-meta-")}
             files[key] = {"name": path, "data": bytes(size), "metadata": meta}
             return Response(201, None, headers)
+        if req.method == "DELETE" and not req.query.get("restype"):  # Delete File: 202
+            if key not in files:
+                return _error(404, "ResourceNotFound")
+            del files[key]
+            return Response(202, None, {})
         if req.method in ("HEAD", "GET") and key in files:
             entry = files[key]
             data: bytes = entry["data"]

@@ -229,6 +229,44 @@ def test_killed_job_resumes_at_next_epoch(digits_dir: Path, tmp_path: Path) -> N
     assert m["test_accuracy"] > 0.6
 
 
+def test_a_stop_request_ends_training_at_a_checkpoint_the_next_run_resumes(
+    tmp_path: Path,
+) -> None:
+    """The budget's stop: a file the orchestrator writes while the job trains. Both ranks stop
+    together at the next checkpoint, with status 0 (no failure for Batch to retry) and no
+    model; an attempt started while the request stands resumes from that checkpoint and stops
+    again before training anything."""
+    out, stop = tmp_path / "out", tmp_path / "share" / "stop-requests" / "train-r1"
+    args = ("--epochs", "5", "--batch-size", "16", "--seed", "3", "--stop-file", str(stop))
+    cmd = trainer_command(2, "synthetic:400", out, *args)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # the request arrives while epoch 2 trains
+        lines.append(line)
+        if "PROGRESS " in line and '"epoch": 1,' in line:
+            stop.parent.mkdir(parents=True)
+            stop.write_text("budget\n")
+    assert proc.wait(timeout=300) == 0, "".join(lines)
+    progress = _progress("".join(lines))
+    (stopped,) = [p for p in progress if p.get("stopped")]
+    k = stopped["epochs_done"]
+    assert isinstance(k, int) and 1 <= k < 5 and stopped["stopped"] == "requested"
+    assert [p["epoch"] for p in progress if "epoch" in p] == list(range(1, k + 1))
+    assert not (out / "model.pt").exists() and not (out / "metrics.json").exists()
+    assert list_checkpoints(out / "checkpoints")[0][0] == k
+
+    again = run_trainer(1, "synthetic:400", out, *args)
+    assert again.returncode == 0, again.output
+    assert f"resuming from checkpoint-{k}.pt: starting at epoch {k + 1}" in again.output
+    assert _progress(again.output) == [
+        {"stopped": "requested", "epochs": 5, "epochs_done": k, "resumed_from": k}
+    ]
+    assert not (out / "model.pt").exists()
+
+
 def _rank_pids(launcher: int, rank: int) -> list[int]:
     """The processes below ``launcher`` whose environment says they are ``rank``."""
     found = []

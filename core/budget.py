@@ -1,0 +1,109 @@
+"""The budget's decisions: whether a run may start, and how long it may then spend.
+
+Pure functions of the effective config, the estimate and what the data root's runs spent this
+month (their run records), so the flow calls them in one place before provisioning, and a run
+plan resolved ahead of the flow can hold their answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from core.config import BudgetConfig, PipelineConfig
+from core.cost_estimate import DataCounts, Estimate, NodeMix, PastRun, estimate_run
+from core.pricing import NodePrices
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    reason: str  # with the figures: what was compared with what
+    allowance: float | None  # the most the run may spend (None: no limit applies)
+
+
+def _money(value: float, currency: str) -> str:
+    return f"{value:.2f}{f' {currency}' if currency else ''}"
+
+
+def check_budget(
+    budget: BudgetConfig, estimate: Estimate, month_spent: float, month: str
+) -> Verdict:
+    """Whether the run may start: its estimate against ``budget.max_run_cost``, and this
+    month's spend of the data root plus the estimate against ``budget.monthly_cap``."""
+    limits = [v for v in (budget.max_run_cost, budget.monthly_cap) if v is not None]
+    if not limits:
+        return Verdict(True, "no budget set", None)
+    cost = estimate.cost
+    currency = estimate.prices.currency if estimate.prices else ""
+    if cost is None:  # a pool that rents nothing is never over a budget
+        return Verdict(True, "the pool is not priced: nothing counts against the budget", None)
+    left = [budget.max_run_cost] if budget.max_run_cost is not None else []
+    if budget.monthly_cap is not None:
+        left.append(budget.monthly_cap - month_spent)
+    allowance = max(min(left), 0.0)
+    hours = estimate.total_node_minutes / 60
+    what = f"the estimate {_money(cost, currency)} ({hours:.2f} node-hours of {estimate.vm_size})"
+    if budget.max_run_cost is not None and cost > budget.max_run_cost:
+        return Verdict(
+            False,
+            f"{what} is over budget.max_run_cost {_money(budget.max_run_cost, currency)}",
+            allowance,
+        )
+    if budget.monthly_cap is not None and month_spent + cost > budget.monthly_cap:
+        return Verdict(
+            False,
+            f"this data root's runs spent {_money(month_spent, currency)} in {month}; with "
+            f"{what} that is {_money(month_spent + cost, currency)}, over budget.monthly_cap "
+            f"{_money(budget.monthly_cap, currency)}",
+            allowance,
+        )
+    return Verdict(
+        True,
+        f"{what} is within the budget: the run may spend {_money(allowance, currency)}",
+        allowance,
+    )
+
+
+def seconds_until_cap(allowance: float | None, rate_per_hour: float, spent: float) -> float | None:
+    """How long a pool costing ``rate_per_hour`` may go on once ``spent`` is paid before the run
+    passes ``allowance`` (0: it has); None when nothing limits it."""
+    if allowance is None or rate_per_hour <= 0:
+        return None
+    return max(allowance - spent, 0.0) / rate_per_hour * 3600
+
+
+@dataclass(frozen=True)
+class CostPlan:
+    """The run's estimate and the budget's answer: what the flow decides on before it rents."""
+
+    estimate: Estimate
+    verdict: Verdict
+    month_spent: float
+    month: str
+
+    @property
+    def rate_per_hour(self) -> float:
+        """What the pool costs per hour while it holds the run's nodes (0: not priced)."""
+        prices = self.estimate.prices
+        nodes = self.estimate.nodes
+        if prices is None or (nodes.spot and prices.spot is None):
+            return 0.0
+        return prices.for_nodes(nodes.dedicated, nodes.spot)
+
+
+def plan_cost(
+    config: PipelineConfig,
+    history: list[PastRun],
+    counts: DataCounts | None,
+    prices: NodePrices | None,
+    month_spent: float,
+    now: datetime,
+    nodes: NodeMix | None = None,
+) -> CostPlan:
+    """The estimate of a run of the effective ``config`` and whether the budget lets it start."""
+    estimate = estimate_run(config, history, counts, prices, nodes)
+    month = f"{now:%Y-%m}"
+    return CostPlan(
+        estimate, check_budget(config.budget, estimate, month_spent, month), month_spent, month
+    )

@@ -1,0 +1,97 @@
+"""The run's cost on the orchestrator: the stop request once the budget is spent, what the run's
+record keeps for later estimates, and the summary's estimate beside what was paid."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from backends.share import LocalShare
+from backends.taskspec import stop_request
+from core.budget import plan_cost
+from core.config import PipelineConfig, load_config
+from core.cost_estimate import DataCounts, PastRun
+from core.pricing import NodePrices
+from tasks.cost import BudgetWatch, cost_markdown, run_cost_record, work_of
+from tests.conftest import ROOT
+
+PRICES = NodePrices(3600.0, None, "USD", "test prices")  # a dollar a second per node
+
+
+def _config(*overrides: str) -> PipelineConfig:
+    return load_config(ROOT / "configs" / "local.yaml", list(overrides))
+
+
+def _plan(config: PipelineConfig, spent: float = 0.0) -> object:
+    counts = DataCounts(1000, 800, 200)
+    return plan_cost(config, [], counts, PRICES, spent, datetime.now(UTC))
+
+
+def test_the_watch_asks_training_to_stop_once_the_budget_is_spent(tmp_path: Path) -> None:
+    config = _config("budget.monthly_cap=100000")
+    share = LocalShare(tmp_path / "share")
+    plan = _plan(config, spent=100000 - 0.2)  # 0.2 left at 1 per second: 0.2 s
+    watch = BudgetWatch(plan, share, "train-r1", spent_so_far=0.0).start()  # type: ignore[arg-type]
+    request = tmp_path / "share" / stop_request("train-r1")
+    deadline = time.monotonic() + 10
+    while not request.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert watch.fired and "budget" in request.read_text()
+    assert watch.seconds == pytest.approx(0.2)
+    watch.stop()
+    assert not request.exists()  # no request left for a later attempt to find
+    unlimited = BudgetWatch(_plan(_config()), share, "train-r2", 0.0).start()  # type: ignore[arg-type]
+    assert unlimited.seconds is None
+    unlimited.stop()
+    assert not unlimited.fired
+
+
+def test_the_record_keeps_what_was_paid_and_what_training_did() -> None:
+    config = _config("training.epochs=3")
+    epochs = [
+        {"epoch": e, "epochs": 3, "images": 800, "seconds": 2.0, "train_loss": 0.1} for e in (2, 3)
+    ]
+    work = work_of(config, epochs, 200)
+    assert work is not None
+    assert (work.epochs_trained, work.train_images, work.images_per_sec) == (2, 800, 400.0)
+    assert work_of(config, [], None) is None
+    measured = {
+        "rented": True,
+        "vm_size": "local",
+        "nodes": 1,
+        "node_minutes": {"allocating": 0.1, "training": 1.0},
+        "total_node_minutes": 1.1,
+        "hourly_price": 0.0,
+        "estimated_cost": 0.0,
+    }
+    record = run_cost_record(measured, None, 1000, work)
+    past = PastRun.from_record("r1", record, complete=True)
+    assert past is not None and past.paid is None  # not priced: nothing spent
+    assert past.work == work and past.images == 1000
+    assert run_cost_record({**measured, "error": "x"}, None, 1000, work) is None
+    assert run_cost_record({"rented": False}, None, 1000, work) is None
+
+
+def test_the_summary_shows_the_estimate_beside_what_was_measured() -> None:
+    plan = _plan(_config())
+    estimate = plan.estimate.as_record()  # type: ignore[attr-defined]
+    measured = estimate["total_node_minutes"] * 1.25
+    lines = "\n".join(
+        cost_markdown(
+            {
+                "rented": True,
+                "vm_size": "local",
+                "nodes": 1,
+                "node_minutes": {"training": measured},
+                "total_node_minutes": measured,
+                "hourly_price": 0.0,
+                "estimated_cost": 0.0,
+                "estimate": estimate,
+            }
+        )
+    )
+    assert f"Estimated before the run: {estimate['total_node_minutes']:.2f} node-minutes" in lines
+    assert "(-20% against what was measured)" in lines
