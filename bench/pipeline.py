@@ -40,10 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DAG: dict[str, list[str]] = {
     "validate-data": [],
     "check-up-to-date": ["validate-data"],
-    "upload-scripts": ["check-up-to-date"],
-    "stage-data": ["check-up-to-date"],
-    "build-image": ["check-up-to-date"],
-    "ensure-pool": ["check-up-to-date"],
+    "estimate-cost": ["check-up-to-date"],
+    "upload-scripts": ["estimate-cost"],
+    "stage-data": ["estimate-cost"],
+    "build-image": ["estimate-cost"],
+    "ensure-pool": ["estimate-cost"],
     # The local cluster trains on this machine's files: training does not wait for the image,
     # whose build ends before the report (flows/retrain.py).
     "run-training": ["upload-scripts", "stage-data", "ensure-pool"],

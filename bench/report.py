@@ -669,6 +669,44 @@ def tracking(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def cost_estimate(r: dict[str, Any]) -> list[str]:
+    """Each run's estimate beside what it used, and the errors against the peer's."""
+    s = r["summary"]
+    rows = [
+        "| run | data | epochs | past runs | estimate | measured | error | previous run's |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i, run in enumerate(r["runs"], 1):
+        naive = run.get("previous_run_error")
+        rows.append(
+            f"| {i} | {run['version']} ({run['images']:,} images) | {run['epochs']} "
+            f"| {run['history_runs']} | {run['estimate_node_minutes']:.2f} "
+            f"| {run['measured_node_minutes']:.2f} | {run['error']:+.0%} "
+            f"| {'-' if naive is None else f'{naive:+.0%}'} |"
+        )
+    ratio = s["error_ratio_previous_over_estimate"]
+    return [
+        "## The cost estimate against what runs used (`bench/cost_estimate.py`)",
+        "",
+        f"Method: {r['method']}. Node-minutes; the error is (estimate - measured) / measured.",
+        "The peer is the guess a person makes without the estimator: the node-minutes of the",
+        "data root's previous run. Both are scored on the runs after the first (which has no",
+        "history: the estimate comes from the config alone).",
+        "",
+        *rows,
+        "",
+        f"Over the {s['runs_scored']} runs with history: the estimate's median error "
+        f"{s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%}, "
+        f"{s['within_25_percent']} of {s['runs_scored']} within 25%; the previous run's "
+        f"figure: median {s['previous_run_median_abs_error']:.0%}, largest "
+        f"{s['previous_run_max_abs_error']:.0%}, {s['previous_run_within_25_percent']} within "
+        "25%"
+        + (f" ({ratio:.1f}x the estimate's median error)." if ratio else ".")
+        + f" The first run, from the config alone: {s['first_run_error']:+.0%}.",
+        "",
+    ]
+
+
 def train_throughput(r: dict[str, Any]) -> list[str]:
     if "images_per_sec_per_gpu" in r:
         return [
@@ -940,6 +978,8 @@ def render(results: Path, previous: str = "") -> str:
         lines += image(r, "## The training image, cpu variant (`bench/image.py`)")
     if (r := load("warm_start")) is not None:
         lines += warm_start(r)
+    if (r := load("cost_estimate")) is not None:
+        lines += cost_estimate(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [

@@ -36,8 +36,16 @@ def check_budget(
         return Verdict(True, "no budget set", None)
     cost = estimate.cost
     currency = estimate.prices.currency if estimate.prices else ""
-    if cost is None:  # a pool that rents nothing is never over a budget
+    if cost is None and estimate.prices is None:  # a pool that rents nothing never is over
         return Verdict(True, "the pool is not priced: nothing counts against the budget", None)
+    if cost is None:
+        return Verdict(
+            False,
+            f"the budget cannot be checked: no Spot price is known ({estimate.prices.source})"
+            if estimate.prices
+            else "the budget cannot be checked",
+            None,
+        )
     left = [budget.max_run_cost] if budget.max_run_cost is not None else []
     if budget.monthly_cap is not None:
         left.append(budget.monthly_cap - month_spent)

@@ -453,8 +453,8 @@ class TrainingConfig(TrainingSettings):
             if owner == "the pipeline":
                 raise ValueError(
                     f"{word.split('=', 1)[0]} is set by the pipeline (the data it staged and "
-                    "validated, the run's outputs, its checkpoints and their pruning): it "
-                    "cannot be given again"
+                    "validated, the run's outputs, its checkpoints and their pruning, its stop "
+                    "request): it cannot be given again"
                 )
             if owner is not None:
                 raise ValueError(f"{word.split('=', 1)[0]} is {owner}: set that field instead")

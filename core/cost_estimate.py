@@ -303,9 +303,14 @@ def _nominal_rate(config: PipelineConfig) -> tuple[float, str]:
     table = NOMINAL_PER_PROCESS[kind]
     model = config.training.model
     per_process = table.get(model, min(table.values()))
-    measured = "measured" if model in table else f"assumed as {min(table, key=table.__getitem__)}"
+    where = "an H100" if kind == "gpu" else "this project's 2-core CPU machine"
+    measured = (
+        f"measured on {where}"
+        if model in table
+        else f"assumed as {min(table, key=table.__getitem__)} on {where}"
+    )
     per_node = per_process * config.pool.processes_per_node
-    return per_node, f"{per_node:.0f} images/s per node ({kind} {model}, {measured})"
+    return per_node, f"{per_node:.0f} images/s per node ({model}, {measured})"
 
 
 def _training(

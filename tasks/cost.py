@@ -139,16 +139,20 @@ class BudgetWatch:
 
 def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | None) -> Work | None:
     """What training did, from the epoch records its trainer printed this run."""
-    trained = [e for e in epochs if isinstance(e.get("images"), int)]
+    trained = [
+        e
+        for e in epochs
+        if isinstance(e.get("images"), int | float) and isinstance(e.get("seconds"), int | float)
+    ]
     if not trained:
         return None
-    seconds = sum(float(e.get("seconds", 0.0)) for e in trained)
+    seconds = sum(float(e["seconds"]) for e in trained)
     return Work(
         config.training.model,
         config.pool.processes_per_node,
         config.training.batch_size,
         len(trained),
-        int(trained[-1]["images"]),
+        round(trained[-1]["images"]),  # summed over the ranks as a float
         sum(e["images"] for e in trained) / seconds if seconds > 0 else None,
         test,
     )

@@ -113,7 +113,11 @@ COMMAND = re.compile(
     r"(?:\bpython3?|\btorchrun\b[^`\n]*?) (?:-m ([A-Za-z_][\w.]*\w)|(scripts/\w+\.py))([^`;&#\n]*)"
 )
 OPTION = re.compile(r"--[a-z][\w-]*")
-SUBCOMMANDS = {"cli.models": {"list", "download", "serve"}, "cli.data": {"upload"}}
+SUBCOMMANDS = {
+    "cli.models": {"list", "download", "serve"},
+    "cli.data": {"upload"},
+    "cli.prices": {"refresh", "show"},
+}
 # Run in a process of its own: each command's --help as `python -m` would print it, without a
 # process per command (importing torch and Prefect once).
 HELP = """

@@ -62,3 +62,34 @@ def test_sections_not_of_a_benchmark_are_not_carried(tmp_path: Path) -> None:
     """The GPU part is rendered from docs/bench-gpu each time, never copied from the page."""
     page = render(tmp_path, EARLIER)
     assert "Something kept in docs/bench-gpu" not in page
+
+
+def test_the_cost_estimates_errors_are_scored_against_the_previous_runs_figure(
+    tmp_path: Path,
+) -> None:
+    from bench.cost_estimate import summarize
+
+    def run(measured: float, estimate: float, history: int) -> dict[str, object]:
+        return {
+            "version": "v1",
+            "images": 300,
+            "epochs": 1,
+            "history_runs": history,
+            "estimate_node_minutes": estimate,
+            "measured_node_minutes": measured,
+        }
+
+    rows = [run(1.0, 2.0, 0), run(2.0, 1.8, 1), run(1.0, 1.1, 2), run(4.0, 4.4, 3)]
+    summary = summarize(rows)
+    assert summary["runs_scored"] == 3 and summary["first_run_error"] == 1.0
+    assert summary["median_abs_error"] == 0.1 and summary["within_25_percent"] == 3
+    # The previous run's node-minutes: 1.0 for 2.0 (-50%), 2.0 for 1.0 (+100%), 1.0 for 4.0.
+    assert summary["previous_run_median_abs_error"] == 0.75
+    assert summary["error_ratio_previous_over_estimate"] == 7.5
+    results = tmp_path / "results"
+    results.mkdir()
+    report = {"method": "m", "summary": summary, "runs": rows}
+    (results / "cost_estimate.json").write_text(json.dumps(report))
+    page = render(results)
+    assert "## The cost estimate against what runs used (`bench/cost_estimate.py`)" in page
+    assert "| 4 | v1 (300 images) | 1 | 3 | 4.40 | 4.00 | +10% | -75% |" in page

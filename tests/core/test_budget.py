@@ -59,6 +59,11 @@ def test_no_budget_or_an_unpriced_pool_lets_every_run_start() -> None:
     unpriced = estimate_run(config, [], COUNTS, None)
     verdict = check_budget(config.budget, unpriced, 0, "x")
     assert verdict.allowed and verdict.allowance is None and "not priced" in verdict.reason
+    # Spot nodes of a size the table has no Spot price for: the budget cannot be checked.
+    no_spot = NodePrices(98.32, None, "USD", "Standard_ND96isr_H100_v5 in eastus")
+    spot = estimate_run(_config("pool.low_priority_nodes=2"), [], COUNTS, no_spot)
+    refused = check_budget(config.budget, spot, 0, "x")
+    assert not refused.allowed and "no Spot price is known" in refused.reason
 
 
 def test_the_plan_prices_the_pool_per_hour_and_knows_how_long_it_may_spend() -> None:

@@ -108,6 +108,18 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert progress[0].data == 100.0
     summary = next(a for a in artifacts if a.key == "retrain-summary").data
     assert "| stage-data | ran |" in summary and "promoted" in summary
+    # What the run cost, measured on the local node as Batch bills one, beside the estimate
+    # made before anything was provisioned (from the config: the data root had no past run).
+    cost = result["cost"]
+    assert cost["rented"] and cost["nodes"] == 1 and min(cost["node_minutes"].values()) >= 0
+    assert cost["node_minutes"]["training"] > 0 and cost["node_minutes"]["scoring"] > 0
+    assert cost["estimate"]["history_runs"] == 0 and cost["estimate"]["total_node_minutes"] > 0
+    assert "Estimated before the run:" in summary and "cost-estimate" in keys
+    kept = json.loads(outputs.download_blob(f"{prefix}/run.json").readall())["cost"]
+    assert kept["node_minutes"] == cost["node_minutes"] and kept["paid"] is None
+    assert kept["work"]["epochs_trained"] == config.training.epochs
+    # Per epoch, as the trainer counted them (a batch sampler may pad the last batch).
+    assert kept["work"]["train_images"] == pytest.approx(metrics["dataset"]["num_train"], rel=0.02)
     # The pictures are in the summary itself and in the outputs, the same bytes.
     for name, title in (("curves", "loss and accuracy per epoch"), ("confusion", "confusion")):
         png = outputs.download_blob(f"{prefix}/charts/{name}.png").readall()
@@ -210,6 +222,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert "was judged before: this is that verdict" in reused_report
     assert "judged before" not in gate_report
     assert steps["build-image"]["status"] == "skipped"
+    assert steps["estimate-cost"]["details"]["history_runs"] == 1  # the first run's record
     assert state2.result()["promoted"] is False
     assert f"against the champion's {result['accuracy']:.4f}" in state2.result()["reason"]
     champion = json.loads(outputs.download_blob(champion_blob("", config.data.root)).readall())
@@ -232,6 +245,34 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     assert steps["run-training"]["details"]["resumed_from_epoch"] is None
     last = json.loads(outputs.download_blob(last_run_blob("", config.data.root)).readall())
     assert last["run_id"] == forced.result()["run_id"]
+
+    # A run whose estimate (from the data root's three past runs, priced by pool.hourly_price)
+    # is over its budget is refused before anything is provisioned, with the figures.
+    over = second.model_copy(
+        update={
+            "training": dataclasses.replace(second.training, epochs=2),
+            "pool": second.pool.model_copy(update={"hourly_price": 1000.0}),
+            "budget": second.budget.model_copy(update={"max_run_cost": 0.01}),
+        }
+    )
+    refused, refused_runs, refused_artifacts = run(over)
+    assert refused.is_failed()
+    assert refused.message.startswith("refused before provisioning: the estimate "), refused.message
+    assert "over budget.max_run_cost 0.01" in refused.message
+    assert set(refused_runs) == {
+        "validate-data",
+        "check-up-to-date",
+        "estimate-cost",
+        "release-pool",
+    }
+    estimate = next(a for a in refused_artifacts if a.key == "cost-estimate").data
+    assert "from 3 past run(s) of this data root" in estimate
+    runs = sorted(b.name for b in outputs.walk_blobs(name_starts_with="runs/", delimiter="/"))
+    refused_record = json.loads(outputs.download_blob(f"{runs[-1]}run.json").readall())
+    assert (refused_record["outcome"], refused_record["failed_step"]) == ("failed", "estimate-cost")
+    assert not list(
+        (config.work_dir / "pools" / config.pool.id / "tasks").glob(f"*{runs[-1].split('/')[1]}*")
+    )
 
 
 def _gate_case(case: str, source: Path) -> str:

@@ -421,6 +421,7 @@ def test_runs_on_two_machines_sharing_a_batch_pool_take_turns(tmp_path: Path) ->
         (["--output-dir=/tmp/elsewhere"], "the pipeline"),
         (["--checkpoint-dir", "/tmp/other"], "the pipeline"),
         (["--prune-checkpoint-folders", "0"], "the pipeline"),
+        (["--stop-file=/tmp/never"], "the pipeline"),  # would blind the budget's stop
         (["--epochs", "100"], "training.epochs"),
         (["--engine=ddp"], "training.engine"),
         (["--seed", "4"], "training.seed"),

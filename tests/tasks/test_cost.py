@@ -52,7 +52,8 @@ def test_the_watch_asks_training_to_stop_once_the_budget_is_spent(tmp_path: Path
 def test_the_record_keeps_what_was_paid_and_what_training_did() -> None:
     config = _config("training.epochs=3")
     epochs = [
-        {"epoch": e, "epochs": 3, "images": 800, "seconds": 2.0, "train_loss": 0.1} for e in (2, 3)
+        {"epoch": e, "epochs": 3, "images": 800.0, "seconds": 2.0, "train_loss": 0.1}
+        for e in (2, 3)
     ]
     work = work_of(config, epochs, 200)
     assert work is not None

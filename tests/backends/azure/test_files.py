@@ -127,3 +127,18 @@ def test_paths_are_case_insensitive_on_the_share(fake_azure_account, tmp_path: P
     with pytest.raises(ShareError, match=r"training/Train\.py and training/train\.py"):
         share.upload({**files, "training/Train.py": clash / "training" / "Train.py"})
     assert len(fake.requests.all()) == before
+
+
+def test_a_stop_request_is_written_beside_the_scripts_and_removed(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """What the budget's stop sends: one small file the nodes read through their mount."""
+    config = _entra_config(tmp_path)
+    share = AzureFilesShare(share_service(config.share), config.share.name)
+    fake = fake_azure_account.files
+    share.put_text("stop-requests/train-r1", "budget\n")
+    assert fake.shares[config.share.name]["stop-requests/train-r1"]["data"] == b"budget\n"
+    share.put_text("stop-requests/train-r1", "again\n")  # a second request replaces the first
+    share.delete("stop-requests/train-r1")
+    share.delete("stop-requests/train-r1")  # gone already: nothing to do
+    assert fake.file_paths(config.share.name) == []

@@ -62,6 +62,29 @@ def test_plan_covers_every_batch_request_with_wire_names() -> None:
         "targetLowPriorityNodes": 0,
         "nodeDeallocationOption": "requeue",
     }
+    # The estimate is in the plan, and says why the example (a placeholder account) is unpriced.
+    estimate = plan["cost_estimate"]
+    assert estimate["cost"] is None and "region is not known" in estimate["price_error"]
+
+
+def test_the_plans_estimate_is_priced_from_the_table_and_names_its_sources() -> None:
+    from backends.azure.plan import plan_estimate
+
+    config = load_config(
+        EXAMPLE,
+        [
+            "azure.batch_account_url=https://acct.westus2.batch.azure.com",
+            "pool.vm_size=Standard_ND96asr_v4",
+        ],
+    )
+    estimate = plan_estimate(config)
+    assert estimate["price_source"].endswith("Standard_ND96asr_v4 in westus2")
+    hours = estimate["total_node_minutes"] / 60  # two dedicated nodes at the table's price
+    assert estimate["cost"] == pytest.approx(hours * 27.197, rel=1e-3)
+    assert estimate["all_spot"] == pytest.approx(hours * 2.99167, rel=1e-3)
+    assert "price table only" in estimate["sources"] and "price_error" not in estimate
+    assert set(estimate["basis"]) == {"allocating", "staging", "scoring", "idle"}
+    assert "training" in estimate["notes"][0] and "H100" in estimate["notes"][0]
 
 
 @pytest.mark.processes
