@@ -92,6 +92,8 @@ def run_sequence(work: Path, plan: list[tuple[str, int]], small: int) -> list[di
                     "estimate_by_phase": estimate["node_minutes"],
                     "measured_by_phase": cost["node_minutes"],
                     "training_basis": estimate["basis"].get("training"),
+                    # Other work on the machine slows a run the estimate cannot foresee.
+                    "load_average": round(os.getloadavg()[0], 1),
                 }
             )
             print(
@@ -149,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "true"
         os.environ.pop("PREFECT_API_URL", None)
-        rows = run_sequence(work, plan, args.small)
+        from flows.temporary_server import temporary_server_settings
+
+        with temporary_server_settings(say=lambda line: print(line, flush=True)):
+            rows = run_sequence(work, plan, args.small)
     report = {
         "benchmark": "cost_estimate",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

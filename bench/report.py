@@ -685,6 +685,16 @@ def cost_estimate(r: dict[str, Any]) -> list[str]:
             f"| {'-' if naive is None else f'{naive:+.0%}'} |"
         )
     ratio = s["error_ratio_previous_over_estimate"]
+    loads = [run["load_average"] for run in r["runs"] if "load_average" in run]
+    load = (
+        [
+            f"Load average after each run: {min(loads):g} to {max(loads):g} (other work on the "
+            "machine slows a run in a way no estimate foresees).",
+            "",
+        ]
+        if loads
+        else []
+    )
     return [
         "## The cost estimate against what runs used (`bench/cost_estimate.py`)",
         "",
@@ -704,6 +714,7 @@ def cost_estimate(r: dict[str, Any]) -> list[str]:
         + (f" ({ratio:.1f}x the estimate's median error)." if ratio else ".")
         + f" The first run, from the config alone: {s['first_run_error']:+.0%}.",
         "",
+        *load,
     ]
 
 

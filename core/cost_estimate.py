@@ -7,8 +7,9 @@ where there are none:
 
 * allocating (nodes booting, mounting, pulling the image) and idle (the orchestrator between
   steps and before the release): the median of past runs on the same VM size;
-* staging and scoring: the median of past runs' minutes, each scaled by this run's images over
-  its own (all images for staging, the test split for scoring);
+* staging and scoring: a fixed part and a part per image (all images for staging, the test
+  split for scoring), the Theil-Sen line through past runs of two sizes or more; with one size,
+  the median of past runs' minutes scaled by this run's images over theirs;
 * training: ``startup + work x minutes per image``, with ``work`` the images one node trains
   (epochs x training images / nodes: data parallelism shares them). The two are the robust line
   through past runs of the same model, processes per node and batch size (the Theil-Sen slope,
@@ -27,7 +28,6 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
@@ -286,11 +286,24 @@ def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return slope, statistics.median(y - slope * x for x, y in points)
 
 
-def _scaled_median(runs: Iterable[tuple[float, int | None]], size: int | None) -> float | None:
-    """The median of past minutes, each scaled by ``size`` over the run's own size where both
-    are known."""
+def _by_size(runs: list[tuple[float, int | None]], size: int | None, what: str) -> Phase | None:
+    """A phase that grows with the data: with past runs of two sizes or more, the Theil-Sen line
+    through (their size, their minutes), a fixed part and a part per image; with one size, the
+    median of their minutes scaled to ``size``; None without past runs."""
+    if not runs:
+        return None
+    sized = [(float(own), m) for m, own in runs if own]
+    line = theil_sen(sized) if size else None
+    if size and line is not None:
+        slope = max(line[0], 0.0)
+        fixed = max(statistics.median(m - slope * x for x, m in sized), 0.0)
+        return Phase(
+            fixed + slope * size,
+            f"{len(sized)} past runs: {fixed:.2f} min + {slope * 1000:.3f} min per 1,000 "
+            f"{what} (Theil-Sen line)",
+        )
     values = [m * size / own if size and own else m for m, own in runs]
-    return statistics.median(values) if values else None
+    return Phase(statistics.median(values), f"{len(values)} past run(s), scaled to the {what}")
 
 
 def _device(config: PipelineConfig) -> str:
@@ -390,9 +403,9 @@ def estimate_run(
         return Phase(assumed[phase], "no past run: assumed")
 
     phases["allocating"] = median_of("allocating")
-    staged = _scaled_median(((r.minutes("staging"), r.images) for r in done), counts.images)
+    staged = _by_size([(r.minutes("staging"), r.images) for r in done], counts.images, "images")
     if staged is not None:
-        phases["staging"] = Phase(staged, f"{len(done)} past run(s), scaled to the images")
+        phases["staging"] = staged
     elif config.target == "azure" and counts.images:
         minutes = assumed["staging"] + counts.images / STAGING_FILES_PER_SEC / 60
         phases["staging"] = Phase(minutes, f"no past run: {STAGING_FILES_PER_SEC:.0f} files/s")
@@ -403,14 +416,11 @@ def estimate_run(
         notes.append(f"training is not in this estimate: {why}")
     else:
         phases["training"] = training
-    scored = _scaled_median(
-        ((r.minutes("scoring"), r.work.test_images if r.work else None) for r in done),
+    scored = _by_size(
+        [(r.minutes("scoring"), r.work.test_images if r.work else None) for r in done],
         counts.test,
+        "test images",
     )
-    phases["scoring"] = (
-        Phase(scored, f"{len(done)} past run(s), scaled to the test images")
-        if scored is not None
-        else Phase(assumed["scoring"], "no past run: assumed")
-    )
+    phases["scoring"] = scored or Phase(assumed["scoring"], "no past run: assumed")
     phases["idle"] = median_of("idle")
     return Estimate(config.pool.vm_size, nodes, phases, prices, len(similar), notes)

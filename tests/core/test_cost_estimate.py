@@ -164,3 +164,22 @@ def test_a_cost_record_that_is_not_one_is_no_history(cost: Any) -> None:
 def test_theil_sen_needs_two_distinct_sizes() -> None:
     assert theil_sen([(1.0, 2.0)]) is None and theil_sen([(1.0, 2.0), (1.0, 3.0)]) is None
     assert theil_sen([(0, 1), (1, 3), (2, 5), (3, 7), (4, 100)]) == pytest.approx((2.0, 1.0))
+
+
+def test_staging_and_scoring_past_two_sizes_are_a_fixed_part_and_a_part_per_image() -> None:
+    def run(images: int, test: int) -> PastRun:
+        minutes = {"staging": (0.5 + 2e-5 * images) * 2, "scoring": (1.0 + 1e-4 * test) * 2}
+        work = Work("resnet50", 1, 128, 1, images, 1000.0, test)
+        past = PastRun.from_record(
+            f"r{images}",
+            history_record("Standard_NC24ads_A100_v4", 2, minutes, None, images, work, None),
+            True,
+        )
+        assert past is not None
+        return past
+
+    history = [run(10_000, 1_000), run(50_000, 5_000), run(20_000, 2_000)]
+    estimate = estimate_run(_config(), history, DataCounts(100_000, 80_000, 20_000), PRICES)
+    assert estimate.phases["staging"].minutes == pytest.approx(0.5 + 2e-5 * 100_000)
+    assert estimate.phases["scoring"].minutes == pytest.approx(1.0 + 1e-4 * 20_000)
+    assert "Theil-Sen" in estimate.phases["scoring"].basis
