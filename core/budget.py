@@ -50,8 +50,7 @@ def check_budget(
     if budget.monthly_cap is not None:
         left.append(budget.monthly_cap - month_spent)
     allowance = max(min(left), 0.0)
-    hours = estimate.total_node_minutes / 60
-    what = f"the estimate {_money(cost, currency)} ({hours:.2f} node-hours of {estimate.vm_size})"
+    what = f"the estimate {_money(cost, currency)} ({estimate.node_time} of {estimate.vm_size})"
     if budget.max_run_cost is not None and cost > budget.max_run_cost:
         return Verdict(
             False,

@@ -212,6 +212,12 @@ class Estimate:
         return sum(self.node_minutes.values())
 
     @property
+    def node_time(self) -> str:
+        """The node time in words: node-hours, or node-minutes below an hour."""
+        minutes = self.total_node_minutes
+        return f"{minutes / 60:.2f} node-hours" if minutes >= 60 else f"{minutes:.1f} node-minutes"
+
+    @property
     def wall_hours(self) -> float:
         return sum(p.minutes for p in self.phases.values()) / 60
 
@@ -244,7 +250,6 @@ class Estimate:
 
     def line(self) -> str:
         """The estimate in one log line."""
-        hours = self.total_node_minutes / 60
         kinds = f"{self.nodes.dedicated} dedicated" + (
             f" + {self.nodes.spot} Spot" if self.nodes.spot else ""
         )
@@ -259,8 +264,7 @@ class Estimate:
             else ("the config (no past run of this data root yet)")
         )
         return (
-            f"estimate: {hours:.2f} node-hours on {kinds} {self.vm_size} node(s), {money}; "
-            f"from {source}"
+            f"estimate: {self.node_time} on {kinds} {self.vm_size} node(s), {money}; from {source}"
         )
 
 

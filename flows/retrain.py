@@ -365,10 +365,15 @@ def _stopped_by_budget(
     checkpoint kept for the next run of the same inputs to resume from. Not a failure."""
     from tasks.cost import stopped_markdown
 
+    done = trained.stopped_after
     why = (
-        f"training stopped after epoch {trained.stopped_after}"
+        f"training stopped after epoch {done}"
         + (": the run's spend reached its budget" if budget else " on request")
-        + "; the next run of the same data, code and settings resumes from that checkpoint"
+        + (
+            "; the next run of the same data, code and settings resumes from that checkpoint"
+            if done
+            else " (before its first epoch: nothing to resume)"
+        )
     )
     get_run_logger().warning("run %s: %s", run.id, why)
     stopped_markdown(run.id, why, cost)

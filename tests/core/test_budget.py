@@ -34,7 +34,8 @@ def test_a_run_over_its_cost_or_the_months_cap_is_refused_with_the_figures() -> 
         config.budget.model_copy(update={"max_run_cost": cost / 2}), estimate, 0, "x"
     )
     assert not over.allowed
-    assert f"the estimate {cost:.2f} USD" in over.reason and "node-hours of Standard_NC24ads" in (
+    minutes = estimate.total_node_minutes
+    assert f"the estimate {cost:.2f} USD ({minutes:.1f} node-minutes of Standard_NC24ads" in (
         over.reason
     )
     assert f"over budget.max_run_cost {cost / 2:.2f} USD" in over.reason

