@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,28 +37,14 @@ def _error(estimate: float, measured: float) -> float:
 def run_sequence(work: Path, plan: list[tuple[str, int]], small: int) -> list[dict[str, Any]]:
     from backends.blob import container_client, upload_directory
     from backends.local.azurite import running_azurite
-    from core.config import load_config
+    from bench.pipeline import local_config
     from flows.retrain import retrain
     from imagedata.make_images import write_digits
 
     sources = {"v1": work / "small", "v2": work / "whole"}
     write_digits(sources["v1"], test_fraction=0.25, seed=0, per_class=small)
     write_digits(sources["v2"], test_fraction=0.25, seed=0, per_class=None)
-    suffix = uuid.uuid4().hex[:8]
-    base = load_config(
-        ROOT / "configs" / "local.yaml",
-        [
-            f"data.container=bench-data-{suffix}",
-            f"output.container=bench-out-{suffix}",
-            f"share.local_dir={work / 'share'}",
-            f"nfs.local_dir={work / 'nfs'}",
-            f"work_dir={work / 'work'}",
-            f"pool.id=bench-{suffix}",
-            "pool.processes_per_node=1",
-            "tracking.mlflow_uri=null",
-            "image.builder=none",
-        ],
-    )
+    base = local_config(work, "pool.processes_per_node=1", "image.builder=none")
     rows: list[dict[str, Any]] = []
     with running_azurite(work / "azurite") as conn:
         os.environ[base.data.connection_string_env or ""] = conn

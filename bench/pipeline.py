@@ -153,17 +153,13 @@ def startup_cost(repeats: int) -> dict[str, Any]:
     }
 
 
-def run_flows(work: Path, epochs: int) -> dict[str, Any]:
-    from backends.blob import container_client, upload_directory
-    from backends.local.azurite import running_azurite
+def local_config(work: Path, *overrides: str) -> Any:
+    """configs/local.yaml on containers, folders and a pool of the benchmark's own, untracked
+    (bench/tracking.py measures what tracking costs)."""
     from core.config import load_config
-    from flows.retrain import retrain
-    from imagedata.make_images import write_digits
 
-    source = work / "digits"
-    write_digits(source, test_fraction=0.25, seed=0, per_class=None)
     suffix = uuid.uuid4().hex[:8]
-    config = load_config(
+    return load_config(
         ROOT / "configs" / "local.yaml",
         [
             f"data.container=bench-data-{suffix}",
@@ -172,10 +168,21 @@ def run_flows(work: Path, epochs: int) -> dict[str, Any]:
             f"nfs.local_dir={work / 'nfs'}",
             f"work_dir={work / 'work'}",
             f"pool.id=bench-{suffix}",
-            f"training.epochs={epochs}",
-            "tracking.mlflow_uri=null",  # bench/tracking.py measures what tracking costs
+            "tracking.mlflow_uri=null",
+            *overrides,
         ],
     )
+
+
+def run_flows(work: Path, epochs: int) -> dict[str, Any]:
+    from backends.blob import container_client, upload_directory
+    from backends.local.azurite import running_azurite
+    from flows.retrain import retrain
+    from imagedata.make_images import write_digits
+
+    source = work / "digits"
+    write_digits(source, test_fraction=0.25, seed=0, per_class=None)
+    config = local_config(work, f"training.epochs={epochs}")
     results: dict[str, Any] = {}
     with running_azurite(work / "azurite") as conn:
         os.environ[config.data.connection_string_env or ""] = conn

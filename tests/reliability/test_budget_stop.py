@@ -21,15 +21,14 @@ from training.checkpoint import FINISHED
 BUDGET = 17
 
 
-@pytest.fixture
-def storage(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("storage", "prefect_api", "horovodrun")
-def test_a_run_whose_spend_passes_its_budget_stops_at_a_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("prefect_api", "horovodrun")
+def test_a_run_whose_spend_passes_its_budget_stops_at_a_checkpoint(
+    tmp_path: Path, azurite: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from flows.retrain import retrain
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
 
     source = tmp_path / "digits"
     write_digits(source, test_fraction=0.25, seed=0, per_class=40)
