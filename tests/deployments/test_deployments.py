@@ -23,7 +23,7 @@ import yaml
 
 from backends.blob import container_client
 from backends.local.ports import free_port
-from core.config import BlobLocation, load_config
+from core.config import BlobLocation
 from core.data_versions import DataRoot
 from deployments.sensor import find_versions, watch_new_data
 from servers.relay import RelaySettings, create_app
@@ -570,8 +570,12 @@ def test_a_scheduled_run_trains_the_config_the_deployments_were_registered_with(
     from tests.deployments.test_new_data_path import _service_config
     from tests.pipeline_helpers import execute_as_worker, flow_run_logs
 
-    registered = _service_config(tmp_path)  # its data container exists nowhere: the run stops
-    container = load_config(registered).data.container
+    registered = _service_config(tmp_path)
+    config = yaml.safe_load(registered.read_text())
+    # Data this config alone names, behind a variable no one sets: the run stops at the gate.
+    missing = f"RETRAIN_REGISTERED_ONLY_{uuid.uuid4().hex[:8].upper()}"
+    config["data"] = {**config["data"], "connection_string_env": missing}
+    registered.write_text(yaml.safe_dump(config))
     nightly = deployed["retrain/nightly"]
     env = {**prefect_api_env(), "RETRAIN_FORM_CONFIG": str(registered)}
     deploy = [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy"]
@@ -602,10 +606,11 @@ def test_a_scheduled_run_trains_the_config_the_deployments_were_registered_with(
         assert scheduled, [(r.name, r.state_name) for r in runs]
         run = scheduled[0]
         assert run.parameters["config_path"] == str(registered)
-        state, output = execute_as_worker(run, {**child_env(), **env, "AZURE_STORAGE_CONNECTION_STRING": azurite})
+        worker_env = {**child_env(), **env, "AZURE_STORAGE_CONNECTION_STRING": azurite}
+        state, output = execute_as_worker(run, worker_env)
         logs = flow_run_logs(run.id)
         assert f"config: {registered}" in logs, output + logs
-        assert state.is_failed() and container in (state.message or "") + logs, output + logs
+        assert state.is_failed() and missing in (state.message or "") + logs, output + logs
     finally:
         with get_client(sync_client=True) as client:
             client.update_deployment(nightly.id, DeploymentUpdate(parameters=nightly.parameters))
