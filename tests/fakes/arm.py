@@ -133,7 +133,7 @@ class FakeArm:
             wanted = location[0] if location else None
             skus = [s for s in self.skus if wanted is None or wanted in s["locations"]]
             return Response(200, {"value": skus})
-        if namespace == "Microsoft.Compute" and parts[1] == "locations" and parts[3:] == ["usages"]:
+        if namespace == "Microsoft.Compute" and parts[1:2] == ["locations"] and parts[3:] == ["usages"]:
             return Response(200, {"value": [_usage(k, *v) for k, v in self.usages.items()]})
         if parts[1:] == ["checkNameAvailability"] and req.method == "POST":
             name = req.json()["name"]
@@ -214,7 +214,7 @@ class FakeArm:
             return _error(404, "NotFound", op)
         entry["polls"] += 1
         if entry["polls"] <= self.polls_before_done:
-            return Response(202, None, {"Retry-After": "0", "Location": ""})
+            return Response(200, {"status": "Running"}) if entry.get("async") else Response(202, None, {"Retry-After": "0"})
         return Response(200, entry["result"])
 
     def _scope(self, template: dict[str, Any], group: str | None, location: str) -> Scope:
@@ -414,7 +414,7 @@ class FakeArm:
             status = {"status": "Failed", "error": error}
         record["_created"] = [c["resourceId"] for c in done]
         op = f"op{next(self._ids)}"
-        self.operations[op] = {"result": status, "polls": 0}
+        self.operations[op] = {"result": status, "polls": 0, "async": True}
         headers = {"Azure-AsyncOperation": f"{base}/operations/{op}?api-version=2025-04-01"}
         public = _public(record)
         public["properties"] = {"provisioningState": "Accepted", "mode": props["mode"]}

@@ -189,6 +189,8 @@ def _subscription_resource_id(scope: Scope, *parts: str) -> str:
     subscription = parts[0] if kind_at == 1 else scope.subscription_id
     namespace, *types = parts[kind_at].split("/")
     names = parts[kind_at + 1 :]
+    if parts[kind_at].lower() == "microsoft.resources/resourcegroups":  # ARM's special case
+        return f"/subscriptions/{subscription}/resourceGroups/{names[0]}"
     path = "/".join(f"{t}/{n}" for t, n in zip(types, names, strict=True))
     return f"/subscriptions/{subscription}/providers/{namespace}/{path}"
 
