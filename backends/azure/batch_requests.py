@@ -322,7 +322,8 @@ def arm_pool(config: PipelineConfig, image: str, identity: str) -> dict[str, Any
         "imageReference": vm["imageReference"],
         "nodeAgentSkuId": vm["nodeAgentSKUId"],
         "containerConfiguration": {
-            "type": container["type"],
+            # The same enum, spelt in ARM's Pascal case (BatchManagement's ContainerType).
+            "type": container["type"][:1].upper() + container["type"][1:],
             "containerImageNames": container["containerImageNames"],
             "containerRegistries": container["containerRegistries"],
         },

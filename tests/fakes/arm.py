@@ -45,7 +45,7 @@ def _error(status: int, code: str, message: str) -> Response:
 
 
 class FakeArm:
-    def __init__(self, subscription_id: str, tenant_id: str = "tenant-0") -> None:
+    def __init__(self, subscription_id: str, tenant_id: str = "72f988bf-0000-4000-8000-00000000beef") -> None:
         self.subscription_id, self.tenant_id = subscription_id, tenant_id
         self.requests = Recorder()
         self.resources: dict[str, dict[str, Any]] = {}  # lower-cased id -> resource
@@ -300,7 +300,7 @@ class FakeArm:
             kind = resource["type"]
             if kind == "Microsoft.Resources/deployments":
                 props = resource["properties"]
-                if (props.get("expressionEvaluationOptions") or {}).get("scope") != "inner":
+                if str((props.get("expressionEvaluationOptions") or {}).get("scope")).lower() != "inner":
                     raise TemplateError("nested templates here use inner scope")
                 params = evaluate(props.get("parameters", {}), scope)
                 inner_group = str(evaluate(resource.get("resourceGroup", ""), scope)) or group
