@@ -616,7 +616,7 @@ def test_a_scheduled_run_trains_the_config_the_deployments_were_registered_with(
         worker_env = {**child_env(), **env, "AZURE_STORAGE_CONNECTION_STRING": azurite}
         state, output = execute_as_worker(run, worker_env)
         logs = flow_run_logs(run.id)
-        assert f"config: {registered}" in logs, output + logs
+        assert f"config: the config file {registered};" in logs, output + logs
         assert state.is_failed() and missing in (state.message or "") + logs, output + logs
     finally:
         with get_client(sync_client=True) as client:
