@@ -53,6 +53,9 @@ DATA_TYPES = (
 )
 # GPUs per node of the sizes docs/azure.md lists (processes per node = GPUs).
 GPUS = {"standard_nc24ads_a100_v4": 1, "standard_nd96asr_v4": 8, "standard_nd96isr_h100_v5": 8}
+SERVICE_DOCKERFILE = "infra/service.Dockerfile"
+SERVICE_REPOSITORY = "retrain/service"
+POLL_SECONDS = 5.0  # between reads of an ACR Tasks run
 HEADER = "# Written by `make azure-up` from the deployment's outputs (sha256 {digest}).\n"
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{2,10}$")
 
@@ -410,9 +413,97 @@ def register(config_path: Path, api_url: str, say: Callable[[str], None]) -> Non
     say(f"deployments registered on {api_url} with {config_path}")
 
 
-def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], ask: Callable[[str], str]) -> int:
+def service_archive(root: Path) -> bytes:
+    """The service image's build context: the project's tracked files, as a reproducible
+    tar.gz (sorted names, no owners or times), so its hash names its content."""
+    import gzip
+    import io
+    import tarfile
+
+    names = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True
+    ).stdout.decode().split("\0")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in sorted(n for n in names if n and (root / n).is_file()):
+            info = tar.gettarinfo(str(root / name), arcname=name)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            with open(root / name, "rb") as fh:
+                tar.addfile(info, fh)
+    return gzip.compress(buffer.getvalue(), compresslevel=6, mtime=0)
+
+
+def _registry_clients(config: dict[str, Any]) -> tuple[Any, Any, Any]:
+    from backends.azure.clients import acr_tasks_client, registry_client
+    from core.config import PipelineConfig
+
+    parsed = PipelineConfig.model_validate(config)
+    login = str(parsed.image.registry)
+    return parsed, acr_tasks_client(parsed.azure), registry_client(login)
+
+
+def service_image(azure: Azure, config: dict[str, Any], names: dict[str, str], group: str, archive: bytes) -> tuple[str, bool]:
+    """The service image's reference and whether the registry holds it already."""
+    from backends.azure.acr import tag_exists
+
+    tag = hashlib.sha256(archive).hexdigest()[:16]
+    reference = f"{names['registry']}.azurecr.io/{SERVICE_REPOSITORY}:{tag}"
+    registry = f"/subscriptions/{azure.subscription}/resourceGroups/{group}/providers/Microsoft.ContainerRegistry/registries/{names['registry']}"
+    if azure.arm("GET", registry, "2025-04-01") is None:
+        return reference, False
+    _, _, client = _registry_clients(config)
+    return reference, tag_exists(client, SERVICE_REPOSITORY, tag)
+
+
+def build_images(config: dict[str, Any], archive: bytes, say: Callable[[str], None]) -> None:
+    """The training image and the service image, by ACR Tasks (each skipped when its tag,
+    which names its content, is in the registry already)."""
+    from backends.azure.acr import AcrBuilder
+    from backends.image import content_tag
+
+    parsed, tasks, registry = _registry_clients(config)
+    group, login = str(parsed.azure.resource_group), str(parsed.image.registry)
+    training = AcrBuilder(tasks, registry, group, login, poll_seconds=POLL_SECONDS)
+    result = training.build(ROOT, parsed.image.repository, content_tag(ROOT), say)
+    say(f"training image {result.reference}: {result.reason}")
+    service = AcrBuilder(
+        tasks, registry, group, login, poll_seconds=POLL_SECONDS,
+        dockerfile=SERVICE_DOCKERFILE, context=lambda root: archive,
+    )
+    tag = hashlib.sha256(archive).hexdigest()[:16]
+    result = service.build(ROOT, SERVICE_REPOSITORY, tag, say)
+    say(f"service image {result.reference}: {result.reason}")
+
+
+def deploy(azure: Azure, options: argparse.Namespace, group: str, template: dict[str, Any], parameters: dict[str, Any], say: Callable[[str], None]) -> None:
     from azure.core.exceptions import HttpResponseError
-    from azure.mgmt.resource.resources.models import Deployment, DeploymentProperties, DeploymentWhatIf, DeploymentWhatIfProperties
+    from azure.mgmt.resource.resources.models import Deployment, DeploymentProperties
+
+    say(f"deploying infra/main.json to {group} (a few minutes; a re-run continues from here)")
+    try:
+        result = azure.resources.deployments.begin_create_or_update_at_subscription_scope(
+            DEPLOYMENT,
+            Deployment(location=_region(options.location), properties=DeploymentProperties(mode="Incremental", template=template, parameters=parameters)),
+        ).result()
+    except HttpResponseError as exc:
+        failed = [
+            f"{op.properties.target_resource.id}: {op.properties.status_message.error.message}"
+            for op in azure.resources.deployment_operations.list_at_subscription_scope(DEPLOYMENT)
+            if op.properties and op.properties.provisioning_state == "Failed" and op.properties.target_resource
+        ]
+        detail = "; ".join(failed) or exc.message
+        raise SetupError(
+            f"the deployment failed: {detail}. What was created stays; fix the cause and run "
+            "`make azure-up` again: it continues from where it stopped"
+        ) from exc
+    if result.properties.provisioning_state != "Succeeded":
+        raise SetupError(f"the deployment ended {result.properties.provisioning_state}")
+
+
+def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], ask: Callable[[str], str]) -> int:
+    from azure.mgmt.resource.resources.models import DeploymentWhatIf, DeploymentWhatIfProperties
 
     if not _PREFIX.match(options.name_prefix):
         raise SetupError(f"--name-prefix {options.name_prefix!r}: 3-11 lowercase letters and digits, a letter first")
@@ -436,10 +527,12 @@ def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], as
     def parameters(image: str) -> dict[str, Any]:
         return deployment_parameters(options, names, group, config, principal, image, fresh)
 
-    service_image = "" if options.no_images else f"{names['registry']}.azurecr.io/retrain/service:latest"
+    archive = b"" if options.no_images else service_archive(ROOT)
+    wanted, present = ("", False) if options.no_images else service_image(azure, config, names, group, archive)
+    image = wanted if present else ""  # the apps start on a placeholder until it is built
     preview = azure.resources.deployments.begin_what_if_at_subscription_scope(
         DEPLOYMENT,
-        DeploymentWhatIf(location=_region(options.location), properties=DeploymentWhatIfProperties(mode="Incremental", template=template, parameters=parameters(service_image))),
+        DeploymentWhatIf(location=_region(options.location), properties=DeploymentWhatIfProperties(mode="Incremental", template=template, parameters=parameters(image))),
     ).result()
     changes = _changes(preview)
     pending = [(kind, rid) for kind, rid in changes if kind not in ("NoChange", "Ignore")]
@@ -454,25 +547,13 @@ def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], as
         if not options.yes and ask(f"apply these {len(pending)} changes? [y/N] ").strip().lower() not in ("y", "yes"):
             say("nothing changed")
             return 1
-        say(f"deploying infra/main.json to {group} (a few minutes; a re-run continues from here)")
-        try:
-            result = azure.resources.deployments.begin_create_or_update_at_subscription_scope(
-                DEPLOYMENT,
-                Deployment(location=_region(options.location), properties=DeploymentProperties(mode="Incremental", template=template, parameters=parameters(service_image))),
-            ).result()
-        except HttpResponseError as exc:
-            failed = [
-                f"{op.properties.target_resource.id}: {op.properties.status_message.error.message}"
-                for op in azure.resources.deployment_operations.list_at_subscription_scope(DEPLOYMENT)
-                if op.properties and op.properties.provisioning_state == "Failed" and op.properties.target_resource
-            ]
-            detail = "; ".join(failed) or exc.message
-            raise SetupError(
-                f"the deployment failed: {detail}. What was created stays; fix the cause and run "
-                "`make azure-up` again: it continues from where it stopped"
-            ) from exc
-        if result.properties.provisioning_state != "Succeeded":
-            raise SetupError(f"the deployment ended {result.properties.provisioning_state}")
+        deploy(azure, options, group, template, parameters(image), say)
+    if not options.no_images:
+        build_images(config, archive, say)
+        if not present:
+            say(f"deploying the apps with the service image {wanted}")
+            deploy(azure, options, group, template, parameters(wanted), say)
+
     outputs = azure.resources.deployments.get_at_subscription_scope(DEPLOYMENT).properties.outputs or {}
     value = {k: v["value"] for k, v in outputs.items()}
     say(write_config(ROOT / options.config_out, value["pipelineConfig"], options.overwrite_config))

@@ -67,6 +67,7 @@ class FakeArm:
         self.fail_type: str | None = None  # a resource type whose creation fails
         self.polls_before_done = 1
         self.refused: list[Any] = []
+        self.acr: Any = None  # a FakeAcr: ACR Tasks' ARM actions go to it
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -106,6 +107,9 @@ class FakeArm:
             return self._list_group(parts[1])
         if parts[0].lower() == "resourcegroups" and len(parts) == 2 and req.method == "DELETE":
             return self._delete_group(parts[1])
+        tasks = ("/listBuildSourceUploadUrl", "/scheduleRun", "/runs/")
+        if self.acr is not None and "/registries/" in path and any(t in path for t in tasks):
+            return self.acr.arm(req)  # type: ignore[no-any-return]
         if req.method == "DELETE":
             return self._delete(path)
         if req.method == "GET":

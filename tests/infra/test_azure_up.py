@@ -168,3 +168,42 @@ def test_up_help_lists_every_parameter(capsys: pytest.CaptureFixture[str]) -> No
     for action in cli.parser()._subparsers._group_actions[0].choices["up"]._actions:  # type: ignore[union-attr]
         for flag in action.option_strings:
             assert flag in text
+
+
+def test_up_builds_both_images_then_runs_the_apps_on_the_service_image(
+    arm: FakeArm, tmp_path: Path, azurite: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The images by ACR Tasks (the fake keeps build contexts in Azurite), then a second
+    deployment that moves the apps from the placeholder to the service image and subscribes
+    the relay to the data container's events; a second run builds and deploys nothing."""
+    from backends.azure.clients import Route, route_through
+    from tests.azure_helpers import fake_azure
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    monkeypatch.setattr(cli, "POLL_SECONDS", 0.0)
+    with fake_azure() as fakes:
+        fakes.acr.registry_host = "rt42acr.azurecr.io"
+        arm.acr = fakes.acr
+        services = {ARM_HOST: arm, GRAPH_HOST: arm.graph, "rt42acr.azurecr.io": fakes.acr.registry}
+        route = Route(transport_factory(services), FakeCredential(), f"https://{ARM_HOST}")
+        with route_through(route):
+            argv = ["up", "--location", "westeurope", "--config-out", str(tmp_path / "azure.yaml"), "--no-register", "--yes"]
+            argv += ["--subscription", SUB, "--name-prefix", "rt42"]
+            transport = transport_factory(services)()
+            assert cli.main(argv, credential=FakeCredential(), transport=transport) == 0, capsys.readouterr().err
+            out = capsys.readouterr().out
+            repos = {repo for repo, _ in fakes.acr.tags}
+            assert repos == {"retrain/horovod", "retrain/service"}
+            assert "deploying the apps with the service image rt42acr.azurecr.io/retrain/service:" in out
+            apps = [r for r in arm.resources.values() if r["type"] == "Microsoft.App/containerApps"]
+            images = {r["properties"]["template"]["containers"][0]["image"] for r in apps}
+            service = next(i for i in images if "/retrain/service:" in i)
+            assert images == {service, "prefecthq/prefect:3.8.8-python3.11"}
+            (subscription,) = [r for r in arm.resources.values() if r["type"].endswith("/eventSubscriptions")]
+            assert subscription["properties"]["filter"]["subjectEndsWith"] == "/_SUCCESS"
+            builds = len(fakes.acr.runs)
+            assert cli.main(argv, credential=FakeCredential(), transport=transport) == 0
+            out = capsys.readouterr().out
+            assert "nothing to change" in out and len(fakes.acr.runs) == builds
+            assert "tag already in the registry" in out
