@@ -104,19 +104,20 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--dedicated-nodes", type=int, default=2, help="dedicated nodes")
     up.add_argument("--spot-nodes", type=int, default=0, help="Spot nodes")
     up.add_argument(
-        "--prefect", choices=("self-hosted", "cloud"), default="self-hosted",
+        "--prefect",
+        choices=("self-hosted", "cloud"),
+        default="self-hosted",
         help="where the Prefect server lives: Container Apps + PostgreSQL, or Prefect Cloud",
     )
     up.add_argument("--prefect-cloud-api-url", default="", help="with --prefect cloud")
     up.add_argument("--nfs-gib", type=int, default=1024, help="the NFS share's provisioned GiB")
     up.add_argument("--config-out", default="configs/azure.yaml", help="the config to write")
-    up.add_argument(
-        "--overwrite-config", action="store_true", help="replace a hand-edited config"
-    )
+    up.add_argument("--overwrite-config", action="store_true", help="replace a hand-edited config")
     up.add_argument("--no-images", action="store_true", help="skip building the images")
     up.add_argument("--no-register", action="store_true", help="skip registering deployments")
     down.add_argument(
-        "--delete-data", action="store_true",
+        "--delete-data",
+        action="store_true",
         help="also delete the storage accounts, the database and the Key Vault",
     )
     return p
@@ -151,9 +152,13 @@ class Azure:
         usages, name checks, a resource by id), through azure-core's pipeline."""
         from azure.core.rest import HttpRequest
 
-        client = self._pipeline("https://management.azure.com", "https://management.azure.com/.default")
+        client = self._pipeline(
+            "https://management.azure.com", "https://management.azure.com/.default"
+        )
         sep = "&" if "?" in path else "?"
-        request = HttpRequest(method, f"https://management.azure.com{path}{sep}api-version={api}", json=body)
+        request = HttpRequest(
+            method, f"https://management.azure.com{path}{sep}api-version={api}", json=body
+        )
         response = client.send_request(request)
         if response.status_code == 404:
             return None
@@ -163,8 +168,12 @@ class Azure:
     def batch_principal(self) -> str:
         from azure.core.rest import HttpRequest
 
-        client = self._pipeline("https://graph.microsoft.com", "https://graph.microsoft.com/.default")
-        url = f"https://graph.microsoft.com/v1.0/servicePrincipals(appId='{BATCH_APP_ID}')?$select=id"
+        client = self._pipeline(
+            "https://graph.microsoft.com", "https://graph.microsoft.com/.default"
+        )
+        url = (
+            f"https://graph.microsoft.com/v1.0/servicePrincipals(appId='{BATCH_APP_ID}')?$select=id"
+        )
         response = client.send_request(HttpRequest("GET", url))
         if response.status_code == 404:
             raise SetupError(
@@ -174,6 +183,10 @@ class Azure:
             )
         response.raise_for_status()
         return str(response.json()["id"])
+
+
+def _group_path(azure: Azure, group: str) -> str:
+    return f"/subscriptions/{azure.subscription}/resourceGroups/{group}"
 
 
 def _region(name: str) -> str:
@@ -243,9 +256,16 @@ def check_quota(
     """Empty when the regional quota holds the pool; else what to request, one line each. In
     user-subscription mode Batch's nodes are the subscription's VMs: dedicated ones count
     against the family's and the region's vCPUs, Spot ones against low-priority vCPUs."""
-    path = f"/subscriptions/{azure.subscription}/providers/Microsoft.Compute/locations/{_region(location)}/usages"
-    usages = {u["name"]["value"]: u for u in (azure.arm("GET", path, "2024-07-01") or {}).get("value", [])}
-    needs = [(family, vcpus * dedicated), ("cores", vcpus * dedicated), ("lowPriorityCores", vcpus * spot)]
+    compute = f"/subscriptions/{azure.subscription}/providers/Microsoft.Compute"
+    path = f"{compute}/locations/{_region(location)}/usages"
+    usages = {
+        u["name"]["value"]: u for u in (azure.arm("GET", path, "2024-07-01") or {}).get("value", [])
+    }
+    needs = [
+        (family, vcpus * dedicated),
+        ("cores", vcpus * dedicated),
+        ("lowPriorityCores", vcpus * spot),
+    ]
     short = []
     for name, need in needs:
         if need == 0:
@@ -272,7 +292,7 @@ def check_names(azure: Azure, names: dict[str, str], group: str) -> None:
         ("Microsoft.ContainerRegistry", "registries", names["registry"], "2025-04-01"),
     )
     for namespace, kind, name, api in checks:
-        ours = f"/subscriptions/{azure.subscription}/resourceGroups/{group}/providers/{namespace}/{kind}/{name}"
+        ours = f"{_group_path(azure, group)}/providers/{namespace}/{kind}/{name}"
         if azure.arm("GET", ours, api) is not None:
             continue  # ours from an earlier run
         path = f"/subscriptions/{azure.subscription}/providers/{namespace}/checkNameAvailability"
@@ -284,7 +304,9 @@ def check_names(azure: Azure, names: dict[str, str], group: str) -> None:
             )
 
 
-def pipeline_config(options: argparse.Namespace, names: dict[str, str], group: str) -> dict[str, Any]:
+def pipeline_config(
+    options: argparse.Namespace, names: dict[str, str], group: str
+) -> dict[str, Any]:
     """The config the pipeline runs with on this setup; the deployment adds what only Azure
     knows (the nodes' identity's client id) and ``up`` writes the result."""
     example = yaml.safe_load((ROOT / "configs" / "azure.example.yaml").read_text())
@@ -294,8 +316,15 @@ def pipeline_config(options: argparse.Namespace, names: dict[str, str], group: s
     gpus = GPUS.get(options.vm_size.lower(), 1)
     config = {
         "target": "azure",
-        "data": {"account_url": f"https://{storage}.blob.core.windows.net", "container": "training-data", "prefix": "images"},
-        "output": {"account_url": f"https://{storage}.blob.core.windows.net", "container": "retrain-outputs"},
+        "data": {
+            "account_url": f"https://{storage}.blob.core.windows.net",
+            "container": "training-data",
+            "prefix": "images",
+        },
+        "output": {
+            "account_url": f"https://{storage}.blob.core.windows.net",
+            "container": "retrain-outputs",
+        },
         "share": {
             "name": "retrain-scripts",
             "account_url": f"https://{storage}.file.core.windows.net",
@@ -305,12 +334,18 @@ def pipeline_config(options: argparse.Namespace, names: dict[str, str], group: s
             "source": f"{names['nfsStorage']}.file.core.windows.net:/{names['nfsStorage']}/retrain",
             "mount_options": "-o vers=4,minorversion=1,sec=sys,nconnect=4",
         },
-        "image": {"builder": "acr", "registry": f"{names['registry']}.azurecr.io", "repository": "retrain/horovod"},
+        "image": {
+            "builder": "acr",
+            "registry": f"{names['registry']}.azurecr.io",
+            "repository": "retrain/horovod",
+        },
         "azure": {
             "batch_account_url": f"https://{names['batch']}.{_region(options.location)}.batch.azure.com",
             "subscription_id": sub,
             "resource_group": group,
-            "identity_resource_id": f"{base}/Microsoft.ManagedIdentity/userAssignedIdentities/{names['nodesIdentity']}",
+            "identity_resource_id": (
+                f"{base}/Microsoft.ManagedIdentity/userAssignedIdentities/{names['nodesIdentity']}"
+            ),
         },
         "pool": {
             "id": "retrain-gpu",
@@ -333,8 +368,13 @@ def pipeline_config(options: argparse.Namespace, names: dict[str, str], group: s
 
 
 def deployment_parameters(
-    options: argparse.Namespace, names: dict[str, str], group: str, config: dict[str, Any],
-    principal: str, service_image: str, fresh_secrets: dict[str, str],
+    options: argparse.Namespace,
+    names: dict[str, str],
+    group: str,
+    config: dict[str, Any],
+    principal: str,
+    service_image: str,
+    fresh_secrets: dict[str, str],
 ) -> dict[str, Any]:
     from backends.azure.batch_requests import arm_pool
     from backends.target import image_reference
@@ -361,7 +401,7 @@ def deployment_parameters(
 def _secrets_to_create(azure: Azure, names: dict[str, str], group: str) -> dict[str, str]:
     """Secrets the Key Vault does not hold yet, made here once; existing ones are left alone
     (their values are never read back)."""
-    vault = f"/subscriptions/{azure.subscription}/resourceGroups/{group}/providers/Microsoft.KeyVault/vaults/{names['keyVault']}"
+    vault = f"{_group_path(azure, group)}/providers/Microsoft.KeyVault/vaults/{names['keyVault']}"
     fresh = {}
     for parameter, secret in (("databasePassword", "database-url"), ("relayKey", "relay-key")):
         if azure.arm("GET", f"{vault}/secrets/{secret}", "2024-11-01") is None:
@@ -409,7 +449,9 @@ def register(config_path: Path, api_url: str, say: Callable[[str], None]) -> Non
     ):
         proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise SetupError(f"registering the deployments failed ({' '.join(args[1:3])}): {proc.stderr[-2000:]}")
+            raise SetupError(
+                f"registering the deployments failed ({' '.join(args[1:3])}): {proc.stderr[-2000:]}"
+            )
     say(f"deployments registered on {api_url} with {config_path}")
 
 
@@ -420,9 +462,11 @@ def service_archive(root: Path) -> bytes:
     import io
     import tarfile
 
-    names = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True
-    ).stdout.decode().split("\0")
+    names = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for name in sorted(n for n in names if n and (root / n).is_file()):
@@ -444,13 +488,18 @@ def _registry_clients(config: dict[str, Any]) -> tuple[Any, Any, Any]:
     return parsed, acr_tasks_client(parsed.azure), registry_client(login)
 
 
-def service_image(azure: Azure, config: dict[str, Any], names: dict[str, str], group: str, archive: bytes) -> tuple[str, bool]:
+def service_image(
+    azure: Azure, config: dict[str, Any], names: dict[str, str], group: str, archive: bytes
+) -> tuple[str, bool]:
     """The service image's reference and whether the registry holds it already."""
     from backends.azure.acr import tag_exists
 
     tag = hashlib.sha256(archive).hexdigest()[:16]
     reference = f"{names['registry']}.azurecr.io/{SERVICE_REPOSITORY}:{tag}"
-    registry = f"/subscriptions/{azure.subscription}/resourceGroups/{group}/providers/Microsoft.ContainerRegistry/registries/{names['registry']}"
+    registry = (
+        f"{_group_path(azure, group)}/providers/Microsoft.ContainerRegistry/registries/"
+        f"{names['registry']}"
+    )
     if azure.arm("GET", registry, "2025-04-01") is None:
         return reference, False
     _, _, client = _registry_clients(config)
@@ -469,15 +518,27 @@ def build_images(config: dict[str, Any], archive: bytes, say: Callable[[str], No
     result = training.build(ROOT, parsed.image.repository, content_tag(ROOT), say)
     say(f"training image {result.reference}: {result.reason}")
     service = AcrBuilder(
-        tasks, registry, group, login, poll_seconds=POLL_SECONDS,
-        dockerfile=SERVICE_DOCKERFILE, context=lambda root: archive,
+        tasks,
+        registry,
+        group,
+        login,
+        poll_seconds=POLL_SECONDS,
+        dockerfile=SERVICE_DOCKERFILE,
+        context=lambda root: archive,
     )
     tag = hashlib.sha256(archive).hexdigest()[:16]
     result = service.build(ROOT, SERVICE_REPOSITORY, tag, say)
     say(f"service image {result.reference}: {result.reason}")
 
 
-def deploy(azure: Azure, options: argparse.Namespace, group: str, template: dict[str, Any], parameters: dict[str, Any], say: Callable[[str], None]) -> None:
+def deploy(
+    azure: Azure,
+    options: argparse.Namespace,
+    group: str,
+    template: dict[str, Any],
+    parameters: dict[str, Any],
+    say: Callable[[str], None],
+) -> None:
     from azure.core.exceptions import HttpResponseError
     from azure.mgmt.resource.resources.models import Deployment, DeploymentProperties
 
@@ -485,13 +546,20 @@ def deploy(azure: Azure, options: argparse.Namespace, group: str, template: dict
     try:
         result = azure.resources.deployments.begin_create_or_update_at_subscription_scope(
             DEPLOYMENT,
-            Deployment(location=_region(options.location), properties=DeploymentProperties(mode="Incremental", template=template, parameters=parameters)),
+            Deployment(
+                location=_region(options.location),
+                properties=DeploymentProperties(
+                    mode="Incremental", template=template, parameters=parameters
+                ),
+            ),
         ).result()
     except HttpResponseError as exc:
         failed = [
             f"{op.properties.target_resource.id}: {op.properties.status_message.error.message}"
             for op in azure.resources.deployment_operations.list_at_subscription_scope(DEPLOYMENT)
-            if op.properties and op.properties.provisioning_state == "Failed" and op.properties.target_resource
+            if op.properties
+            and op.properties.provisioning_state == "Failed"
+            and op.properties.target_resource
         ]
         detail = "; ".join(failed) or exc.message
         raise SetupError(
@@ -502,11 +570,16 @@ def deploy(azure: Azure, options: argparse.Namespace, group: str, template: dict
         raise SetupError(f"the deployment ended {result.properties.provisioning_state}")
 
 
-def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], ask: Callable[[str], str]) -> int:
+def up(
+    options: argparse.Namespace, azure: Azure, say: Callable[[str], None], ask: Callable[[str], str]
+) -> int:
     from azure.mgmt.resource.resources.models import DeploymentWhatIf, DeploymentWhatIfProperties
 
     if not _PREFIX.match(options.name_prefix):
-        raise SetupError(f"--name-prefix {options.name_prefix!r}: 3-11 lowercase letters and digits, a letter first")
+        raise SetupError(
+            f"--name-prefix {options.name_prefix!r}: 3-11 lowercase letters and digits, "
+            "a letter first"
+        )
     if options.prefect == "cloud" and not options.prefect_cloud_api_url:
         raise SetupError("--prefect cloud needs --prefect-cloud-api-url (the workspace's API URL)")
     group = options.resource_group or f"{options.name_prefix}-rg"
@@ -515,9 +588,20 @@ def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], as
     say(f"subscription {azure.subscription} ({account['name']}), tenant {account['tenant']}")
     register_providers(azure, say)
     size = check_region(azure, options.location, options.vm_size)
-    short = check_quota(azure, options.location, options.vm_size, size["family"], size["vcpus"], options.dedicated_nodes, options.spot_nodes)
+    short = check_quota(
+        azure,
+        options.location,
+        options.vm_size,
+        size["family"],
+        size["vcpus"],
+        options.dedicated_nodes,
+        options.spot_nodes,
+    )
     if short:
-        raise SetupError("the quota does not hold the pool; nothing was created. Request:\n  " + "\n  ".join(short))
+        raise SetupError(
+            "the quota does not hold the pool; nothing was created. Request:\n  "
+            + "\n  ".join(short)
+        )
     check_names(azure, names, group)
     config = pipeline_config(options, names, group)
     principal = azure.batch_principal()
@@ -528,23 +612,38 @@ def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], as
         return deployment_parameters(options, names, group, config, principal, image, fresh)
 
     archive = b"" if options.no_images else service_archive(ROOT)
-    wanted, present = ("", False) if options.no_images else service_image(azure, config, names, group, archive)
+    wanted, present = (
+        ("", False) if options.no_images else service_image(azure, config, names, group, archive)
+    )
     image = wanted if present else ""  # the apps start on a placeholder until it is built
     preview = azure.resources.deployments.begin_what_if_at_subscription_scope(
         DEPLOYMENT,
-        DeploymentWhatIf(location=_region(options.location), properties=DeploymentWhatIfProperties(mode="Incremental", template=template, parameters=parameters(image))),
+        DeploymentWhatIf(
+            location=_region(options.location),
+            properties=DeploymentWhatIfProperties(
+                mode="Incremental", template=template, parameters=parameters(image)
+            ),
+        ),
     ).result()
     changes = _changes(preview)
     pending = [(kind, rid) for kind, rid in changes if kind not in ("NoChange", "Ignore")]
     for kind, rid in pending:
         say(f"  {kind:8} {rid}")
-    lost = [rid for kind, rid in pending if kind == "Delete" and any(t in rid.lower() for t in DATA_TYPES)]
+    lost = [
+        rid
+        for kind, rid in pending
+        if kind == "Delete" and any(t in rid.lower() for t in DATA_TYPES)
+    ]
     if lost:
-        raise SetupError(f"the deployment would delete resources holding data ({', '.join(lost)}): stopped")
+        raise SetupError(
+            f"the deployment would delete resources holding data ({', '.join(lost)}): stopped"
+        )
     if not pending:
         say(f"nothing to change: the setup in {group} matches infra/main.json")
     else:
-        if not options.yes and ask(f"apply these {len(pending)} changes? [y/N] ").strip().lower() not in ("y", "yes"):
+        if not options.yes and ask(
+            f"apply these {len(pending)} changes? [y/N] "
+        ).strip().lower() not in ("y", "yes"):
             say("nothing changed")
             return 1
         deploy(azure, options, group, template, parameters(image), say)
@@ -554,18 +653,30 @@ def up(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], as
             say(f"deploying the apps with the service image {wanted}")
             deploy(azure, options, group, template, parameters(wanted), say)
 
-    outputs = azure.resources.deployments.get_at_subscription_scope(DEPLOYMENT).properties.outputs or {}
+    outputs = (
+        azure.resources.deployments.get_at_subscription_scope(DEPLOYMENT).properties.outputs or {}
+    )
     value = {k: v["value"] for k, v in outputs.items()}
     say(write_config(ROOT / options.config_out, value["pipelineConfig"], options.overwrite_config))
     if not options.no_register:
         register(ROOT / options.config_out, value["prefectApiUrl"], say)
-    for label, key in (("Prefect UI", "prefectUiUrl"), ("MLflow", "mlflowUrl"), ("outputs gateway", "gatewayUrl"), ("Event Grid relay", "relayUrl")):
+    for label, key in (
+        ("Prefect UI", "prefectUiUrl"),
+        ("MLflow", "mlflowUrl"),
+        ("outputs gateway", "gatewayUrl"),
+        ("Event Grid relay", "relayUrl"),
+    ):
         say(f"{label}: {value.get(key)}")
-    say("idle cost: see docs/azure.md, 'What stays up and costs when idle' (the GPU pool is at zero nodes between runs)")
+    say(
+        "idle cost: docs/azure.md, 'What make azure-up creates' (per resource; the GPU pool "
+        "costs nothing at zero nodes between runs)"
+    )
     return 0
 
 
-def down(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], ask: Callable[[str], str]) -> int:
+def down(
+    options: argparse.Namespace, azure: Azure, say: Callable[[str], None], ask: Callable[[str], str]
+) -> int:
     group = options.resource_group or f"{options.name_prefix}-rg"
     found = list(azure.resources.resources.list_by_resource_group(group))
     if not found:
@@ -577,7 +688,9 @@ def down(options: argparse.Namespace, azure: Azure, say: Callable[[str], None], 
         say(f"  delete {r.type} {r.name}")
     for r in keep:
         say(f"  keep   {r.type} {r.name} (holds data: --delete-data deletes it)")
-    if not options.yes and ask(f"delete these {len(delete)} resources? [y/N] ").strip().lower() not in ("y", "yes"):
+    if not options.yes and ask(
+        f"delete these {len(delete)} resources? [y/N] "
+    ).strip().lower() not in ("y", "yes"):
         say("nothing deleted")
         return 1
     if options.delete_data:
@@ -601,7 +714,13 @@ def _api_version(azure: Azure, kind: str) -> str:
     return "2025-04-01"
 
 
-def main(argv: list[str] | None = None, *, credential: Any = None, transport: Any = None, ask: Callable[[str], str] = input) -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    credential: Any = None,
+    transport: Any = None,
+    ask: Callable[[str], str] = input,
+) -> int:
     options = parser().parse_args(argv)
     azure = Azure(options.subscription, credential, transport)
     try:

@@ -57,7 +57,9 @@ def _refs(value: Any) -> set[str]:
 
 
 def prune(doc: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
-    out = {k: v for k, v in doc.items() if not k.endswith("resourceDefinitions") and k != "definitions"}
+    out = {
+        k: v for k, v in doc.items() if not k.endswith("resourceDefinitions") and k != "definitions"
+    }
     keep: dict[str, dict[str, Any]] = {}
     for key, defs in doc.items():
         if not key.endswith("resourceDefinitions"):
@@ -99,7 +101,12 @@ def main(checkout: str) -> None:
         blob = subprocess.check_output([*git, "rev-parse", f"HEAD:{path}"], text=True).strip()
         doc = json.loads(subprocess.check_output([*git, "show", f"HEAD:{path}"]))
         vendored = prune(doc, kinds) if kinds else doc
-        vendored["x-vendored-from"] = {"repository": REPO, "path": path, "commit": commit, "blob": blob}
+        vendored["x-vendored-from"] = {
+            "repository": REPO,
+            "path": path,
+            "commit": commit,
+            "blob": blob,
+        }
         target = HERE / path.removeprefix("schemas/")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(vendored, indent=1, sort_keys=False) + "\n")

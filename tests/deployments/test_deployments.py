@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import UTC, datetime
 import functools
 import http.server
 import json
@@ -15,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -567,7 +567,6 @@ def test_a_scheduled_run_trains_the_config_the_deployments_were_registered_with(
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
-
     from prefect.states import Scheduled
 
     from tests.deployments.test_new_data_path import _service_config
@@ -612,7 +611,9 @@ def test_a_scheduled_run_trains_the_config_the_deployments_were_registered_with(
         # Its time has come (the server would not let it run before 02:00): then the worker
         # starts it.
         with get_client(sync_client=True) as client:
-            client.set_flow_run_state(run.id, Scheduled(scheduled_time=datetime.now(UTC)), force=True)
+            client.set_flow_run_state(
+                run.id, Scheduled(scheduled_time=datetime.now(UTC)), force=True
+            )
         worker_env = {**child_env(), **env, "AZURE_STORAGE_CONNECTION_STRING": azurite}
         state, output = execute_as_worker(run, worker_env)
         logs = flow_run_logs(run.id)

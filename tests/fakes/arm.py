@@ -45,7 +45,9 @@ def _error(status: int, code: str, message: str) -> Response:
 
 
 class FakeArm:
-    def __init__(self, subscription_id: str, tenant_id: str = "72f988bf-0000-4000-8000-00000000beef") -> None:
+    def __init__(
+        self, subscription_id: str, tenant_id: str = "72f988bf-0000-4000-8000-00000000beef"
+    ) -> None:
         self.subscription_id, self.tenant_id = subscription_id, tenant_id
         self.requests = Recorder()
         self.resources: dict[str, dict[str, Any]] = {}  # lower-cased id -> resource
@@ -94,7 +96,9 @@ class FakeArm:
         path = req.path.rstrip("/")
         sub = f"/subscriptions/{self.subscription_id}"
         if not path.lower().startswith(sub.lower()):
-            return _error(404, "SubscriptionNotFound", f"The subscription {path} could not be found.")
+            return _error(
+                404, "SubscriptionNotFound", f"The subscription {path} could not be found."
+            )
         rest = path[len(sub) :]
         parts = rest.strip("/").split("/") if rest else []
         if not parts:
@@ -137,7 +141,11 @@ class FakeArm:
             wanted = location[0] if location else None
             skus = [s for s in self.skus if wanted is None or wanted in s["locations"]]
             return Response(200, {"value": skus})
-        if namespace == "Microsoft.Compute" and parts[1:2] == ["locations"] and parts[3:] == ["usages"]:
+        if (
+            namespace == "Microsoft.Compute"
+            and parts[1:2] == ["locations"]
+            and parts[3:] == ["usages"]
+        ):
             return Response(200, {"value": [_usage(k, *v) for k, v in self.usages.items()]})
         if parts[1:] == ["checkNameAvailability"] and req.method == "POST":
             name = req.json()["name"]
@@ -218,7 +226,11 @@ class FakeArm:
             return _error(404, "NotFound", op)
         entry["polls"] += 1
         if entry["polls"] <= self.polls_before_done:
-            return Response(200, {"status": "Running"}) if entry.get("async") else Response(202, None, {"Retry-After": "0"})
+            return (
+                Response(200, {"status": "Running"})
+                if entry.get("async")
+                else Response(202, None, {"Retry-After": "0"})
+            )
         return Response(200, entry["result"])
 
     def _scope(self, template: dict[str, Any], group: str | None, location: str) -> Scope:
@@ -283,7 +295,8 @@ class FakeArm:
         group = evaluate(group, scope) if group else scope.resource_group
         if group is None:
             return f"/subscriptions/{self.subscription_id}/providers/{namespace}/{path}"
-        return f"/subscriptions/{self.subscription_id}/resourceGroups/{group}/providers/{namespace}/{path}"
+        group_id = f"/subscriptions/{self.subscription_id}/resourceGroups/{group}"
+        return f"{group_id}/providers/{namespace}/{path}"
 
     def _body(self, resource: dict[str, Any], scope: Scope) -> dict[str, Any]:
         keys = ("location", "sku", "kind", "identity", "properties", "tags")
@@ -304,7 +317,10 @@ class FakeArm:
             kind = resource["type"]
             if kind == "Microsoft.Resources/deployments":
                 props = resource["properties"]
-                if str((props.get("expressionEvaluationOptions") or {}).get("scope")).lower() != "inner":
+                if (
+                    str((props.get("expressionEvaluationOptions") or {}).get("scope")).lower()
+                    != "inner"
+                ):
                     raise TemplateError("nested templates here use inner scope")
                 params = evaluate(props.get("parameters", {}), scope)
                 inner_group = str(evaluate(resource.get("resourceGroup", ""), scope)) or group
@@ -366,12 +382,15 @@ class FakeArm:
     def _what_if(self, body: dict[str, Any]) -> dict[str, Any]:
         changes: list[dict[str, Any]] = []
         props = body["properties"]
-        self._walk(props["template"], props.get("parameters", {}), None, body["location"], False, changes)
+        self._walk(
+            props["template"], props.get("parameters", {}), None, body["location"], False, changes
+        )
         return {"status": "Succeeded", "properties": {"changes": changes}}
 
     def _deploy(self, name: str, body: dict[str, Any], base: str) -> Response:
         props = body["properties"]
-        deployment_id = f"/subscriptions/{self.subscription_id}/providers/Microsoft.Resources/deployments/{name}"
+        deployments = f"/subscriptions/{self.subscription_id}/providers/Microsoft.Resources"
+        deployment_id = f"{deployments}/deployments/{name}"
         record: dict[str, Any] = {
             "id": deployment_id,
             "name": name,
@@ -410,7 +429,10 @@ class FakeArm:
                             "provisioningState": "Failed",
                             "provisioningOperation": "Create",
                             "statusCode": "BadRequest",
-                            "statusMessage": {"status": "Failed", "error": {"code": code, "message": str(exc)}},
+                            "statusMessage": {
+                                "status": "Failed",
+                                "error": {"code": code, "message": str(exc)},
+                            },
                             "targetResource": {"id": exc.resource_id},
                         },
                     }
@@ -437,7 +459,10 @@ class FakeArm:
         found = self.resources.get(rid.lower())
         if found is None:
             raise TemplateError(f"ResourceNotFound: listKeys of '{rid}'")
-        return {"keys": [{"keyName": "key1", "value": "fake-account-key"}], "primarySharedKey": "fake-shared-key"}
+        return {
+            "keys": [{"keyName": "key1", "value": "fake-account-key"}],
+            "primarySharedKey": "fake-shared-key",
+        }
 
     # -- resource groups ------------------------------------------------------------------------
     def _list_group(self, group: str) -> Response:
@@ -536,7 +561,11 @@ def _runtime(kind: str, rid: str, body: dict[str, Any]) -> dict[str, Any]:
     if kind == "microsoft.app/containerapps":
         ingress = (body.get("properties", {}).get("configuration") or {}).get("ingress")
         if ingress:
-            return {"configuration": {"ingress": {"fqdn": f"{name}.happy-sea-1.{location}.azurecontainerapps.io"}}}
+            return {
+                "configuration": {
+                    "ingress": {"fqdn": f"{name}.happy-sea-1.{location}.azurecontainerapps.io"}
+                }
+            }
     return {}
 
 

@@ -86,7 +86,11 @@ def undeclared(value: Any, schema: dict[str, Any], base: str, path: str = "") ->
                 out.append(f"{path}.{key}")
         return out
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [p for i, v in enumerate(value) for p in undeclared(v, schema["items"], base, f"{path}[{i}]")]
+        return [
+            p
+            for i, v in enumerate(value)
+            for p in undeclared(v, schema["items"], base, f"{path}[{i}]")
+        ]
     return []
 
 
@@ -105,15 +109,25 @@ def _fits(value: Any, schema: dict[str, Any], base: str) -> bool:
 # What a template may say of any resource besides what its provider's schema declares
 # ("Resource declaration in ARM templates": condition, dependsOn, scope, copy, comments, and the
 # resource group or subscription a nested deployment targets).
-TEMPLATE_KEYS = ("condition", "dependsOn", "scope", "copy", "comments", "resourceGroup", "subscriptionId")
+TEMPLATE_KEYS = (
+    "condition",
+    "dependsOn",
+    "scope",
+    "copy",
+    "comments",
+    "resourceGroup",
+    "subscriptionId",
+)
 
 
 def _one_of(validator: Any, branches: Any, instance: Any, schema: Any) -> Any:
     """Draft 4's oneOf, except that an expression fits: the generated schemas offer an
     expression beside every value, and some of those values are "any" (``{}``), which an
     expression fits too; ARM evaluates it first, so it is one value, not two."""
-    if isinstance(instance, str) and instance.startswith("[") and any(
-        str(b.get("$ref", "")).endswith("/definitions/expression") for b in branches
+    if (
+        isinstance(instance, str)
+        and instance.startswith("[")
+        and any(str(b.get("$ref", "")).endswith("/definitions/expression") for b in branches)
     ):
         return
     yield from _DRAFT4_ONE_OF(validator, branches, instance, schema)
@@ -134,8 +148,10 @@ def _deepest(error: Any) -> Any:
 
 def _expression_branch(error: Any) -> bool:
     """An error of the "or an expression" branch every generated property has."""
-    return error.validator == "pattern" and str(error.validator_value).startswith("^\\[") or (
-        error.validator == "type" and error.validator_value == "string" and not isinstance(error.instance, str)
+    return (error.validator == "pattern" and str(error.validator_value).startswith("^\\[")) or (
+        error.validator == "type"
+        and error.validator_value == "string"
+        and not isinstance(error.instance, str)
     )
 
 
@@ -144,7 +160,10 @@ def _expression_branch(error: Any) -> bool:
 SCHEMA_GAPS = (
     (
         "Microsoft.App/containerApps",
-        re.compile(r"^properties\.template\.containers\.\d+\.resources\.cpu: [0-9.]+ is not of type 'integer'$"),
+        re.compile(
+            r"^properties\.template\.containers\.\d+\.resources\.cpu: "
+            r"[0-9.]+ is not of type 'integer'$"
+        ),
         "ContainerResources.cpu is a double in the REST API (the SDKs take 0.5); the schema says "
         "integer, and Microsoft's Bicep reference for Microsoft.App/containerApps says: 'Required "
         "CPU in cores, e.g. 0.5 To specify a decimal value, use the json() function'",

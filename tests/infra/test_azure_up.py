@@ -4,7 +4,6 @@ which evaluates infra/main.json as ARM does and checks the bodies against the ve
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,14 @@ def _run(arm: FakeArm, tmp_path: Path, *args: str, answer: str = "y") -> tuple[i
     config = tmp_path / "azure.yaml"
     argv = list(args)
     if argv[0] == "up":
-        argv += ["--location", "westeurope", "--config-out", str(config), "--no-images", "--no-register"]
+        argv += [
+            "--location",
+            "westeurope",
+            "--config-out",
+            str(config),
+            "--no-images",
+            "--no-register",
+        ]
     code = cli.main(
         [*argv, "--subscription", SUB, "--name-prefix", "rt42"],
         credential=FakeCredential(),
@@ -52,15 +58,21 @@ def test_up_brings_up_the_setup_then_a_second_run_changes_nothing(
     out = capsys.readouterr()
     assert code == 0, out.err
     assert asked and "apply these" in asked[0]
-    assert "Create" in out.out and "Microsoft.Batch/batchAccounts/rt42batch/pools/retrain-gpu" in out.out
+    assert (
+        "Create" in out.out
+        and "Microsoft.Batch/batchAccounts/rt42batch/pools/retrain-gpu" in out.out
+    )
     assert not arm.refused
     assert {"Microsoft.Batch", "Microsoft.App"} <= arm.registered
     # What the template created, as ARM holds it: the pool with the nodes' identity, roles.
     resources = arm.resources
     pool = next(r for k, r in resources.items() if k.endswith("/pools/retrain-gpu"))
-    nodes_id = f"/subscriptions/{SUB}/resourceGroups/rt42-rg/providers/Microsoft.ManagedIdentity/userAssignedIdentities/rt42-nodes"
+    group = f"/subscriptions/{SUB}/resourceGroups/rt42-rg"
+    nodes_id = f"{group}/providers/Microsoft.ManagedIdentity/userAssignedIdentities/rt42-nodes"
     assert list(pool["identity"]["userAssignedIdentities"]) == [nodes_id]
-    roles = [r for r in resources.values() if r["type"] == "Microsoft.Authorization/roleAssignments"]
+    roles = [
+        r for r in resources.values() if r["type"] == "Microsoft.Authorization/roleAssignments"
+    ]
     assert len(roles) == 12
     container_scoped = [r for r in roles if "/blobServices/default/containers/" in r["id"]]
     assert len(container_scoped) == 4  # data and outputs roles are on containers, not the account
@@ -82,11 +94,17 @@ def test_up_brings_up_the_setup_then_a_second_run_changes_nothing(
     assert share.pop("accountKey") == "fake-account-key"
     assert created == expected
     vm = created["deploymentConfiguration"]["virtualMachineConfiguration"]
-    assert vm["containerConfiguration"]["containerImageNames"] == settings["virtualMachineConfiguration"]["containerConfiguration"]["containerImageNames"]
+    assert (
+        vm["containerConfiguration"]["containerImageNames"]
+        == settings["virtualMachineConfiguration"]["containerConfiguration"]["containerImageNames"]
+    )
     assert created["vmSize"] == settings["vmSize"]
     assert created["mountConfiguration"][0] == settings["mountConfiguration"][0]
     assert created["networkConfiguration"] == settings["networkConfiguration"]
-    assert created["scaleSettings"]["fixedScale"]["targetDedicatedNodes"] == settings["targetDedicatedNodes"]
+    assert (
+        created["scaleSettings"]["fixedScale"]["targetDedicatedNodes"]
+        == settings["targetDedicatedNodes"]
+    )
 
     puts = [r for r in arm.requests.all() if r.method == "PUT"]
     code, asked = _run(arm, tmp_path, "up")
@@ -104,7 +122,11 @@ def test_a_deployment_that_fails_half_way_is_named_and_a_rerun_continues(
     code, _ = _run(arm, tmp_path, "up")
     err = capsys.readouterr().err
     assert code == 2
-    assert "pools/retrain-gpu" in err and "could not be created" in err and "run `make azure-up` again" in err
+    assert (
+        "pools/retrain-gpu" in err
+        and "could not be created" in err
+        and "run `make azure-up` again" in err
+    )
     made = set(arm.resources)
     assert any(k.endswith("/batchaccounts/rt42batch") for k in made)
     assert not (tmp_path / "azure.yaml").exists()
@@ -122,8 +144,16 @@ def test_a_deployment_that_fails_half_way_is_named_and_a_rerun_continues(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: a.usages.update(StandardNCADSA100v4Family=(24, 48)), "request a limit of at least 72"),
-        (lambda a: a.providers_regions.update({"Microsoft.App/managedEnvironments": ["East US"]}), "has no Azure Container Apps"),
+        (
+            lambda a: a.usages.update(StandardNCADSA100v4Family=(24, 48)),
+            "request a limit of at least 72",
+        ),
+        (
+            lambda a: a.providers_regions.update(
+                {"Microsoft.App/managedEnvironments": ["East US"]}
+            ),
+            "has no Azure Container Apps",
+        ),
         (lambda a: a.skus.clear(), "does not offer Standard_NC24ads_A100_v4"),
         (lambda a: a.taken_names.add("rt42data"), "the name rt42data"),
     ],
@@ -138,7 +168,9 @@ def test_bad_setups_are_named_before_anything_is_created(
     assert not arm.resources and not arm.deployments
 
 
-def test_a_hand_edited_config_is_kept(arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_hand_edited_config_is_kept(
+    arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _run(arm, tmp_path, "up")[0] == 0
     config = tmp_path / "azure.yaml"
     edited = config.read_text().replace("epochs: 30", "epochs: 12")
@@ -150,15 +182,23 @@ def test_a_hand_edited_config_is_kept(arm: FakeArm, tmp_path: Path, capsys: pyte
     assert yaml.safe_load((tmp_path / "azure.new.yaml").read_text())["training"]["epochs"] == 30
 
 
-def test_down_keeps_what_holds_data(arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_down_keeps_what_holds_data(
+    arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _run(arm, tmp_path, "up")[0] == 0
     code, asked = _run(arm, tmp_path, "down")
     out = capsys.readouterr().out
     assert code == 0 and "delete these" in asked[0]
     assert "keep   Microsoft.Storage/storageAccounts rt42data" in out
-    kinds = {r["type"] for r in arm.resources.values() if "/resourcegroups/rt42-rg/" in r["id"].lower() and "roleAssignments" not in r["type"]}
+    kinds = {
+        r["type"]
+        for r in arm.resources.values()
+        if "/resourcegroups/rt42-rg/" in r["id"].lower() and "roleAssignments" not in r["type"]
+    }
     assert {"Microsoft.Storage/storageAccounts", "Microsoft.KeyVault/vaults"} <= kinds
-    assert "Microsoft.Batch/batchAccounts" not in kinds and "Microsoft.App/containerApps" not in kinds
+    assert (
+        "Microsoft.Batch/batchAccounts" not in kinds and "Microsoft.App/containerApps" not in kinds
+    )
 
 
 def test_up_help_lists_every_parameter(capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,7 +211,10 @@ def test_up_help_lists_every_parameter(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_up_builds_both_images_then_runs_the_apps_on_the_service_image(
-    arm: FakeArm, tmp_path: Path, azurite: str, monkeypatch: pytest.MonkeyPatch,
+    arm: FakeArm,
+    tmp_path: Path,
+    azurite: str,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The images by ACR Tasks (the fake keeps build contexts in Azurite), then a second
@@ -188,19 +231,34 @@ def test_up_builds_both_images_then_runs_the_apps_on_the_service_image(
         services = {ARM_HOST: arm, GRAPH_HOST: arm.graph, "rt42acr.azurecr.io": fakes.acr.registry}
         route = Route(transport_factory(services), FakeCredential(), f"https://{ARM_HOST}")
         with route_through(route):
-            argv = ["up", "--location", "westeurope", "--config-out", str(tmp_path / "azure.yaml"), "--no-register", "--yes"]
+            argv = [
+                "up",
+                "--location",
+                "westeurope",
+                "--config-out",
+                str(tmp_path / "azure.yaml"),
+                "--no-register",
+                "--yes",
+            ]
             argv += ["--subscription", SUB, "--name-prefix", "rt42"]
             transport = transport_factory(services)()
-            assert cli.main(argv, credential=FakeCredential(), transport=transport) == 0, capsys.readouterr().err
+            assert cli.main(argv, credential=FakeCredential(), transport=transport) == 0, (
+                capsys.readouterr().err
+            )
             out = capsys.readouterr().out
             repos = {repo for repo, _ in fakes.acr.tags}
             assert repos == {"retrain/horovod", "retrain/service"}
-            assert "deploying the apps with the service image rt42acr.azurecr.io/retrain/service:" in out
+            assert (
+                "deploying the apps with the service image rt42acr.azurecr.io/retrain/service:"
+                in out
+            )
             apps = [r for r in arm.resources.values() if r["type"] == "Microsoft.App/containerApps"]
             images = {r["properties"]["template"]["containers"][0]["image"] for r in apps}
             service = next(i for i in images if "/retrain/service:" in i)
             assert images == {service, "prefecthq/prefect:3.8.8-python3.11"}
-            (subscription,) = [r for r in arm.resources.values() if r["type"].endswith("/eventSubscriptions")]
+            (subscription,) = [
+                r for r in arm.resources.values() if r["type"].endswith("/eventSubscriptions")
+            ]
             assert subscription["properties"]["filter"]["subjectEndsWith"] == "/_SUCCESS"
             builds = len(fakes.acr.runs)
             assert cli.main(argv, credential=FakeCredential(), transport=transport) == 0

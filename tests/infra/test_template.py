@@ -29,7 +29,9 @@ RESOURCES = _resources(TEMPLATE)
 
 
 @pytest.mark.parametrize(
-    "resource", RESOURCES, ids=[f"{i}-{r['type'].split('/', 1)[1]}" for i, r in enumerate(RESOURCES)]
+    "resource",
+    RESOURCES,
+    ids=[f"{i}-{r['type'].split('/', 1)[1]}" for i, r in enumerate(RESOURCES)],
 )
 def test_every_resource_as_written_fits_its_schema(resource: dict[str, Any]) -> None:
     assert problems(resource) == []
@@ -38,8 +40,8 @@ def test_every_resource_as_written_fits_its_schema(resource: dict[str, Any]) -> 
 def test_every_resource_as_deployed_fits_its_schema(tmp_path: Path) -> None:
     """The values ARM computes (names, ids, the pool from backends/azure, the config) checked
     too: the template's expressions hide them from the check above."""
-    from tests.infra.test_azure_up import SUB, _run
     from tests.fakes.arm import FakeArm
+    from tests.infra.test_azure_up import SUB, _run
 
     arm = FakeArm(SUB)
     arm.providers_regions["Microsoft.App/managedEnvironments"] = ["West Europe"]
