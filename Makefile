@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/apt_programs.sh scripts/install_sshd.sh \
 	scripts/install_service_packages.sh scripts/install_image_tools.sh scripts/install_strace.sh \
-	package.json package-lock.json
+	package.json package-lock.json Makefile
 
 .PHONY: setup demo image azurite service azure-config azure-up azure-down test test-quick reliability lint bench clean
 
