@@ -238,8 +238,8 @@ class BatchCluster:
             f"pool {self.pool_id} {where}, and azure.identity_resource_id is set: a pool whose "
             "nodes use a user-assigned managed identity can only be created through Azure "
             "Resource Manager (the Batch API cannot attach an identity, and refuses identity "
-            "references the pool does not have). Create it once with the identity (portal, az "
-            "CLI or an ARM template, from the pool settings `--plan` prints; see docs/azure.md), "
+            "references the pool does not have). Create it once with the identity (`make "
+            "azure-up` does, from the pool settings `--plan` prints; see docs/azure.md), "
             "or unset azure.identity_resource_id to give the nodes SAS tokens instead"
         )
 
