@@ -558,14 +558,13 @@ def _runtime(kind: str, rid: str, body: dict[str, Any]) -> dict[str, Any]:
         return {"customerId": stable}
     if kind == "microsoft.dbforpostgresql/flexibleservers":
         return {"fullyQualifiedDomainName": f"{name}.postgres.database.azure.com"}
+    domain = f"happy-sea-1.{location}.azurecontainerapps.io"  # the environment's
+    if kind == "microsoft.app/managedenvironments":
+        return {"defaultDomain": domain}
     if kind == "microsoft.app/containerapps":
         ingress = (body.get("properties", {}).get("configuration") or {}).get("ingress")
         if ingress:
-            return {
-                "configuration": {
-                    "ingress": {"fqdn": f"{name}.happy-sea-1.{location}.azurecontainerapps.io"}
-                }
-            }
+            return {"configuration": {"ingress": {"fqdn": f"{name}.{domain}"}}}
     return {}
 
 

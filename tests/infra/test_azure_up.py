@@ -81,6 +81,10 @@ def test_up_brings_up_the_setup_then_a_second_run_changes_nothing(
     config_file = tmp_path / "azure.yaml"
     config = load_config(config_file)
     assert config.azure.identity_client_id and config.azure.identity_resource_id == nodes_id
+    # The run links open through the gateway app, and runs are tracked by the MLflow app.
+    out_lines = dict(line.split(": ", 1) for line in out.out.splitlines() if ": https://" in line)
+    assert config.output.links_url == out_lines["outputs gateway"]
+    assert config.tracking.mlflow_uri == out_lines["MLflow"]
     plan = build_plan(config, cli.ROOT)
     assert plan["resources"]["node_access"] == "managed identity"
     # One definition: the pool ARM created is the pool --plan prints, in ARM's shape, plus the
