@@ -110,6 +110,12 @@ def parser() -> argparse.ArgumentParser:
         help="where the Prefect server lives: Container Apps + PostgreSQL, or Prefect Cloud",
     )
     up.add_argument("--prefect-cloud-api-url", default="", help="with --prefect cloud")
+    up.add_argument(
+        "--prefect-cloud-api-key-env",
+        default="",
+        help="with --prefect cloud: the environment variable holding the workspace's API key "
+        "(stored in the Key Vault; never on a command line)",
+    )
     up.add_argument("--nfs-gib", type=int, default=1024, help="the NFS share's provisioned GiB")
     up.add_argument("--config-out", default="configs/azure.yaml", help="the config to write")
     up.add_argument("--overwrite-config", action="store_true", help="replace a hand-edited config")
@@ -398,14 +404,34 @@ def deployment_parameters(
     return {k: {"value": v} for k, v in values.items()}
 
 
-def _secrets_to_create(azure: Azure, names: dict[str, str], group: str) -> dict[str, str]:
+def _secrets_to_create(
+    azure: Azure, names: dict[str, str], group: str, options: argparse.Namespace
+) -> dict[str, str]:
     """Secrets the Key Vault does not hold yet, made here once; existing ones are left alone
-    (their values are never read back)."""
+    (their values are never read back). Prefect Cloud's key is stored whenever it is given."""
     vault = f"{_group_path(azure, group)}/providers/Microsoft.KeyVault/vaults/{names['keyVault']}"
     fresh = {}
-    for parameter, secret in (("databasePassword", "database-url"), ("relayKey", "relay-key")):
+    for parameter, secret in (
+        ("databasePassword", "database-url"),
+        ("relayKey", "relay-key"),
+        ("prefectApiKey", "prefect-api-key"),
+    ):
         if azure.arm("GET", f"{vault}/secrets/{secret}", "2024-11-01") is None:
+            # A self-hosted server takes no key: the apps' variable holds a placeholder.
             fresh[parameter] = secrets.token_urlsafe(32)
+    if options.prefect_cloud_api_key_env:
+        key = os.environ.get(options.prefect_cloud_api_key_env)
+        if not key:
+            raise SetupError(
+                f"--prefect-cloud-api-key-env {options.prefect_cloud_api_key_env}: that "
+                "environment variable is not set"
+            )
+        fresh["prefectApiKey"] = key
+    elif options.prefect == "cloud" and "prefectApiKey" in fresh:
+        raise SetupError(
+            "--prefect cloud needs the workspace's API key once: put it in an environment "
+            "variable and name it with --prefect-cloud-api-key-env"
+        )
     return fresh
 
 
@@ -437,10 +463,12 @@ def write_config(path: Path, config: dict[str, Any], overwrite: bool) -> str:
     return f"{path}: written"
 
 
-def register(config_path: Path, api_url: str, say: Callable[[str], None]) -> None:
+def register(config_path: Path, api_url: str, api_key_env: str, say: Callable[[str], None]) -> None:
     """The work pool and the deployments, on the setup's Prefect server, registered with this
     config (deployments/registration.py)."""
     env = {**os.environ, "PREFECT_API_URL": api_url, "RETRAIN_FORM_CONFIG": str(config_path)}
+    if api_key_env:
+        env["PREFECT_API_KEY"] = os.environ[api_key_env]
     env["PWD"] = "/app"  # where the worker's image holds the project (infra/service.Dockerfile)
     prefect = str(Path(sys.executable).parent / "prefect")
     for args in (
@@ -606,7 +634,7 @@ def up(
     config = pipeline_config(options, names, group)
     principal = azure.batch_principal()
     template = json.loads(TEMPLATE.read_text())
-    fresh = _secrets_to_create(azure, names, group)
+    fresh = _secrets_to_create(azure, names, group, options)
 
     def parameters(image: str) -> dict[str, Any]:
         return deployment_parameters(options, names, group, config, principal, image, fresh)
@@ -659,7 +687,12 @@ def up(
     value = {k: v["value"] for k, v in outputs.items()}
     say(write_config(ROOT / options.config_out, value["pipelineConfig"], options.overwrite_config))
     if not options.no_register:
-        register(ROOT / options.config_out, value["prefectApiUrl"], say)
+        register(
+            ROOT / options.config_out,
+            value["prefectApiUrl"],
+            options.prefect_cloud_api_key_env,
+            say,
+        )
     for label, key in (
         ("Prefect UI", "prefectUiUrl"),
         ("MLflow", "mlflowUrl"),

@@ -91,6 +91,7 @@ def evaluate(value: Any, scope: Scope) -> Any:
 class _Parser:
     def __init__(self, tokens: list[tuple[str, Any]], scope: Scope, text: str) -> None:
         self.tokens, self.scope, self.text, self.pos = tokens, scope, text, 0
+        self.skipping = 0  # inside the branch of if() its condition did not choose
 
     def _peek(self) -> tuple[str, Any] | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -106,6 +107,21 @@ class _Parser:
         kind, value = self._take()
         if kind in ("str", "num"):
             result = value
+        elif kind == "name" and value.lower() == "if":
+            # ARM evaluates only the branch the condition chooses ("Template functions -
+            # logical", if): the other may reference what does not exist.
+            self._take("(")
+            condition = self.expression()
+            self._take(",")
+            chosen = []
+            for branch in (True, False):
+                self.skipping += branch != bool(condition)
+                chosen.append(self.expression())
+                self.skipping -= branch != bool(condition)
+                if branch:
+                    self._take(",")
+            self._take(")")
+            result = chosen[0] if condition else chosen[1]
         elif kind == "name":
             self._take("(")
             args: list[Any] = []
@@ -129,6 +145,8 @@ class _Parser:
         return result
 
     def _member(self, value: Any, key: Any) -> Any:
+        if self.skipping:
+            return None
         if isinstance(value, dict):
             for k, v in value.items():  # ARM's property access ignores case
                 if str(k).lower() == str(key).lower():
@@ -143,6 +161,8 @@ class _Parser:
         raise TemplateError(f"{self.text}: cannot read {key!r} of {type(value).__name__}")
 
     def _call(self, name: str, args: list[Any]) -> Any:
+        if self.skipping:
+            return None
         fn = _FUNCTIONS.get(name.lower())
         if fn is None:
             raise TemplateError(f"{self.text}: the template function '{name}' is not valid")
@@ -272,10 +292,6 @@ def _epoch(scope: Scope, value: str) -> int:
     return int(datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp())
 
 
-def _if(scope: Scope, condition: Any, yes: Any, no: Any) -> Any:
-    return yes if condition else no
-
-
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "parameters": _parameter,
     "variables": _variable,
@@ -296,7 +312,6 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "createarray": lambda s, *a: list(a),
     "first": lambda s, v: v[0],
     "last": lambda s, v: v[-1],
-    "if": _if,
     "equals": lambda s, a, b: a == b,
     "not": lambda s, v: not v,
     "and": lambda s, *a: all(a),

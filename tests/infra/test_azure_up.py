@@ -269,3 +269,30 @@ def test_up_builds_both_images_then_runs_the_apps_on_the_service_image(
             out = capsys.readouterr().out
             assert "nothing to change" in out and len(fakes.acr.runs) == builds
             assert "tag already in the registry" in out
+
+
+def test_prefect_cloud_keeps_its_key_in_the_vault_and_off_the_command_line(
+    arm: FakeArm,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cloud = "https://api.prefect.cloud/api/accounts/a/workspaces/w"
+    args = ("up", "--prefect", "cloud", "--prefect-cloud-api-url", cloud)
+    assert _run(arm, tmp_path, *args)[0] == 2
+    assert "--prefect-cloud-api-key-env" in capsys.readouterr().err
+    assert not arm.resources
+    monkeypatch.setenv("TEAM_PREFECT_KEY", "pnu_test_key_value")
+    assert _run(arm, tmp_path, *args, "--prefect-cloud-api-key-env", "TEAM_PREFECT_KEY")[0] == 0
+    out = capsys.readouterr().out
+    assert f"Prefect UI: {cloud}" in out and "pnu_test_key_value" not in out
+    key = next(r for k, r in arm.resources.items() if k.endswith("/secrets/prefect-api-key"))
+    assert key["properties"]["value"] == "pnu_test_key_value"
+    kinds = [
+        r["name"] for r in arm.resources.values() if r["type"] == "Microsoft.App/containerApps"
+    ]
+    assert "rt42-prefect" not in kinds and "rt42-worker" in kinds
+    worker = next(r for r in arm.resources.values() if r["name"] == "rt42-worker")
+    env = {e["name"]: e for e in worker["properties"]["template"]["containers"][0]["env"]}
+    assert env["PREFECT_API_URL"]["value"] == cloud
+    assert env["PREFECT_API_KEY"] == {"name": "PREFECT_API_KEY", "secretRef": "prefect-api-key"}
