@@ -166,6 +166,7 @@ def _retrain(
     from core.run_events import model_promoted
     from servers.gateway import output_link
     from tasks.cost import PoolMeter
+    from tasks.fit_to_data import fit_to_data
     from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
     from tasks.promote import promote
@@ -200,6 +201,12 @@ def _retrain(
                 followed = follow_champion(run_config, explicit, run)
                 steps.append(followed.record)
                 run_config = followed.value.config
+                target = target_for(run_config)
+            if gate.value.facts is not None:
+                # What the config, the run and the recipe leave unset, fitted to the data.
+                fitted = fit_to_data(run_config, gate.value.facts, run)
+                steps.append(fitted.record)
+                run_config = fitted.value
                 target = target_for(run_config)
             if run_config.training.init_from is not None:
                 # What training starts from, resolved and checked before anything is
