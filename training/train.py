@@ -816,6 +816,13 @@ def _watch(job: Job, epoch: int, record: dict[str, Any]) -> bool:
     return verdict.stop
 
 
+def _kept_epoch(job: Job) -> int | None:
+    """The epoch whose model the job exports: the best one, else the last trained."""
+    if job.best is not None:
+        return job.best.epoch
+    return job.history[-1]["epoch"] if job.history else None
+
+
 def _keep_best(job: Job) -> None:
     """Every rank takes the best epoch's weights, which it holds (a host copy, identical on
     every rank): the test figures, the weights' check across ranks and the exported model are
@@ -837,7 +844,14 @@ def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
     digests = dist.gather_objects(dist.state_digest(job.trainer.model.state_dict()))
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks ended with different weights: {digests}")
+    # Every rank's own stopping decision: the same, or the job's outputs would be one rank's.
+    decisions = dist.gather_objects(
+        {"epochs_trained": len(job.history), "kept_epoch": _kept_epoch(job)}
+    )
+    if any(d != decisions[0] for d in decisions):
+        raise RuntimeError(f"ranks stopped differently: {decisions}")
     metrics = _metrics(job, test, digests, time.perf_counter() - started)
+    metrics["early_stopping"]["per_rank"] = decisions
     failed = None
     if job.world.is_root:
         try:
@@ -884,7 +898,7 @@ def _metrics(
             "epoch_cap": args.epoch_cap(),
             "epochs_trained": len(job.history),
             **job.rule.as_record(),
-            "kept_epoch": job.best.epoch if job.best is not None else len(job.history),
+            "kept_epoch": _kept_epoch(job),
         },
         "init_from": (
             {**job.init_from, **job.trainer.tuning.as_record()}
