@@ -33,6 +33,10 @@ RECIPE_SWITCHES = ("augment",)
 RECIPE_OPTIONS = ("warmup_epochs", "momentum", "weight_decay")
 
 Source = Literal["deployment", "champion", "config"]
+# A retrain from the champion's weights trains at most this share of the epochs the champion's
+# own training ran (bench/warm_start.py measures what it reaches in them: docs/warm-start.md).
+WARM_EPOCH_SHARE = 3  # one third
+MIN_WARM_EPOCHS = 2
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Recipe:
     run_id: str
     settings: dict[str, Any]  # TrainingSettings fields of RECIPE_FIELDS
     extra: dict[str, Any]  # RECIPE_SWITCHES (bool) and RECIPE_OPTIONS (values)
+    trained_epochs: int | None = None  # the epochs its training ran (early stopping ended it)
 
     @classmethod
     def from_metrics(cls, run_id: str, metrics: Mapping[str, Any]) -> Recipe | None:
@@ -61,7 +66,9 @@ class Recipe:
             return None
         settings = {k: args[k] for k in RECIPE_FIELDS if k in args}
         extra = {k: args[k] for k in (*RECIPE_SWITCHES, *RECIPE_OPTIONS) if k in args}
-        return cls(run_id, settings, extra)
+        history = metrics.get("epochs")
+        trained = len(history) if isinstance(history, list) and history else None
+        return cls(run_id, settings, extra, trained)
 
 
 def explicit_training_fields(overrides: Iterable[str], fields: Iterable[str] = ()) -> set[str]:
@@ -132,6 +139,16 @@ def training_settings(
                 else "the config's default (not part of a recipe)"
             )
             origins.append(Origin(name, value, "config", why))
+    trained = recipe.trained_epochs if recipe is not None else None
+    if updates.get("init_from") == "champion" and "epochs" not in explicit and trained:
+        cap = max(MIN_WARM_EPOCHS, -(-trained // WARM_EPOCH_SHARE))
+        updates["epochs"] = cap
+        origins = [o for o in origins if o.field != "epochs"]
+        why = (
+            f"a warm start from the champion trains a third of the {trained} epochs its own "
+            f"training ran (run {recipe.run_id if recipe else None})"
+        )
+        origins.append(Origin("epochs", cap, "champion", why))
     if recipe is not None and "extra_args" in names and "extra_args" not in explicit:
         extra = list(getattr(config, "extra_args"))  # noqa: B009 - TrainingConfig's field
         given = _extra_words(extra)
