@@ -208,8 +208,23 @@ def nightly_cost(epoch_share: float, prices: dict[str, float]) -> list[dict[str,
     return rows
 
 
+def flow_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the flow's seeds: the largest share of scratch's epochs a warm run took, and how
+    many warm runs reached scratch's final test accuracy."""
+    return {
+        "runs": runs,
+        "max_epoch_share": max((r["epoch_share"] for r in runs), default=None),
+        "reached": sum(r["reached"] for r in runs),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.flow_only:
+        from bench.warm_start_flow import measure
+
+        runs = measure(args.work / "flow", args.datasets, args.seeds, args.warm_args)
+        return {"benchmark": "warm_start_flow", "flow": flow_summary(runs)}
     seeds = [one_seed(args.work, seed, args.epochs, args.v1_epochs) for seed in args.seeds]
     shares = [
         s["runs"][DEFAULT_VARIANT]["reached_epoch"] / args.epochs
@@ -252,6 +267,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--price-source", help="where the prices given come from")
     p.add_argument("--work", type=Path, default=ROOT / ".bench" / "warm_start", help="scratch")
     p.add_argument("--json", type=Path, help="also write the report here")
+    p.add_argument(
+        "--flow-only",
+        action="store_true",
+        help="only the flow's side by side, as the nightly runs it (bench/warm_start_flow.py)",
+    )
+    p.add_argument("--datasets", nargs="+", default=["digits", "textures"])
+    p.add_argument(
+        "--warm-args",
+        nargs="*",
+        default=[],
+        help="overrides of the warm run, e.g. training.extra_args=[--warmup-epochs,0]",
+    )
     args = p.parse_args(argv)
     return emit(run(args), args.json)
 
