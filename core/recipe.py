@@ -35,8 +35,7 @@ RECIPE_OPTIONS = ("warmup_epochs", "momentum", "weight_decay")
 Source = Literal["deployment", "champion", "config"]
 # A retrain from the champion's weights trains at most this share of the epochs the champion's
 # own training ran (bench/warm_start.py measures what it reaches in them: docs/warm-start.md).
-WARM_EPOCH_SHARE = 3  # one third
-MIN_WARM_EPOCHS = 2
+WARM_EPOCH_SHARE = 3  # one third, rounded up
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ def training_settings(
             origins.append(Origin(name, value, "config", why))
     trained = recipe.trained_epochs if recipe is not None else None
     if updates.get("init_from") == "champion" and "epochs" not in explicit and trained:
-        cap = max(MIN_WARM_EPOCHS, -(-trained // WARM_EPOCH_SHARE))
+        cap = -(-trained // WARM_EPOCH_SHARE)
         updates["epochs"] = cap
         origins = [o for o in origins if o.field != "epochs"]
         why = (

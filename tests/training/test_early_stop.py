@@ -80,3 +80,22 @@ def test_every_rank_stops_together_and_the_best_epoch_survives_a_resume(
     assert _same(_weights(out / "model.pt", "state_dict"), best_weights)
     digests = again.metrics["weights_digest_per_rank"]
     assert digests[0] == digests[1]
+
+
+def test_no_val_and_too_few_images_to_hold_out_trains_to_the_cap_and_says_why(
+    small_folders: Path, tmp_path: Path
+) -> None:
+    """33 train images and no val split: a 10% slice would be 3 images, too few to decide on,
+    so nothing is held out and no epoch stops the training; the outputs say why."""
+    assert not (small_folders / "val").exists()
+    args = ("--epochs", "3", "--patience", "1", "--batch-size", "8")
+    result = run_trainer(1, small_folders, tmp_path / "out", *args)
+    assert result.returncode == 0, result.output
+    stop = result.metrics["early_stopping"]
+    assert stop["split"] is None and stop["images"] is None
+    assert "no val split, and the train split" in stop["why"] and "too small" in stop["why"]
+    assert stop["epochs_trained"] == 3 and stop["kept_epoch"] == 3 and not stop["stopped_early"]
+    trained = sum(r["images"] for r in result.metrics["epochs"][:1])
+    assert trained == result.metrics["dataset"]["num_train"]  # nothing held out
+    assert all("val_metric" not in r for r in _progress(result))
+    assert "early stopping watches no val split, and the train split" in result.output
