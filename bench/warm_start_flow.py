@@ -22,7 +22,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.output import ROOT
 
@@ -67,7 +67,7 @@ def _run(config: Any, version: str, *overrides: str, force: bool = False) -> dic
     )
     if not state.is_completed():
         raise RuntimeError(f"the flow run on {version} ended {state.type}: {state.message}")
-    result = state.result()
+    result = cast(dict[str, Any], state.result())  # a completed run returns its summary
     metrics = _metrics(config, result["run_id"])
     stop = metrics.get("early_stopping") or {}
     return {
