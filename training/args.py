@@ -212,11 +212,12 @@ class TrainerArgs(TrainingSettings):
             "passes its promotion.metric)"
         ),
     )
-    warmup_epochs: float = field(
-        default=1.0,
+    warmup_epochs: float | None = field(
+        default=None,
         metadata=about(
             "epochs of linear warm-up to the scaled rate (from the single-worker rate; from 0 "
-            "when starting from weights)",
+            "when starting from weights); default 1 from random weights, none from weights "
+            "(bench/warm_start.py: a warm-up spends the head start)",
             ge=0,
         ),
     )
@@ -289,6 +290,12 @@ class TrainerArgs(TrainingSettings):
         ),
     )
     log_every: int = field(default=50, metadata=about("steps between loss checks", ge=1))
+
+    def warmup(self) -> float:
+        """Epochs of warm-up: ``--warmup-epochs``, or its default for the start."""
+        if self.warmup_epochs is not None:
+            return self.warmup_epochs
+        return 0.0 if self.init_from is not None else 1.0
 
     @property
     def checkpoints(self) -> Path:

@@ -625,7 +625,7 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         # rows of new classes, are the largest and least informed.
         0.0 if tuning is not None else args.lr,
         args.lr * scale,
-        int(args.warmup_epochs * steps_per_epoch),
+        int(args.warmup() * steps_per_epoch),
         args.epoch_cap() * steps_per_epoch,
     )
     trainer = Trainer(
