@@ -46,6 +46,7 @@ from typing import Any
 import psutil
 
 from bench.output import ROOT, emit
+from bench.warm_start_flow import add_arguments
 
 # ResNet-50 at 224 px on one H100 80GB HBM3, the trainer's own step with torch.compile, batch
 # 256, Horovod (docs/performance.md, "What each speed switch buys (2026-11-23)").
@@ -208,23 +209,13 @@ def nightly_cost(epoch_share: float, prices: dict[str, float]) -> list[dict[str,
     return rows
 
 
-def flow_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Over the flow's seeds: the largest share of scratch's epochs a warm run took, and how
-    many warm runs reached scratch's final test accuracy."""
-    return {
-        "runs": runs,
-        "max_epoch_share": max((r["epoch_share"] for r in runs), default=None),
-        "reached": sum(r["reached"] for r in runs),
-    }
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.flow_only:
-        from bench.warm_start_flow import measure
+        from bench.warm_start_flow import measure, summary
 
         runs = measure(args.work / "flow", args.datasets, args.seeds, args.warm_args)
-        return {"benchmark": "warm_start_flow", "flow": flow_summary(runs)}
+        return {"benchmark": "warm_start_flow", "flow": summary(runs)}
     seeds = [one_seed(args.work, seed, args.epochs, args.v1_epochs) for seed in args.seeds]
     shares = [
         s["runs"][DEFAULT_VARIANT]["reached_epoch"] / args.epochs
@@ -272,13 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the flow's side by side, as the nightly runs it (bench/warm_start_flow.py)",
     )
-    p.add_argument("--datasets", nargs="+", default=["digits", "textures"])
-    p.add_argument(
-        "--warm-args",
-        nargs="*",
-        default=[],
-        help="overrides of the warm run, e.g. training.extra_args=[--warmup-epochs,0]",
-    )
+    add_arguments(p)
     args = p.parse_args(argv)
     return emit(run(args), args.json)
 

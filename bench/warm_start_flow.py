@@ -13,18 +13,19 @@ Both v2 runs are scored by the flow on v2's test split. The figure is the warm r
 scratch's, and whether the warm model reached scratch's final test accuracy in them. Datasets:
 scikit-learn's digits (v1 without digit_9 and half the training images, v2 all of them) and
 crops of scikit-image's photographs (v1 brick and grass, half the training crops; v2 adds gravel
-and the other half). Used by ``bench/warm_start.py``.
+and the other half). ``python -m bench.warm_start_flow`` (or ``bench.warm_start --flow-only``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any, cast
 
-from bench.output import ROOT
+from bench.output import ROOT, emit
 
 DATASETS = ("digits", "textures")
 NEW_CLASS = {"digits": "digit_9", "textures": "gravel"}
@@ -150,3 +151,38 @@ def measure(
                 for seed in seeds:
                     results.append(one(work, dataset, seed, extra))
     return results
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the runs: the largest share of scratch's epochs a warm run took, and how many warm
+    runs reached scratch's final test accuracy."""
+    return {
+        "runs": runs,
+        "max_epoch_share": max((r["epoch_share"] for r in runs), default=None),
+        "reached": sum(r["reached"] for r in runs),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    p.add_argument(
+        "--warm-args",
+        nargs="*",
+        default=[],
+        help="overrides of the warm run, e.g. training.extra_args=[--warmup-epochs,1]",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.warm_start_flow", description=__doc__)
+    add_arguments(p)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--work", type=Path, default=ROOT / ".bench" / "warm_start_flow")
+    p.add_argument("--json", type=Path, help="also write the report here")
+    args = p.parse_args(argv)
+    runs = measure(args.work, args.datasets, args.seeds, args.warm_args)
+    return emit({"benchmark": "warm_start_flow", "flow": summary(runs)}, args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
