@@ -63,6 +63,7 @@ QUICK: dict[str, list[str]] = {
     ],
     "tracking": ["--pairs", "1", "--epochs", "1"],
     "warm_start": ["--epochs", "2", "--v1-epochs", "1", "--seeds", "0"],
+    "warm_start_flow": ["--datasets", "digits", "--seeds", "0"],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.
 GPU_BENCHES = [
