@@ -117,10 +117,11 @@ def fit_training(
                 f"{SIZE_STEP} px between {low} and {high}"
             )
     if training.epochs is None:
-        train = facts.images.get("train", 0)
-        held = "" if facts.images.get("val") else f", less the {HOLDOUT_FRACTION:.0%} held out"
-        if not facts.images.get("val"):
-            train = train - round(train * HOLDOUT_FRACTION)
+        given = facts.images.get("train", 0)
+        train, held = given, ""
+        if not facts.images.get("val"):  # early stopping watches a slice held out of train
+            train = given - round(given * HOLDOUT_FRACTION)
+            held = f" (the {given} less the {HOLDOUT_FRACTION:.0%} held out)"
         if train <= 0:
             updates["epochs"] = DEFAULT_EPOCH_CAP
             lines.append(f"training.epochs = {DEFAULT_EPOCH_CAP}: the trainer's default cap")

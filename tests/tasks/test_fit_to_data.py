@@ -54,7 +54,7 @@ def test_unset_size_and_cap_are_fitted_and_each_says_why() -> None:
 def test_without_val_the_held_out_slice_is_not_counted_as_training_images() -> None:
     fitted, lines = fit_training(TrainingConfig(), DIGITS, processes=2)
     assert fitted.image_size == 32  # 8 px digits: the cnn's smallest input
-    assert "1212 train images, less the 10% held out" in lines[1]
+    assert "1212 train images (the 1347 less the 10% held out) make 10 steps" in lines[1]
     assert fitted.epochs == fitted_epoch_cap(1212, 128)
 
 
