@@ -67,8 +67,9 @@ def retrain(
     before anything is provisioned (force trains anyway).
 
     Args:
-        epochs: Training epochs. Empty: the config's training.epochs (the file at
-            config_path below, which the deployment sets).
+        epochs: The most training epochs (training stops earlier at its best epoch).
+            Empty: the config's training.epochs (the file at config_path below, which the
+            deployment sets), or, unset there too, a cap fitted to the data.
         model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
             config's.
         data_container: The Blob container with the training data. Empty: the config's
