@@ -33,9 +33,6 @@ RECIPE_SWITCHES = ("augment",)
 RECIPE_OPTIONS = ("warmup_epochs", "momentum", "weight_decay")
 
 Source = Literal["deployment", "champion", "config"]
-# A retrain from the champion's weights trains at most this share of the epochs the champion's
-# own training ran (bench/warm_start.py measures what it reaches in them: docs/warm-start.md).
-WARM_EPOCH_SHARE = 3  # one third, rounded up
 
 
 @dataclass(frozen=True)
@@ -140,14 +137,15 @@ def training_settings(
             origins.append(Origin(name, value, "config", why))
     trained = recipe.trained_epochs if recipe is not None else None
     if updates.get("init_from") == "champion" and "epochs" not in explicit and trained:
-        cap = -(-trained // WARM_EPOCH_SHARE)
-        updates["epochs"] = cap
+        # The champion's cap was for a training from scratch: a warm start's is fitted to the
+        # data (tasks/fit_to_data.py), from the epochs the champion's training ran.
+        updates["epochs"] = None
         origins = [o for o in origins if o.field != "epochs"]
         why = (
-            f"a warm start from the champion trains a third of the {trained} epochs its own "
-            f"training ran (run {recipe.run_id if recipe else None})"
+            f"left to be fitted to a warm start from the champion, whose training ran "
+            f"{trained} epochs (run {recipe.run_id if recipe else None})"
         )
-        origins.append(Origin("epochs", cap, "champion", why))
+        origins.append(Origin("epochs", None, "champion", why))
     if recipe is not None and "extra_args" in names and "extra_args" not in explicit:
         extra = list(getattr(config, "extra_args"))  # noqa: B009 - TrainingConfig's field
         given = _extra_words(extra)

@@ -197,15 +197,17 @@ def _retrain(
                 update={"data": run_config.data.pinned(data.version)}
             )
             target = target_for(run_config)
+            warm_from = None  # the epochs the followed champion's training ran
             if run_config.training.follow_champion:
                 # The champion's recipe and weights, but what this run sets itself.
                 followed = follow_champion(run_config, explicit, run)
                 steps.append(followed.record)
                 run_config = followed.value.config
                 target = target_for(run_config)
+                warm_from = followed.value.champion_epochs
             if gate.value.facts is not None:
                 # What the config, the run and the recipe leave unset, fitted to the data.
-                fitted = fit_to_data(run_config, gate.value.facts, run)
+                fitted = fit_to_data(run_config, gate.value.facts, run, warm_from)
                 steps.append(fitted.record)
                 run_config = fitted.value
                 target = target_for(run_config)

@@ -41,6 +41,10 @@ SIZE_BOUNDS: dict[str, tuple[int, int]] = {
 TARGET_STEPS = 100
 MIN_EPOCH_CAP = 15
 MAX_EPOCH_CAP = 60
+# A retrain from the champion's weights trains this share of the fewer of the epochs the
+# champion's training ran and the cap a training from scratch would get here (rounded up):
+# bench/warm_start_flow.py measures what it reaches in them (docs/warm-start.md).
+WARM_EPOCH_SHARE = 3  # one third
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,12 @@ def fitted_epoch_cap(train_images: int, global_batch: int) -> int:
 
 
 def fit_training(
-    training: Settings, facts: DataFacts, processes: int
+    training: Settings, facts: DataFacts, processes: int, warm_from: int | None = None
 ) -> tuple[Settings, list[str]]:
     """``training`` with its unset input size and epoch cap fitted to ``facts`` (``processes``:
-    the training processes, whose batches make one step), and one line per setting saying what
-    was chosen and why."""
+    the training processes, whose batches make one step; ``warm_from``: the epochs the
+    champion's training ran, for a retrain from its weights), and one line per setting saying
+    what was chosen and why."""
     updates: dict[str, Any] = {}
     lines: list[str] = []
     native = MODEL_INPUT_SIZES[training.model]
@@ -128,24 +133,37 @@ def fit_training(
         else:
             global_batch = training.batch_size * processes
             cap = fitted_epoch_cap(train, global_batch)
-            updates["epochs"] = cap
             steps = math.ceil(train / global_batch)
-            lines.append(
-                f"training.epochs = {cap} (a cap; early stopping with patience "
-                f"{training.patience} ends most trainings sooner): {train} train images"
-                f"{held} make {steps} steps of {training.batch_size} x {processes} processes "
-                f"an epoch; the cap gives about {TARGET_STEPS} steps, within "
+            scratch = (
+                f"{train} train images{held} make {steps} steps of {training.batch_size} x "
+                f"{processes} processes an epoch; about {TARGET_STEPS} steps, within "
                 f"{MIN_EPOCH_CAP}-{MAX_EPOCH_CAP} epochs"
             )
+            if warm_from is not None and getattr(training, "init_from", None) == "champion":
+                warm = math.ceil(min(warm_from, cap) / WARM_EPOCH_SHARE)
+                updates["epochs"] = warm
+                lines.append(
+                    f"training.epochs = {warm}: a warm start from the champion trains a third "
+                    f"of the fewer of the {warm_from} epochs the champion's training ran and "
+                    f"the {cap} a training from scratch would get ({scratch})"
+                )
+            else:
+                updates["epochs"] = cap
+                lines.append(
+                    f"training.epochs = {cap} (a cap; early stopping with patience "
+                    f"{training.patience} ends most trainings sooner): {scratch}"
+                )
     return replace(training, **updates), lines
 
 
 @step("fit-to-data")
-def fit_to_data(config: PipelineConfig, facts: DataFacts, run: Run) -> Done[PipelineConfig]:
+def fit_to_data(
+    config: PipelineConfig, facts: DataFacts, run: Run, warm_from: int | None = None
+) -> Done[PipelineConfig]:
     """The run's config with its unset training settings fitted to the data (the step's
     details, in the run's summary, say what and why)."""
     processes = config.pool.nodes * config.pool.processes_per_node
-    training, lines = fit_training(config.training, facts, processes)
+    training, lines = fit_training(config.training, facts, processes, warm_from)
     logger = get_run_logger()
     for line in lines:
         logger.info("run %s: %s", run.id, line)

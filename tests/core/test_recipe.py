@@ -79,16 +79,17 @@ def test_an_explicit_init_from_and_extra_args_are_the_deployments() -> None:
     assert settings.init_from is None and settings.extra_args == ["--fp16-allreduce"]
 
 
-def test_a_warm_start_from_the_champion_trains_a_third_of_its_epochs() -> None:
+def test_a_warm_start_from_the_champion_leaves_its_cap_to_be_fitted() -> None:
     """The champion's training stopped early after 13 epochs (its history): the retrain from
-    its weights gets a cap of 5, unless the deployment states one."""
+    its weights does not take the champion's from-scratch cap of 15 but leaves it to the
+    fitting step (tests/tasks/test_fit_to_data.py), unless the deployment states one."""
     history = [{"epoch": e} for e in range(1, 14)]
     recipe = Recipe.from_metrics("run-a", {"args": CHAMPION_ARGS, "epochs": history})
     assert recipe is not None and recipe.trained_epochs == 13
     config = load_config(LOCAL).training
     settings, origins = training_settings(config, set(), recipe)
-    assert settings.epochs == 5 and settings.init_from == "champion"
-    assert "a third of the 13 epochs" in _origins_why(origins)["epochs"]
+    assert settings.epochs is None and settings.init_from == "champion"
+    assert "whose training ran 13 epochs" in _origins_why(origins)["epochs"]
     stated, _ = training_settings(config, {"epochs"}, recipe)
     assert stated.epochs == config.epochs
     scratch, _ = training_settings(config, {"init_from"}, recipe)  # no champion weights

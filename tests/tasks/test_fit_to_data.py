@@ -51,6 +51,21 @@ def test_unset_size_and_cap_are_fitted_and_each_says_why() -> None:
     assert "360 train images make 3 steps of 64 x 2 processes" in lines[1]
 
 
+def test_a_warm_start_from_the_champion_trains_a_third_of_the_fewer_epochs() -> None:
+    """A third of the fewer of the champion's epochs and the cap scratch would get here."""
+    warm = TrainingConfig(init_from="champion", image_size=64)
+    scratch_cap = fitted_epoch_cap(360, 128)
+    fitted, lines = fit_training(warm, TEXTURES, processes=2, warm_from=90)
+    assert fitted.epochs == -(-scratch_cap // 3)
+    fitted, lines = fit_training(warm, TEXTURES, processes=2, warm_from=13)
+    assert fitted.epochs == 5
+    assert lines[0].startswith("training.epochs = 5: a warm start from the champion trains")
+    assert f"of the 13 epochs the champion's training ran and the {scratch_cap}" in lines[0]
+    # Weights named another way than the followed champion: the cap of a start from scratch.
+    other = TrainingConfig(init_from="nfs:w.pt", image_size=64)
+    assert fit_training(other, TEXTURES, processes=2, warm_from=13)[0].epochs == scratch_cap
+
+
 def test_without_val_the_held_out_slice_is_not_counted_as_training_images() -> None:
     fitted, lines = fit_training(TrainingConfig(), DIGITS, processes=2)
     assert fitted.image_size == 32  # 8 px digits: the cnn's smallest input
