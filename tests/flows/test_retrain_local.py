@@ -523,6 +523,6 @@ def test_a_run_starts_from_the_champion_and_records_it(
     assert "do not match the MD5 the trainer recorded" in str(
         task_runs["resolve-init-from"].state.message
     )
-    assert set(task_runs) <= {"validate-data", "resolve-init-from", "release-pool"}
+    assert set(task_runs) <= {"validate-data", "fit-to-data", "resolve-init-from", "release-pool"}
     assert sorted(tasks_dir.iterdir()) == trained  # no task ran on the pool
     assert outputs.download_blob(champion_blob_name).readall() == champion
