@@ -110,8 +110,9 @@ def warm_start_flow(r: dict[str, Any]) -> list[str]:
         "Local target, 2 training processes, no training setting given (input size and epoch "
         "cap fitted to the data, early stopping on the val split or a held-out slice). Per "
         "dataset and seed: v1 from scratch (the champion), v2 as the nightly trains it "
-        "(`follow_champion`: the champion's weights and recipe, a third of its epochs), v2 "
-        "from scratch. Test accuracy is the flow's score on v2's test split.",
+        "(`follow_champion`: the champion's weights and recipe, a third of the fewer of its "
+        "epochs and scratch's cap), v2 from scratch. Test accuracy is the flow's score on "
+        "v2's test split.",
         "",
         "| dataset | seed | input px | v1 test acc. | scratch: epochs (kept), test acc. | "
         "warm: epochs (kept), test acc. | warm epochs / scratch's | warm reached scratch |",
