@@ -107,33 +107,6 @@ def test_the_minimum_names_the_metric_or_every_class_below_it() -> None:
     assert below_minimum(scores_of(GOOD), rules) == ""  # type: ignore[arg-type]
 
 
-def test_a_first_model_below_the_minimum_is_not_promoted_by_default(
-    outputs: ContainerClient,
-) -> None:
-    """Before: the first model of a data root was always promoted, a class at recall 0.0 or
-    not ("no champion yet: accuracy 0.6667 becomes the first")."""
-    refused = _run(outputs, "r0", C_NEVER)
-    assert not refused["promoted"]
-    assert refused["reason"] == (
-        "no champion of c/images yet, but class 'c' has recall 0.0000, less than the 0.1 "
-        "promotion.minimum.class_recall asks for: not promoted, there is still no champion"
-    )
-    assert refused["below_minimum"] and refused["rules"]["minimum"]["class_recall"] == 0.1
-    assert champion_for(outputs, "", ROOT).state == "absent"
-    # Nor over a champion it beats: the floor is any champion's.
-    _run(
-        outputs,
-        "r1",
-        report(["a", "b", "c"], [[6, 4, 0], [4, 6, 0], [5, 4, 1]]),
-        **{"minimum": {"class_recall": None}},
-    )
-    over = _run(outputs, "r2", C_NEVER)
-    assert not over["promoted"] and over["reason"].startswith("class 'c' has recall 0.0000")
-    assert over["reason"].endswith(": not promoted, the champion stays")
-    champion = champion_for(outputs, "", ROOT).champion
-    assert champion is not None and champion.run_id == "r1"
-
-
 def test_the_decision_and_the_champion_name_the_data_versions(outputs: ContainerClient) -> None:
     first = _run(outputs, "r1", GOOD)
     assert first["promoted"] and first["challenger"]["data"] == "c/images/v1"
