@@ -14,9 +14,12 @@ No I/O here: the caller reads the champion's ``metrics.json`` and the deployment
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
+
+from pydantic import TypeAdapter, ValidationError
 
 from training.args import TrainerArgs, TrainingSettings, flag
 
@@ -64,6 +67,37 @@ class Recipe:
         return cls(run_id, settings, extra)
 
 
+class RecipeError(ValueError):
+    """The champion's recipe holds a value no run may train with; the message names each."""
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def recipe_problems(recipe: Recipe, names: Iterable[str]) -> list[str]:
+    """Why the recipe's values of ``names`` cannot train a run, one phrase per value: each is
+    checked as the trainer's argument it is (``TrainerArgs``: its type and bounds, the same
+    metadata the config's training section and the trainer's command line read). Types are
+    checked strictly: a champion's ``metrics.json`` holds the values its trainer parsed, so
+    an epoch count of ``1e6`` (a float) is a record edited by hand, not a setting."""
+    values = {n: recipe.settings.get(n, recipe.extra.get(n)) for n in names}
+    # The trainer's two required paths, so that only the recipe's values are judged.
+    doc = {"data_dir": "-", "output_dir": "-", **values}
+    try:
+        TypeAdapter(TrainerArgs).validate_json(json.dumps(doc), strict=True)
+    except ValidationError as exc:
+        return [
+            f"{'.'.join(map(str, err['loc'])) or '?'} {_shown(values.get(str(err['loc'][0])))}: "
+            f"{err['msg']}"
+            for err in exc.errors()
+        ]
+    except (TypeError, ValueError) as exc:  # not even JSON (a value json cannot write)
+        return [f"its values cannot be read ({type(exc).__name__})"]
+    return []
+
+
 def explicit_training_fields(overrides: Iterable[str], fields: Iterable[str] = ()) -> set[str]:
     """The training fields a deployment sets for itself: those its ``overrides`` parameter
     (``section.field=value``) and its own run fields (``training.epochs``, ...) name. The
@@ -104,7 +138,9 @@ def training_settings(
     the champion's weights (``init_from: champion``) unless the deployment states
     ``init_from``; each recipe field the deployment does not state is the champion's; a recipe
     switch or option the deployment's ``extra_args`` does not name is added to them (an
-    ``extra_args`` the deployment states is its own, whole)."""
+    ``extra_args`` the deployment states is its own, whole). A recipe value applied that no
+    run could train with (out of its bounds, or not of its type) raises :class:`RecipeError`
+    naming each one, before anything is provisioned."""
     origins: list[Origin] = []
     updates: dict[str, Any] = {}
     names = [f.name for f in fields(config)]
@@ -132,21 +168,29 @@ def training_settings(
                 else "the config's default (not part of a recipe)"
             )
             origins.append(Origin(name, value, "config", why))
+    applied = [n for n in updates if recipe is not None and n in recipe.settings]
     if recipe is not None and "extra_args" in names and "extra_args" not in explicit:
         extra = list(getattr(config, "extra_args"))  # noqa: B009 - TrainingConfig's field
         given = _extra_words(extra)
         for name in RECIPE_SWITCHES:
             if recipe.extra.get(name) is True and name not in given:
                 extra.append(flag(name))
+                applied.append(name)
         defaults = {f.name: f.default for f in fields(TrainerArgs)}
         for name in RECIPE_OPTIONS:
             # Only a value other than the trainer's default: the task stays as it was.
             if name in recipe.extra and name not in given and recipe.extra[name] != defaults[name]:
                 extra += [flag(name), str(recipe.extra[name])]
+                applied.append(name)
         updates["extra_args"] = extra
         origins = [o for o in origins if o.field != "extra_args"]
         why = f"the config's, with the champion's recipe (run {recipe.run_id}) added"
         origins.append(Origin("extra_args", extra, "champion", why))
+    if recipe is not None and (problems := recipe_problems(recipe, applied)):
+        raise RecipeError(
+            f"the champion's recipe (run {recipe.run_id}) holds values no run may train with: "
+            + "; ".join(problems)
+        )
     return replace(config, **updates), origins
 
 

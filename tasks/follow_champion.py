@@ -4,7 +4,9 @@ With ``training.follow_champion`` (the nightly and on-new-data deployments set i
 data root has a champion trains from the champion's weights with the settings the champion was
 trained with, except those the run sets itself (``core/recipe.py`` decides, field by field).
 Without it, a champion trained by hand with a better recipe is never beaten by the config's
-defaults, and nothing would say why.
+defaults, and nothing would say why. The recipe is read from a blob anyone with write access to
+the output container may edit: every value it gives is checked as a run's own would be, and one
+out of bounds stops the run here, before a pool is provisioned or data staged.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefect import get_run_logger
+from pydantic import ValidationError
 
 from backends.blob import container_client
 from core.config import PipelineConfig
-from core.recipe import Origin, Recipe, describe, training_settings
+from core.recipe import Origin, Recipe, RecipeError, describe, training_settings
 from core.run import Run
 from registry.champion import champion_for
 from tasks.init_from import InitFromConfigError, champion_metrics
@@ -44,9 +47,24 @@ def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
     recipe = None
     if read.champion is not None:
         recipe = Recipe.from_metrics(read.champion.run_id, champion_metrics(outputs, read.champion))
-    training, origins = training_settings(config.training, explicit, recipe)
+    try:
+        training, origins = training_settings(config.training, explicit, recipe)
+    except RecipeError as exc:
+        raise InitFromConfigError(f"follow_champion: {exc}") from None
     run_id = read.champion.run_id if read.champion else None
-    return Followed(config.model_copy(update={"training": training}), origins, run_id)
+    followed = config.model_copy(update={"training": training})
+    # The config a run of these settings would have been given, checked as any run's is.
+    try:
+        checked = PipelineConfig.model_validate(followed.model_dump())
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_input=False)
+        )
+        raise InitFromConfigError(
+            f"follow_champion: the champion's recipe (run {run_id}) makes a config no run may "
+            f"have: {problems}"
+        ) from None
+    return Followed(checked, origins, run_id)
 
 
 @step("follow-champion")

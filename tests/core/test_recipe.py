@@ -3,8 +3,16 @@ champion trained by hand at 64 px with --augment, retrained by a nightly that st
 
 from __future__ import annotations
 
+import pytest
+
 from core.config import TrainingConfig, load_config
-from core.recipe import Recipe, describe, explicit_training_fields, training_settings
+from core.recipe import (
+    Recipe,
+    RecipeError,
+    describe,
+    explicit_training_fields,
+    training_settings,
+)
 from tests.conftest import ROOT
 from training.args import parse_trainer_args
 
@@ -77,3 +85,34 @@ def test_an_explicit_init_from_and_extra_args_are_the_deployments() -> None:
     assert RECIPE is not None
     settings, _ = training_settings(config, {"init_from", "extra_args"}, RECIPE)
     assert settings.init_from is None and settings.extra_args == ["--fp16-allreduce"]
+
+
+def test_a_tampered_recipe_is_refused_naming_every_value() -> None:
+    """A champion's metrics.json edited by hand: before, its values were applied as they were
+    (no bound is checked on a dataclass replaced in place) and the run provisioned its pool and
+    staged its data before the trainer on the node refused them."""
+    tampered = {
+        **CHAMPION_ARGS,
+        "batch_size": 100000,
+        "lr": -5,
+        "epochs": 1e6,  # a float: no trainer writes one for a count
+        "momentum": float("nan"),
+    }
+    recipe = Recipe.from_metrics("run-t", {"args": tampered})
+    assert recipe is not None
+    config = load_config(LOCAL).training
+    with pytest.raises(RecipeError) as refused:
+        training_settings(config, set(), recipe)
+    message = str(refused.value)
+    assert message.startswith("the champion's recipe (run run-t) holds values no run may train")
+    for part in (
+        "epochs 1000000.0: Input should be a valid integer",
+        "batch_size 100000: Input should be less than or equal to 8192",
+        "lr -5: Input should be greater than 0",
+        "momentum nan: Input should be greater than or equal to 0",
+    ):
+        assert part in message, message
+    # What the deployment sets itself is not the recipe's: a value it replaces is not judged.
+    explicit = {"batch_size", "lr", "epochs", "extra_args"}
+    settings, _ = training_settings(config, explicit, recipe)
+    assert (settings.batch_size, settings.epochs) == (config.batch_size, config.epochs)
