@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
+from core.config import hide_credentials
 from training.args import TrainerArgs, TrainingSettings, flag
 
 # The trainer's own settings that shape the model (TrainingSettings), without those that only
@@ -35,7 +36,7 @@ RECIPE_FIELDS = tuple(
 RECIPE_SWITCHES = ("augment",)
 RECIPE_OPTIONS = ("warmup_epochs", "momentum", "weight_decay")
 
-Source = Literal["deployment", "champion", "config"]
+Source = Literal["run", "champion", "config"]
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,32 @@ def recipe_problems(recipe: Recipe, names: Iterable[str]) -> list[str]:
     return []
 
 
-def explicit_training_fields(overrides: Iterable[str], fields: Iterable[str] = ()) -> set[str]:
-    """The training fields a deployment sets for itself: those its ``overrides`` parameter
-    (``section.field=value``) and its own run fields (``training.epochs``, ...) name. The
-    config file all deployments share is the defaults, which the recipe replaces."""
-    named: set[str] = set()
-    for key in [*(item.split("=", 1)[0] for item in overrides), *fields]:
+def explicit_training_fields(
+    overrides: Iterable[str], fields: Iterable[str] | Mapping[str, Any] = (), deployed: bool = False
+) -> dict[str, str]:
+    """The training fields a run sets for itself, each with where it set it, as the run's
+    summary says it: ``--set training.lr=0.1`` (``overrides``: the command line's ``--set``,
+    or, for a run of a deployment, its ``overrides`` parameter, which the deployment's
+    parameters and the run form fill in) or the run's own fields (``training.epochs``, ...:
+    the form's first fields, a trigger's). The config file every run starts from is not among
+    them: the recipe replaces its values."""
+    named: dict[str, str] = {}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        parts = key.split(".")
+        if parts[0] == "training" and len(parts) > 1:
+            shown = hide_credentials(item.strip())
+            named[parts[1]] = (
+                f"set by the run's overrides parameter ({shown})"
+                if deployed
+                else f"set with --set {shown}"
+            )
+    values = fields if isinstance(fields, Mapping) else dict.fromkeys(fields)
+    for key, value in values.items():
         parts = key.strip().split(".")
         if parts[0] == "training" and len(parts) > 1:
-            named.add(parts[1])
+            given = f" ({value!r})" if value is not None else ""
+            named[parts[1]] = f"set by the run's {parts[1]} parameter{given}"
     return named
 
 
@@ -114,25 +132,30 @@ def _extra_words(extra_args: list[str]) -> set[str]:
     return {w[2:].split("=", 1)[0].replace("-", "_") for w in extra_args if w.startswith("--")}
 
 
-def _clash(config: TrainingSettings, explicit: set[str], recipe: Recipe) -> str | None:
-    """Why the champion's weights do not fit the network the deployment sets, if they don't."""
+def _clash(config: TrainingSettings, explicit: Iterable[str], recipe: Recipe) -> str | None:
+    """Why the champion's weights do not fit the network the run sets, if they don't."""
     for name in ("model", "image_size"):
         mine, theirs = getattr(config, name), recipe.settings.get(name)
         if name in explicit and name in recipe.settings and mine != theirs:
             return (
-                f"the deployment sets training.{name} {mine!r}, the champion (run "
+                f"the run sets training.{name} {mine!r}, the champion (run "
                 f"{recipe.run_id}) was trained with {theirs!r}"
             )
     return None
 
 
 def training_settings(
-    config: TrainingSettings, explicit: set[str], recipe: Recipe | None
+    config: TrainingSettings,
+    explicit: Iterable[str] | Mapping[str, str],
+    recipe: Recipe | None,
+    config_source: str = "the config",
 ) -> tuple[TrainingSettings, list[Origin]]:
     """The run's training settings, and where each came from.
 
-    ``config``: the deployment's training section (its file and overrides applied);
-    ``explicit``: the fields it states itself (:func:`explicit_training_fields`); ``recipe``:
+    ``config``: the run's training section (its file and overrides applied); ``explicit``:
+    the fields the run states itself, each with where it stated it
+    (:func:`explicit_training_fields`); ``config_source``: where the rest of the config came
+    from, as the summary names it (the config file, the form's config); ``recipe``:
     the champion's, or None when the data root has none (then the config is used as it is, and
     the run starts from scratch unless it says otherwise). With a recipe the run starts from
     the champion's weights (``init_from: champion``) unless the deployment states
@@ -141,19 +164,24 @@ def training_settings(
     ``extra_args`` the deployment states is its own, whole). A recipe value applied that no
     run could train with (out of its bounds, or not of its type) raises :class:`RecipeError`
     naming each one, before anything is provisioned."""
+    stated = (
+        dict(explicit)
+        if isinstance(explicit, Mapping)
+        else dict.fromkeys(explicit, "set for this run")
+    )
     origins: list[Origin] = []
     updates: dict[str, Any] = {}
     names = [f.name for f in fields(config)]
     for name in names:
         value = getattr(config, name)
-        if name in explicit:
-            origins.append(Origin(name, value, "deployment", "set in the deployment's config"))
+        if name in stated:
+            origins.append(Origin(name, value, "run", stated[name]))
         elif recipe is not None and name in recipe.settings:
             updates[name] = recipe.settings[name]
             why = f"the champion's recipe (run {recipe.run_id})"
             origins.append(Origin(name, recipe.settings[name], "champion", why))
         elif name == "init_from" and recipe is not None:
-            clash = _clash(config, explicit, recipe)
+            clash = _clash(config, stated, recipe)
             if clash:
                 why = f"from scratch: {clash}, so its weights cannot be carried"
                 origins.append(Origin(name, value, "config", why))
@@ -163,13 +191,13 @@ def training_settings(
                 origins.append(Origin(name, "champion", "champion", why))
         else:
             why = (
-                "the config's default (no champion yet)"
+                f"{config_source} (no champion yet)"
                 if recipe is None
-                else "the config's default (not part of a recipe)"
+                else f"{config_source} (not part of a recipe)"
             )
             origins.append(Origin(name, value, "config", why))
     applied = [n for n in updates if recipe is not None and n in recipe.settings]
-    if recipe is not None and "extra_args" in names and "extra_args" not in explicit:
+    if recipe is not None and "extra_args" in names and "extra_args" not in stated:
         extra = list(getattr(config, "extra_args"))  # noqa: B009 - TrainingConfig's field
         given = _extra_words(extra)
         for name in RECIPE_SWITCHES:
@@ -184,7 +212,7 @@ def training_settings(
                 applied.append(name)
         updates["extra_args"] = extra
         origins = [o for o in origins if o.field != "extra_args"]
-        why = f"the config's, with the champion's recipe (run {recipe.run_id}) added"
+        why = f"{config_source}, with the champion's recipe (run {recipe.run_id}) added"
         origins.append(Origin("extra_args", extra, "champion", why))
     if recipe is not None and (problems := recipe_problems(recipe, applied)):
         raise RecipeError(

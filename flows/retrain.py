@@ -125,8 +125,12 @@ def retrain(
         raise
     tracker = Tracker(run_config, logger.warning)
     try:
-        explicit = explicit_training_fields(request.overrides, request.run_fields())
-        return _retrain(run_config, effective.source, run, record, force, tracker, explicit)
+        explicit = explicit_training_fields(
+            request.overrides, request.run_fields(), deployed=bool(deployment.id)
+        )
+        return _retrain(
+            run_config, effective.source, run, record, force, tracker, explicit, effective.base
+        )
     except REFUSALS as exc:
         # The data gate refused the data, naming why in its artifact and its step's log: the
         # run ends failed with that message, not as an error in the code (no traceback).
@@ -159,7 +163,8 @@ def _retrain(
     record: RunLog,
     force: bool,
     tracker: Tracker,
-    explicit: set[str],
+    explicit: dict[str, str],
+    base: str,
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
@@ -197,7 +202,7 @@ def _retrain(
             target = target_for(run_config)
             if run_config.training.follow_champion:
                 # The champion's recipe and weights, but what this run sets itself.
-                followed = follow_champion(run_config, explicit, run)
+                followed = follow_champion(run_config, explicit, run, base)
                 steps.append(followed.record)
                 run_config = followed.value.config
                 target = target_for(run_config)

@@ -11,6 +11,7 @@ out of bounds stops the run here, before a pool is provisioned or data staged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prefect import get_run_logger
@@ -34,9 +35,13 @@ class Followed:
     champion_run: str | None
 
 
-def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
+def follow(
+    config: PipelineConfig, explicit: Mapping[str, str], config_source: str = "the config"
+) -> Followed:
     """The recipe of the champion of the run's data root applied to ``config`` (unchanged
-    settings and a from-scratch start while the root has no champion)."""
+    settings and a from-scratch start while the root has no champion); ``explicit``: the
+    training fields the run sets itself, each with where it set it
+    (``core.recipe.explicit_training_fields``)."""
     outputs = container_client(config.output, config.retries.storage_retries)
     read = champion_for(outputs, config.output.prefix, config.data.root)
     if read.damaged:
@@ -48,7 +53,7 @@ def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
     if read.champion is not None:
         recipe = Recipe.from_metrics(read.champion.run_id, champion_metrics(outputs, read.champion))
     try:
-        training, origins = training_settings(config.training, explicit, recipe)
+        training, origins = training_settings(config.training, explicit, recipe, config_source)
     except RecipeError as exc:
         raise InitFromConfigError(f"follow_champion: {exc}") from None
     run_id = read.champion.run_id if read.champion else None
@@ -68,10 +73,12 @@ def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
 
 
 @step("follow-champion")
-def follow_champion(config: PipelineConfig, explicit: set[str], run: Run) -> Done[Followed]:
+def follow_champion(
+    config: PipelineConfig, explicit: Mapping[str, str], run: Run, config_source: str
+) -> Done[Followed]:
     """The training settings of a retrain of the champion, each with where it came from (the
     step's details, in the run's summary)."""
-    followed = follow(config, explicit)
+    followed = follow(config, explicit, config_source)
     lines = describe(followed.origins)
     logger = get_run_logger()
     for line in lines:

@@ -53,12 +53,12 @@ def test_a_nightly_that_states_nothing_retrains_the_champions_recipe() -> None:
 
 def test_what_the_deployment_sets_wins_over_the_recipe() -> None:
     explicit = explicit_training_fields(["training.epochs=3", "data.version=v2"], ["training.lr"])
-    assert explicit == {"epochs", "lr"}
+    assert set(explicit) == {"epochs", "lr"}
     config = load_config(LOCAL, ["training.epochs=3", "training.lr=0.02"]).training
     assert RECIPE is not None
     settings, origins = training_settings(config, explicit, RECIPE)
     assert (settings.epochs, settings.lr, settings.image_size) == (3, 0.02, 64)
-    assert _origins(origins)["epochs"] == (3, "deployment")
+    assert _origins(origins)["epochs"] == (3, "run")
 
 
 def test_a_network_the_deployment_sets_otherwise_trains_from_scratch_and_says_why() -> None:
@@ -67,7 +67,7 @@ def test_a_network_the_deployment_sets_otherwise_trains_from_scratch_and_says_wh
     settings, origins = training_settings(config, {"image_size"}, RECIPE)
     assert settings.init_from is None and settings.image_size == 32
     why = next(o.why for o in origins if o.field == "init_from")
-    assert "from scratch: the deployment sets training.image_size 32" in why and "64" in why
+    assert "from scratch: the run sets training.image_size 32" in why and "64" in why
 
 
 def test_without_a_champion_the_config_is_used_as_it_is() -> None:
@@ -116,3 +116,32 @@ def test_a_tampered_recipe_is_refused_naming_every_value() -> None:
     explicit = {"batch_size", "lr", "epochs", "extra_args"}
     settings, _ = training_settings(config, explicit, recipe)
     assert (settings.batch_size, settings.epochs) == (config.batch_size, config.epochs)
+
+
+def test_each_setting_names_where_the_run_set_it() -> None:
+    """Before: every value the run stated was "set in the deployment's config", a value given
+    with --set on the command line included."""
+    config = load_config(
+        LOCAL, ["training.follow_champion=true", "training.lr=0.02", "training.epochs=3"]
+    ).training
+    by_cli = explicit_training_fields(
+        ["training.follow_champion=true", "training.lr=0.02"], {"training.epochs": 3}
+    )
+    _, origins = training_settings(config, by_cli, RECIPE, "the config file configs/local.yaml")
+    lines = describe(origins)
+    assert "training.follow_champion = True: set with --set training.follow_champion=true" in lines
+    assert "training.lr = 0.02: set with --set training.lr=0.02" in lines
+    assert "training.epochs = 3: set by the run's epochs parameter (3)" in lines
+    engine = (
+        "training.engine = 'horovod': the config file configs/local.yaml (not part of a recipe)"
+    )
+    assert engine in lines, lines
+    assert not any("deployment" in line for line in lines), lines
+    deployed = explicit_training_fields(["training.follow_champion=true"], deployed=True)
+    assert deployed == {
+        "follow_champion": "set by the run's overrides parameter (training.follow_champion=true)"
+    }
+    _, fresh = training_settings(config, {}, None, "the config file configs/local.yaml")
+    assert "training.lr = 0.02: the config file configs/local.yaml (no champion yet)" in describe(
+        fresh
+    )

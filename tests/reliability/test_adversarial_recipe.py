@@ -42,7 +42,7 @@ def test_a_tampered_recipe_stops_the_run_before_provisioning_naming_each_value(
     before = {b.name: b.etag for b in outputs.list_blobs()}
 
     with pytest.raises(InitFromConfigError) as refused:
-        follow(config, set())  # the step before resolve-init-from, the pool and staging
+        follow(config, {})  # the step before resolve-init-from, the pool and staging
     message = str(refused.value)
     assert message.startswith(f"follow_champion: the champion's recipe (run {RUN})")
     for name in ("epochs 1000000.0", "batch_size 100000", "lr -5", "momentum nan"):
