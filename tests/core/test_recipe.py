@@ -116,32 +116,3 @@ def test_a_tampered_recipe_is_refused_naming_every_value() -> None:
     explicit = {"batch_size", "lr", "epochs", "extra_args"}
     settings, _ = training_settings(config, explicit, recipe)
     assert (settings.batch_size, settings.epochs) == (config.batch_size, config.epochs)
-
-
-def test_each_setting_names_where_the_run_set_it() -> None:
-    """Before: every value the run stated was "set in the deployment's config", a value given
-    with --set on the command line included."""
-    config = load_config(
-        LOCAL, ["training.follow_champion=true", "training.lr=0.02", "training.epochs=3"]
-    ).training
-    by_cli = explicit_training_fields(
-        ["training.follow_champion=true", "training.lr=0.02"], {"training.epochs": 3}
-    )
-    _, origins = training_settings(config, by_cli, RECIPE, "the config file configs/local.yaml")
-    lines = describe(origins)
-    assert "training.follow_champion = True: set with --set training.follow_champion=true" in lines
-    assert "training.lr = 0.02: set with --set training.lr=0.02" in lines
-    assert "training.epochs = 3: set by the run's epochs parameter (3)" in lines
-    engine = (
-        "training.engine = 'horovod': the config file configs/local.yaml (not part of a recipe)"
-    )
-    assert engine in lines, lines
-    assert not any("deployment" in line for line in lines), lines
-    deployed = explicit_training_fields(["training.follow_champion=true"], deployed=True)
-    assert deployed == {
-        "follow_champion": "set by the run's overrides parameter (training.follow_champion=true)"
-    }
-    _, fresh = training_settings(config, {}, None, "the config file configs/local.yaml")
-    assert "training.lr = 0.02: the config file configs/local.yaml (no champion yet)" in describe(
-        fresh
-    )
