@@ -295,7 +295,7 @@ def _retrain(
             source,
             cost,
             data,
-            tracker.link,
+            tracker.summary(),
         )
         tracker.reported(run)
         # Last: the record makes the next run of the same inputs end as up to date, so it is
@@ -317,6 +317,7 @@ def _retrain(
         "data": data.as_record(),
         "steps": [s.as_dict() for s in steps],
         "cost": cost,
+        "tracking": tracking.runs_link if (tracking := tracker.summary()) else None,
     }
 
 
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
     print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
     print(f"outputs: {result['outputs']}")
+    if result.get("tracking"):
+        print(f"tracked in MLflow: {result['tracking']} (the experiment's runs)")
     if serve:
         print(serve)
     for s in result["steps"]:
