@@ -116,6 +116,14 @@ def test_a_flow_run_is_tracked_and_only_a_promotion_moves_the_champion_alias(
     ) in summary
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert result["tracking"] == f"{runs}?workflowType=machine_learning"
+    report.record(
+        "adversarial",
+        "first week: the MLflow links a run gives (its summary; a command-line run prints one)",
+        "the run's page and the experiment's runs, in MLflow's classic view "
+        "(?workflowType=machine_learning); the experiment tagged as one of machine learning",
+        before_fix="no link to the experiment's runs; docs/tracking.md sent users to the "
+        "server's bare address, which MLflow 3 opens on its GenAI pages",
+    )
 
     # A model the pipeline does not promote is registered too, and the alias stays; with
     # model.onnx beside it (the trainer's export), the ONNX file is the version's model.
