@@ -4,10 +4,11 @@ A model is only as good as the settings it was trained with: a champion trained 
 ``epochs=15``, ``image_size=64`` and ``--augment`` is not beaten by a nightly that trains the
 config's 32 px defaults. So a scheduled or triggered retrain of a data root that has a champion
 starts from the champion's weights **and its recipe**: the settings of the champion's own run
-(``metrics.json`` records the trainer's arguments). A setting the deployment's config states
-explicitly wins over the recipe; anything neither states keeps the config's default.
-:func:`training_settings` decides this, field by field, and says where each value came from and
-why, for the run's summary.
+(``metrics.json`` records the trainer's arguments). A setting the run states itself (``--set``,
+a deployment's ``overrides`` parameter, the form's fields) wins over the recipe; anything
+neither states keeps the config's value. :func:`training_settings` decides this, field by field,
+and says where each value really came from, for the run's summary; a recipe value no run could
+train with is refused by name (:class:`RecipeError`).
 
 No I/O here: the caller reads the champion's ``metrics.json`` and the deployment's config file.
 """
