@@ -494,6 +494,30 @@ class RetryConfig(_Section):
     )
 
 
+class PromotionMinimum(_Section):
+    """What any model must reach to serve its data root, the first one included: a data root
+    with no champion yet would otherwise take any model, however broken."""
+
+    metric: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="the least value of promotion.metric (on the test split) a model must "
+        "reach to become the champion, the first one included; 0: no floor (no one number "
+        "suits every dataset: 0.5 accuracy is chance on 2 classes and good on 200)",
+    )
+    class_recall: float | None = Field(
+        0.1,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="the least recall every class must reach on the test split for a model "
+        "to become the champion, the first one included: a model that (almost) never "
+        "recognises a class is not served; null: not checked",
+    )
+
+
 class PromotionConfig(_Section):
     """When a run's model replaces its data root's champion (registry/promotion.py)."""
 
@@ -530,6 +554,10 @@ class PromotionConfig(_Section):
         description="the share of the test split the scorer must have read for a promotion "
         "to be decided; below it (images it could not decode) the champion stays, and the "
         "decision says why",
+    )
+    minimum: PromotionMinimum = Field(
+        default_factory=PromotionMinimum,
+        description="the floor any champion must reach, the first one included",
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from core.mlflow_env import TELEMETRY_OFF
 from deployments.supervisor import Component, http_ok
 
 BIN = Path(sys.executable).parent
@@ -64,14 +65,15 @@ def mlflow_component(
 ) -> Component:
     """The server as a supervised component, ready once its health check answers; ``before``
     is its set-up (the database's creation). MLflow's job runner (its GenAI jobs: a process
-    pool of its own) is not started: nothing here submits jobs."""
+    pool of its own) is not started: nothing here submits jobs; nor is its telemetry
+    (``core.mlflow_env``)."""
     netloc = f"[{host}]" if ":" in host else host
     return Component(
         "mlflow",
         server_command(host, port, backend_uri, artifacts),
         ready=lambda: http_ok(f"http://{netloc}:{port}/health"),
         where=f"http://{netloc}:{port}, runs in {describe(backend_uri)}, artifacts in {artifacts}",
-        env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **TELEMETRY_OFF},
         before=before,
         port=(host, port),
         timeout=300,

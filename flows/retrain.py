@@ -126,8 +126,12 @@ def retrain(
         raise
     tracker = Tracker(run_config, logger.warning)
     try:
-        explicit = explicit_training_fields(request.overrides, request.run_fields())
-        return _retrain(run_config, effective.source, run, record, force, tracker, explicit)
+        explicit = explicit_training_fields(
+            request.overrides, request.run_fields(), deployed=bool(deployment.id)
+        )
+        return _retrain(
+            run_config, effective.source, run, record, force, tracker, explicit, effective.base
+        )
     except REFUSALS as exc:
         # The data gate refused the data, naming why in its artifact and its step's log: the
         # run ends failed with that message, not as an error in the code (no traceback).
@@ -160,7 +164,8 @@ def _retrain(
     record: RunLog,
     force: bool,
     tracker: Tracker,
-    explicit: set[str],
+    explicit: dict[str, str],
+    base: str,
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
@@ -200,7 +205,7 @@ def _retrain(
             warm_from = None  # the epochs the followed champion's training ran
             if run_config.training.follow_champion:
                 # The champion's recipe and weights, but what this run sets itself.
-                followed = follow_champion(run_config, explicit, run)
+                followed = follow_champion(run_config, explicit, run, base)
                 steps.append(followed.record)
                 run_config = followed.value.config
                 target = target_for(run_config)
@@ -300,7 +305,7 @@ def _retrain(
             source,
             cost,
             data,
-            tracker.link,
+            tracker.summary(),
         )
         tracker.reported(run)
         # Last: the record makes the next run of the same inputs end as up to date, so it is
@@ -322,6 +327,7 @@ def _retrain(
         "data": data.as_record(),
         "steps": [s.as_dict() for s in steps],
         "cost": cost,
+        "tracking": tracking.runs_link if (tracking := tracker.summary()) else None,
     }
 
 
@@ -417,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
     print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
     print(f"outputs: {result['outputs']}")
+    if result.get("tracking"):
+        print(f"tracked in MLflow: {result['tracking']} (the experiment's runs)")
     if serve:
         print(serve)
     for s in result["steps"]:

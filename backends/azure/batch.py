@@ -402,9 +402,11 @@ class BatchCluster:
 
         An attempt the ``deadline`` finds hung is terminated through the API; Batch does not
         retry a terminated task, so the attempts left go to a new task of the same command
-        (``<id>-<attempt>``, in a job of its own), which resumes from the checkpoint."""
+        (``<id>-<attempt>``, in a job of its own), which resumes from the checkpoint. A re-run
+        of the step (after the orchestrator crashed) follows the newest of those tasks."""
         started = time.perf_counter()
-        used, stalls, current = 0, [], spec
+        used, current = self._newest_attempt(spec, on_line)
+        stalls: list[str] = []
         while True:
             result = self._run_one(current, on_line, deadline)
             used += result.attempts
@@ -423,6 +425,39 @@ class BatchCluster:
                 f"task {spec.id}: attempt {used + 1} of {spec.max_retries + 1} as task "
                 f"{current.id}, from the last checkpoint"
             )
+
+    def _newest_attempt(
+        self, spec: TaskSpec, on_line: Callable[[str], None]
+    ) -> tuple[int, TaskSpec]:
+        """The task of ``spec`` to follow, and the attempts used before it: ``spec``'s own, or,
+        when an attempt of it was ended as hung and the attempts left went to a task of their
+        own, the newest of those. Following the first task instead would report the ended
+        attempt as the step's end and leave the newest task's job running, followed by nobody."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        used, current = 0, spec
+        while True:
+            try:
+                task = self.client.get_task(self.job_id(current), current.id)
+            except ResourceNotFoundError:
+                return used, current  # not submitted yet: this run submits it
+            info = task.execution_info
+            retries = (info.retry_count or 0) if info is not None else 0
+            total = used + retries + 1
+            later = dataclasses.replace(
+                spec, id=f"{spec.id}-{total + 1}", max_retries=spec.max_retries - total
+            )
+            if total > spec.max_retries or self.job_id(later) == self.job_id(current):
+                return used, current
+            try:
+                self.client.get_task(self.job_id(later), later.id)
+            except ResourceNotFoundError:
+                return used, current
+            on_line(
+                f"task {current.id} was ended as hung; its attempts left run as task "
+                f"{later.id}: following it"
+            )
+            used, current = total, later
 
     def _run_one(
         self, spec: TaskSpec, on_line: Callable[[str], None], deadline: ProgressDeadline | None

@@ -470,7 +470,7 @@ def test_a_run_starts_from_the_champion_and_records_it(
     steps = {s["step"]: s for s in result["steps"]}
     settings = steps["follow-champion"]["details"]["settings"]
     assert f"training.lr = 0.07: the champion's recipe (run {champion_run})" in settings
-    assert "training.batch_size = 32: set in the deployment's config" in settings
+    assert "training.batch_size = 32: set with --set training.batch_size=32" in settings
     assert (
         f"training.init_from = 'champion': a champion exists (run {champion_run}): "
         "retrain it" in settings
