@@ -121,6 +121,12 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--overwrite-config", action="store_true", help="replace a hand-edited config")
     up.add_argument("--no-images", action="store_true", help="skip building the images")
     up.add_argument("--no-register", action="store_true", help="skip registering deployments")
+    up.add_argument(
+        "--prune",
+        action="store_true",
+        help="also delete what the resource group holds and infra/main.json does not declare "
+        "(stops, deleting nothing, if any of it holds data)",
+    )
     down.add_argument(
         "--delete-data",
         action="store_true",
@@ -389,6 +395,7 @@ def deployment_parameters(
     parsed = PipelineConfig.model_validate(config)
     pool = arm_pool(parsed, image_reference(parsed), str(parsed.azure.identity_resource_id))
     values = {
+        "groupMode": "Complete" if options.prune else "Incremental",
         "location": _region(options.location),
         "resourceGroupName": group,
         "names": names,
@@ -664,7 +671,9 @@ def up(
     ]
     if lost:
         raise SetupError(
-            f"the deployment would delete resources holding data ({', '.join(lost)}): stopped"
+            f"the deployment would delete resources holding data ({', '.join(lost)}): stopped, "
+            "nothing changed. Move what they hold and delete them yourself, or run without "
+            "--prune (which leaves what the template does not declare alone)"
         )
     if not pending:
         say(f"nothing to change: the setup in {group} matches infra/main.json")
@@ -728,7 +737,11 @@ def down(
         return 1
     if options.delete_data:
         azure.resources.resource_groups.begin_delete(group).result()
-        say(f"resource group {group} deleted")
+        say(
+            f"resource group {group} deleted. Its Key Vault stays soft-deleted for 90 days "
+            "(purge protection keeps its secrets recoverable): a new setup in that time needs "
+            "another --name-prefix"
+        )
         return 0
     # Children first: a pool before its account, apps before their environment.
     for r in sorted(delete, key=lambda r: -r.id.count("/")):

@@ -122,17 +122,25 @@ def test_up_brings_up_the_setup_then_a_second_run_changes_nothing(
 def test_a_deployment_that_fails_half_way_is_named_and_a_rerun_continues(
     arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    arm.fail_type = "Microsoft.Batch/batchAccounts/pools"
+    """As on ARM, a failure stops only what depends on it: the rest of the deployment is
+    created, the deployment fails at the end, and a re-run creates just what is missing."""
+    arm.fail_type = "Microsoft.KeyVault/vaults"
     code, _ = _run(arm, tmp_path, "up")
     err = capsys.readouterr().err
     assert code == 2
     assert (
-        "pools/retrain-gpu" in err
+        "vaults/rt42-kv" in err
         and "could not be created" in err
         and "run `make azure-up` again" in err
     )
     made = set(arm.resources)
-    assert any(k.endswith("/batchaccounts/rt42batch") for k in made)
+    # Declared after the vault, independent of it: created all the same.
+    for name in ("/flexibleservers/rt42-db", "/registries/rt42acr", "/storageaccounts/rt42nfs"):
+        assert any(k.endswith(name) for k in made), name
+    # What depends on the vault (Batch's user-subscription mode, the pool) or reads it (the
+    # apps' secret references) was not started.
+    for name in ("/batchaccounts/rt42batch", "/pools/retrain-gpu", "/containerapps/rt42-worker"):
+        assert not any(k.endswith(name) for k in made), name
     assert not (tmp_path / "azure.yaml").exists()
     arm.fail_type = None
     code, _ = _run(arm, tmp_path, "up")
@@ -141,6 +149,7 @@ def test_a_deployment_that_fails_half_way_is_named_and_a_rerun_continues(
     pending = [line.split()[1].lower() for line in out.splitlines() if line.startswith("  Create")]
     assert not [line for line in out.splitlines() if line.startswith("  Modify")]
     assert any(p.endswith("/pools/retrain-gpu") for p in pending)
+    assert any(p.endswith("/vaults/rt42-kv") for p in pending)
     assert not set(pending) & made  # what the first run created is kept, not made again
     assert made < set(arm.resources)
 
@@ -186,23 +195,90 @@ def test_a_hand_edited_config_is_kept(
     assert yaml.safe_load((tmp_path / "azure.new.yaml").read_text())["training"]["epochs"] == 30
 
 
+def _in_group(arm: FakeArm) -> dict[str, str]:
+    prefix = f"/subscriptions/{SUB}/resourcegroups/rt42-rg/".lower()
+    return {
+        k: r["type"]
+        for k, r in arm.resources.items()
+        if k.startswith(prefix) and "roleAssignments" not in r["type"]
+    }
+
+
 def test_down_keeps_what_holds_data(
     arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _run(arm, tmp_path, "up")[0] == 0
+    before = _in_group(arm)
     code, asked = _run(arm, tmp_path, "down")
     out = capsys.readouterr().out
     assert code == 0 and "delete these" in asked[0]
     assert "keep   Microsoft.Storage/storageAccounts rt42data" in out
-    kinds = {
-        r["type"]
-        for r in arm.resources.values()
-        if "/resourcegroups/rt42-rg/" in r["id"].lower() and "roleAssignments" not in r["type"]
-    }
+    kinds = set(_in_group(arm).values())
     assert {"Microsoft.Storage/storageAccounts", "Microsoft.KeyVault/vaults"} <= kinds
     assert (
         "Microsoft.Batch/batchAccounts" not in kinds and "Microsoft.App/containerApps" not in kinds
     )
+    # What the kept resources hold is kept whole: the containers, the shares, the secrets, the
+    # databases (ARM lists only the accounts; deleting a child would lose its data).
+    held = (
+        "Microsoft.Storage/storageAccounts/blobServices/containers",
+        "Microsoft.Storage/storageAccounts/fileServices/shares",
+        "Microsoft.KeyVault/vaults/secrets",
+        "Microsoft.DBforPostgreSQL/flexibleServers/databases",
+    )
+    for kind in held:
+        wanted = {k for k, t in before.items() if t == kind}
+        assert wanted and wanted <= set(_in_group(arm)), kind
+
+
+def test_down_with_delete_data_deletes_the_group(
+    arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run(arm, tmp_path, "up")[0] == 0
+    code, _ = _run(arm, tmp_path, "down", "--delete-data", answer="n")
+    assert code == 1 and _in_group(arm)  # asked, answered no: nothing deleted
+    out = capsys.readouterr().out
+    assert "delete Microsoft.Storage/storageAccounts rt42data" in out and "keep " not in out
+    code, _ = _run(arm, tmp_path, "down", "--delete-data")
+    assert code == 0 and _in_group(arm) == {}
+    assert "another --name-prefix" in capsys.readouterr().out
+
+
+def test_prune_stops_before_deleting_what_holds_data(
+    arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--prune`` deploys the group in Complete mode: the what-if names what the template does
+    not declare, and a resource holding data among it stops the run before any change."""
+    assert _run(arm, tmp_path, "up")[0] == 0
+    group = f"/subscriptions/{SUB}/resourceGroups/rt42-rg/providers"
+    by_hand = [  # made in the portal, say: not in infra/main.json
+        f"{group}/Microsoft.Storage/storageAccounts/rt42scratch",
+        f"{group}/Microsoft.Network/networkSecurityGroups/old-nsg",
+    ]
+    for rid in by_hand:
+        kind = "/".join(rid.split("/providers/")[1].split("/")[:2])
+        arm.resources[rid.lower()] = {
+            "id": rid,
+            "name": rid.rsplit("/", 1)[1],
+            "type": kind,
+            "location": "westeurope",
+        }
+    capsys.readouterr()
+    puts = len([r for r in arm.requests.all() if r.method == "PUT"])
+    code, _ = _run(arm, tmp_path, "up")  # without --prune: left alone, nothing to do
+    assert code == 0 and "nothing to change" in capsys.readouterr().out
+    code, _ = _run(arm, tmp_path, "up", "--prune")
+    err = capsys.readouterr().err
+    assert code == 2 and "would delete resources holding data" in err and "rt42scratch" in err
+    assert "old-nsg" not in err
+    assert len([r for r in arm.requests.all() if r.method == "PUT"]) == puts
+    assert {rid.lower() for rid in by_hand} <= set(arm.resources)
+    del arm.resources[by_hand[0].lower()]  # its data moved, the account deleted
+    code, _ = _run(arm, tmp_path, "up", "--prune")
+    out = capsys.readouterr().out
+    assert code == 0 and "Delete   " in out and "old-nsg" in out
+    assert not {rid.lower() for rid in by_hand} & set(arm.resources)
+    assert any(k.endswith("/storageaccounts/rt42data") for k in arm.resources)
 
 
 def test_up_help_lists_every_parameter(capsys: pytest.CaptureFixture[str]) -> None:
