@@ -338,9 +338,9 @@ def pipeline_config(
             "container": "retrain-outputs",
         },
         "share": {
+            # A Blob container the nodes mount as their identity: no account key anywhere.
             "name": "retrain-scripts",
-            "account_url": f"https://{storage}.file.core.windows.net",
-            "account_key_secret": "retrain-files-key",
+            "account_url": f"https://{storage}.blob.core.windows.net",
         },
         "nfs": {
             "source": f"{names['nfsStorage']}.file.core.windows.net:/{names['nfsStorage']}/retrain",

@@ -4,6 +4,7 @@ which evaluates infra/main.json as ARM does and checks the bodies against the ve
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,9 @@ def test_up_brings_up_the_setup_then_a_second_run_changes_nothing(
     roles = [
         r for r in resources.values() if r["type"] == "Microsoft.Authorization/roleAssignments"
     ]
-    assert len(roles) == 12
+    assert len(roles) == 13
     container_scoped = [r for r in roles if "/blobServices/default/containers/" in r["id"]]
-    assert len(container_scoped) == 4  # data and outputs roles are on containers, not the account
+    assert len(container_scoped) == 6  # data, outputs, scripts: on containers, not the account
 
     # The config written from the outputs loads, and its --plan validates.
     config_file = tmp_path / "azure.yaml"
@@ -87,16 +88,34 @@ def test_up_brings_up_the_setup_then_a_second_run_changes_nothing(
     assert config.tracking.mlflow_uri == out_lines["MLflow"]
     plan = build_plan(config, cli.ROOT)
     assert plan["resources"]["node_access"] == "managed identity"
-    # One definition: the pool ARM created is the pool --plan prints, in ARM's shape, plus the
-    # share key ARM read from the account (never the orchestrator's).
+    # One definition: the pool ARM created is the pool --plan prints, in ARM's shape. It holds
+    # no key: the scripts container is mounted with the nodes' identity, which may read it.
     settings = plan["requests"][0]["pool_settings"]
     created = pool["properties"]
     from backends.target import image_reference
 
     expected = arm_pool(config, image_reference(config), nodes_id)["properties"]
-    share = created["mountConfiguration"][1]["azureFileShareConfiguration"]
-    assert share.pop("accountKey") == "fake-account-key"
     assert created == expected
+    scripts = created["mountConfiguration"][1]["azureBlobFileSystemConfiguration"]
+    assert scripts["identityReference"] == {"resourceId": nodes_id}
+    assert settings["mountConfiguration"][1] == created["mountConfiguration"][1]
+    assert "accountKey" not in json.dumps(arm.resources) and "listKeys" not in json.dumps(
+        json.loads(cli.TEMPLATE.read_text())["resources"][-1]["properties"]["template"]["variables"]
+    )
+    assert config.share.account_key_secret is None
+    data_account = next(r for k, r in resources.items() if k.endswith("/storageaccounts/rt42data"))
+    assert data_account["properties"]["allowSharedKeyAccess"] is False
+    reader = "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1"  # Storage Blob Data Reader
+    assert any(
+        r["id"]
+        .lower()
+        .startswith(
+            f"{group}/providers/microsoft.storage/storageaccounts/rt42data/blobservices/default/containers/retrain-scripts/".lower()
+        )
+        and r["properties"]["roleDefinitionId"].endswith(reader)
+        and r["properties"]["principalId"] == resources[nodes_id.lower()]["_runtime"]["principalId"]
+        for r in roles
+    )
     vm = created["deploymentConfiguration"]["virtualMachineConfiguration"]
     assert (
         vm["containerConfiguration"]["containerImageNames"]
