@@ -68,6 +68,7 @@ class FakeArm:
             "standardNDASv4_A100Family": (0, 0),
         }
         self.taken_names: set[str] = set()  # global names someone else owns
+        self.deployer_object_id = "5d7e1f00-0000-4000-8000-00000000dee9"  # who signs in
         self.fail_type: str | None = None  # a resource type whose creation fails
         self.polls_before_done = 1
         self.refused: list[Any] = []
@@ -83,6 +84,51 @@ class FakeArm:
         if req.path == f"/v1.0/servicePrincipals(appId='{BATCH_APP_ID}')":
             return Response(200, {"id": "batch-sp-object-id", "appId": BATCH_APP_ID})
         return _error(404, "Request_ResourceNotFound", req.path)
+
+    def vault(self, req: Request) -> Response:
+        """Key Vault's data plane (``GET /secrets/{name}``), as Azure RBAC guards it: the caller
+        (the deployer) needs Key Vault Secrets User or Officer on the vault or on the secret."""
+        self.requests.add(req)
+        if req.headers.get("Authorization", "") != "Bearer fake-entra-token":
+            return _error(401, "Unauthorized", "no bearer token")
+        vault = req.host.split(".", 1)[0].lower()
+        parts = req.path.strip("/").split("/")
+        if req.method != "GET" or len(parts) != 2 or parts[0] != "secrets":
+            return _error(400, "BadParameter", req.path)
+        secret = next(
+            (
+                r
+                for k, r in self.resources.items()
+                if k.endswith(f"/vaults/{vault}/secrets/{parts[1].lower()}")
+            ),
+            None,
+        )
+        if secret is None:
+            return _error(
+                404, "SecretNotFound", f"A secret with (name/id) {parts[1]} was not found"
+            )
+        vault_id = secret["id"].rsplit("/secrets/", 1)[0].lower()
+        readers = ("4633458b-17de-408a-b874-0445c86b69e6", "b86a8fe4-44ce-4948-aee5-eccb2c155cd7")
+        allowed = any(
+            r["type"] == "Microsoft.Authorization/roleAssignments"
+            and r["properties"]["principalId"] == self.deployer_object_id
+            and r["properties"]["roleDefinitionId"].rsplit("/", 1)[1] in readers
+            and r["id"].lower().split("/providers/microsoft.authorization/")[0]
+            in (vault_id, secret["id"].lower())
+            for r in self.resources.values()
+        )
+        if not allowed:
+            return Response(
+                403,
+                {
+                    "error": {
+                        "code": "Forbidden",
+                        "message": "Caller is not authorized to perform action on resource.",
+                        "innererror": {"code": "ForbiddenByRbac"},
+                    }
+                },
+            )
+        return Response(200, {"value": secret["properties"]["value"], "id": req.path})
 
     def __call__(self, req: Request) -> Response:
         self.requests.add(req)
@@ -247,6 +293,11 @@ class FakeArm:
             location=location,
             reference=self._reference,
             list_keys=self._list_keys,
+            deployer={
+                "objectId": self.deployer_object_id,
+                "tenantId": self.tenant_id,
+                "userPrincipalName": "dev@example.com",
+            },
         )
 
     def _plan(

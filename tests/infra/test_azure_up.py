@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import yaml
+from azure.core.exceptions import HttpResponseError
 
 from cli import azure as cli
 from tests.fakes.arm import ARM_HOST, GRAPH_HOST, FakeArm
 from tests.fakes.transport import FakeCredential, transport_factory
 
 SUB = "00000000-0000-0000-0000-00000000abcd"
+VAULT_HOST = "rt42-kv.vault.azure.net"
 
 
 @pytest.fixture
@@ -26,7 +28,7 @@ def arm() -> FakeArm:
 
 
 def _run(arm: FakeArm, tmp_path: Path, *args: str, answer: str = "y") -> tuple[int, list[str]]:
-    transport = transport_factory({ARM_HOST: arm, GRAPH_HOST: arm.graph})()
+    transport = transport_factory({ARM_HOST: arm, GRAPH_HOST: arm.graph, VAULT_HOST: arm.vault})()
     asked: list[str] = []
     config = tmp_path / "azure.yaml"
     argv = list(args)
@@ -74,7 +76,7 @@ def test_up_brings_up_the_setup_then_a_second_run_changes_nothing(
     roles = [
         r for r in resources.values() if r["type"] == "Microsoft.Authorization/roleAssignments"
     ]
-    assert len(roles) == 13
+    assert len(roles) == 16  # 13 for the identities, 3 for the deployer's reads of credentials
     container_scoped = [r for r in roles if "/blobServices/default/containers/" in r["id"]]
     assert len(container_scoped) == 6  # data, outputs, scripts: on containers, not the account
 
@@ -391,3 +393,129 @@ def test_prefect_cloud_keeps_its_key_in_the_vault_and_off_the_command_line(
     env = {e["name"]: e for e in worker["properties"]["template"]["containers"][0]["env"]}
     assert env["PREFECT_API_URL"]["value"] == cloud
     assert env["PREFECT_API_KEY"] == {"name": "PREFECT_API_KEY", "secretRef": "prefect-api-key"}
+
+
+def _secret_values(arm: FakeArm) -> dict[str, str]:
+    """Every secret the setup holds, by vault secret name, and the passwords inside them."""
+    found = {}
+    for r in arm.resources.values():
+        if r["type"] == "Microsoft.KeyVault/vaults/secrets":
+            value = r["properties"]["value"]
+            found[r["name"]] = value
+            if "://retrain:" in value:  # a database URL: its password
+                found[r["name"] + " password"] = value.split("://retrain:", 1)[1].split("@", 1)[0]
+            elif value.startswith("retrain:"):  # user:password
+                found[r["name"] + " password"] = value.split(":", 1)[1]
+    return found
+
+
+def _without_secure_parameters(body: dict[str, Any]) -> dict[str, Any]:
+    """A deployment or what-if body less the values of its securestring parameters: ARM takes
+    them there (and never shows them again); everything else must be free of secrets."""
+    template = body["properties"]["template"]
+    secure = {k for k, v in template["parameters"].items() if v["type"].lower() == "securestring"}
+    parameters = body["properties"].get("parameters", {})
+    kept = {k: v for k, v in parameters.items() if k not in secure}
+    return {**body, "properties": {**body["properties"], "parameters": kept}}
+
+
+def test_public_endpoints_ask_for_credentials_that_live_in_the_vault_only(
+    arm: FakeArm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = _run(arm, tmp_path, "up")
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    values = _secret_values(arm)
+    assert {"prefect-auth", "mlflow-password", "mlflow-flask-key", "gateway-auth"} <= set(values)
+    apps = {
+        r["name"].removeprefix("rt42-"): r
+        for r in arm.resources.values()
+        if r["type"] == "Microsoft.App/containerApps"
+    }
+
+    def env(app: str) -> dict[str, dict[str, str]]:
+        return {e["name"]: e for e in apps[app]["properties"]["template"]["containers"][0]["env"]}
+
+    # Each app with external ingress asks for a credential, each a Key Vault secret.
+    public = {n for n, a in apps.items() if a["properties"]["configuration"].get("ingress")}
+    assert public == {"prefect", "mlflow", "gateway", "relay"}
+    assert env("prefect")["PREFECT_SERVER_API_AUTH_STRING"]["secretRef"] == "prefect-auth"
+    assert (
+        "--app-name basic-auth"
+        in apps["mlflow"]["properties"]["template"]["containers"][0]["command"][2]
+    )
+    assert env("mlflow")["MLFLOW_AUTH_ADMIN_PASSWORD"]["secretRef"] == "mlflow-password"
+    assert env("gateway")["RETRAIN_GATEWAY_AUTH_STRING"]["secretRef"] == "gateway-auth"
+    assert env("relay")["RETRAIN_RELAY_SECRET"]["secretRef"] == "relay-key"
+    # Their clients present them, from the same secrets.
+    for app in ("worker", "relay"):
+        assert env(app)["PREFECT_API_AUTH_STRING"] == {
+            "name": "PREFECT_API_AUTH_STRING",
+            "secretRef": "prefect-auth",
+        }
+    assert env("worker")["MLFLOW_TRACKING_PASSWORD"]["secretRef"] == "mlflow-password"
+    vault = "https://rt42-kv.vault.azure.net/secrets/"
+    orchestrator = next(
+        k for k in arm.resources if k.endswith("/userassignedidentities/rt42-orchestrator")
+    )
+    for app in apps.values():
+        for secret in app["properties"]["configuration"].get("secrets", []):
+            assert set(secret) == {"name", "keyVaultUrl", "identity"}, secret
+            assert secret["keyVaultUrl"] == vault + secret["name"]
+            assert secret["identity"].lower() == orchestrator
+
+    # No value anywhere but the vault (and the write-only properties that take one).
+    write_only = {"administratorLoginPassword", "value", "endpointUrl"}
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: scrub(v) for k, v in value.items() if k not in write_only}
+        return [scrub(v) for v in value] if isinstance(value, list) else value
+
+    public_state = json.dumps(scrub(list(arm.resources.values())))
+    deployment = json.dumps(arm.deployments[cli.DEPLOYMENT]["properties"])
+    log = []
+    for request in arm.requests.all():
+        body = request.json() if request.body else None
+        if isinstance(body, dict) and "template" in body.get("properties", {}):
+            body = _without_secure_parameters(body)
+        log.append(
+            json.dumps([request.method, request.path, request.query, dict(request.headers), body])
+        )
+    config = (tmp_path / "azure.yaml").read_text()
+    for name, value in values.items():
+        for where, text in (
+            ("the deployment's outputs", deployment),
+            ("the request log", "\n".join(log)),
+            ("what up printed", out.out + out.err),
+            ("configs/azure.yaml", config),
+            ("a resource other than the vault's secret", public_state),
+        ):
+            assert value not in text, f"{name} appears in {where}"
+    # up says where to read each, not what it is.
+    for secret in ("prefect-auth", "mlflow-password", "gateway-auth"):
+        assert f"az keyvault secret show --vault-name rt42-kv --name {secret}" in out.out
+
+    # A re-run keeps them; registering reads the Prefect credential from the vault, as the
+    # deployer, whom the setup lets read that secret and no other.
+    assert _run(arm, tmp_path, "up")[0] == 0
+    assert _secret_values(arm) == values
+    transport = transport_factory({ARM_HOST: arm, GRAPH_HOST: arm.graph, VAULT_HOST: arm.vault})()
+    azure = cli.Azure(SUB, FakeCredential(), transport)
+    names = cli.Names("rt42").as_dict()
+    assert cli.prefect_auth(azure, names, {}) == values["prefect-auth"]
+    with pytest.raises(HttpResponseError):  # the database URL is not the deployer's to read
+        azure.vault_secret("rt42-kv", "database-url")
+    for key in [k for k, r in arm.resources.items() if "/secrets/prefect-auth/providers/" in k]:
+        del arm.resources[key]
+    with pytest.raises(cli.SetupError, match="Key Vault Secrets User on the secret prefect-auth"):
+        cli.prefect_auth(azure, names, {})
+
+    # Asked to, up makes new Prefect and gateway credentials; MLflow's admin keeps its own.
+    capsys.readouterr()
+    assert _run(arm, tmp_path, "up", "--rotate-credentials")[0] == 0
+    rotated = _secret_values(arm)
+    assert rotated["prefect-auth"] != values["prefect-auth"]
+    assert rotated["gateway-auth"] != values["gateway-auth"]
+    assert rotated["mlflow-password"] == values["mlflow-password"]
+    assert rotated["gateway-auth"] not in capsys.readouterr().out

@@ -75,3 +75,28 @@ def test_a_misspelt_property_is_caught() -> None:
     broken = json.loads(json.dumps(pool))
     broken["properties"]["poolAllocationMode"] = "UserSubscriptions"
     assert any("poolAllocationMode" in p for p in problems(broken))
+
+
+def test_no_variable_reads_a_resource_at_run_time() -> None:
+    """ARM resolves variables before it deploys anything, so ``reference()`` and the ``list*()``
+    functions are refused there ("Variables in ARM templates"); the fake refuses them too."""
+    import re
+
+    from tests.fakes.arm_template import Scope, TemplateError, evaluate
+
+    templates = [TEMPLATE, TEMPLATE["resources"][-1]["properties"]["template"]]
+    for template in templates:
+        text = json.dumps(template.get("variables", {}))
+        assert not re.search(r"\b(reference|list\w*)\(", text, re.IGNORECASE), text[:200]
+    scope = Scope(
+        parameters={},
+        variables={"keys": "[listKeys('/subscriptions/s/resourceGroups/g/providers/a/b/c', '1')]"},
+        subscription_id="s",
+        tenant_id="t",
+        resource_group="g",
+        location="westeurope",
+        reference=lambda rid, api: {},
+        list_keys=lambda rid: {},
+    )
+    with pytest.raises(TemplateError, match="'listKeys' is not expected in a variable"):
+        evaluate("[variables('keys')]", scope)
