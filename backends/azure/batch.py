@@ -110,16 +110,19 @@ def _immutable(pool: Any) -> dict[str, Any]:
         else None,
         "container_registries": _registries(container) if container else None,
         "os_disk_gb": vm.os_disk.disk_size_gb if vm and vm.os_disk else None,
-        "mounts": sorted(
-            (mc.nfs_mount_configuration.source if mc.nfs_mount_configuration else "")
-            + (
-                mc.azure_file_share_configuration.azure_file_url
-                if mc.azure_file_share_configuration
-                else ""
-            )
-            for mc in (pool.mount_configuration or [])
-        ),
+        "mounts": sorted(_mount(mc) for mc in (pool.mount_configuration or [])),
     }
+
+
+def _mount(mc: Any) -> str:
+    """What a mount configuration mounts: the NFS export, the share's URL, or the account and
+    container that blobfuse mounts."""
+    if mc.nfs_mount_configuration:
+        return str(mc.nfs_mount_configuration.source)
+    if mc.azure_file_share_configuration:
+        return str(mc.azure_file_share_configuration.azure_file_url)
+    blob = mc.azure_blob_file_system_configuration
+    return f"blob:{blob.account_name}/{blob.container_name}" if blob else ""
 
 
 def _metadata(pool: Any) -> dict[str, str]:

@@ -413,16 +413,26 @@ def test_a_pool_made_by_arm_is_used_without_reading_any_secret_block(
     fake_azure_account, tmp_path: Path
 ) -> None:
     """The pool `make azure-up` creates through ARM (backends/azure/batch_requests.arm_pool:
-    the nodes' identity attached, the share key read by ARM, no credentials digest) is reused
-    and resized without the Prefect Secret blocks: on that path none exists. Before, ensure-pool
-    read them first, and the nightly on a fresh setup failed on the missing block."""
+    the nodes' identity attached, the scripts container mounted with it, no key, no credentials
+    digest) is reused and resized without the Prefect Secret blocks: on that path none exists.
+    Before, ensure-pool read them first, and the nightly on a fresh setup failed on the missing
+    block."""
     from backends.azure.access import AccessIssuer
     from backends.azure.batch import BatchCluster
     from backends.azure.batch_requests import CREDENTIALS_KEY
     from backends.azure.clients import batch_client
 
     batch = fake_azure_account.batch
-    config = _identity_config(tmp_path)
+    config = azure_config(
+        tmp_path,
+        f"azure.identity_resource_id={IDENTITY}",
+        "azure.identity_client_id=11111111-2222-3333-4444-555555555555",
+        "image.registry_username=null",
+        "image.registry_password_secret=null",
+        "pool.dedicated_nodes=1",
+        "share.account_url=https://acct.blob.core.windows.net",
+        "share.account_key_secret=null",  # the ARM path's config has no key block at all
+    )
     body = wire(
         pool_body(config, make_cluster(config).image, make_cluster(config).access, "", None)
     )
