@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 
 EMPTY_MD5 = "1B2M2Y8AsgTpgAmY7PhCfg=="  # the MD5 of no bytes: the marker's
 BLOCK_CONCURRENCY = 4  # parallel blocks of one large blob (a shard), on top of files at once
-# How long a look that found no marker stands for the writes after it: one look a second
-# instead of one per blob, which had made an upload of small files 1.8 times as long.
+# How long a look that found no marker stands for the writes after it: one look a second,
+# not one per blob, which cost as much as the small blob's own write.
 FENCE_SECONDS = 1.0
 
 

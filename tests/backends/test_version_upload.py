@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -61,3 +63,51 @@ def test_what_cannot_be_uploaded_is_refused_by_name(tmp_path: Path) -> None:
     ):
         assert named in said, (named, said)
     assert "Nothing was uploaded" in said
+
+
+class _Marker:
+    """The version's marker as Blob storage answers a look at it: absent until ``written``."""
+
+    def __init__(self) -> None:
+        self.written, self.looks = False, 0
+
+    def get_blob_client(self, name: str) -> _Marker:
+        return self
+
+    def get_blob_properties(self) -> Any:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        self.looks += 1
+        if not self.written:
+            raise ResourceNotFoundError("BlobNotFound")
+        return SimpleNamespace(
+            name="v1/_SUCCESS",
+            etag='"0x1"',
+            size=0,
+            content_settings=SimpleNamespace(content_md5=None),
+        )
+
+
+def test_the_marker_is_looked_for_again_after_a_second_or_a_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Writes within a second of a look share it; a wall-clock jump (the machine slept: the
+    monotonic clock stood still) makes the next write look again, and once the marker is
+    there no write passes."""
+    from backends import version_upload
+    from backends.version_upload import _CompletedMeanwhile, _Fence
+
+    marker = _Marker()
+    fence = _Fence(cast(Any, marker), "v1/_SUCCESS")
+    wall = [1_000.0]
+    monkeypatch.setattr(version_upload.time, "time", lambda: wall[0])
+    fence.check()
+    fence.check()
+    assert marker.looks == 1
+    wall[0] += 3_600  # an hour asleep
+    marker.written = True  # another upload completed the version meanwhile
+    with pytest.raises(_CompletedMeanwhile):
+        fence.check()
+    with pytest.raises(_CompletedMeanwhile):
+        fence.check()
+    assert marker.looks == 2

@@ -315,8 +315,8 @@ def test_links_out_of_the_folder_are_refused_by_name(
 def test_links_inside_the_folder_are_followed(
     azurite: str, command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A `val` split linked to another folder inside the dataset's folder is uploaded as val/;
-    a loop is refused by name."""
+    """A `val` split linked to another folder inside the dataset's folder is uploaded as val/
+    (links that loop are refused by name: tests/backends/test_version_upload.py)."""
     folder = _photos(tmp_path / "mine")
     (folder / "val").symlink_to("test")
     assert data([*command, "upload", str(folder), "--version", "v1"]) == 0, capsys.readouterr()
@@ -325,14 +325,10 @@ def test_links_inside_the_folder_are_followed(
     assert val and val == sorted(
         p.relative_to(folder / "test").as_posix() for p in (folder / "test").rglob("*.png")
     )
-    (folder / "test" / "cat" / "again").symlink_to("..")
-    assert data([*command, "upload", str(folder), "--version", "v2"]) == 2
-    said = capsys.readouterr().err
-    assert "test/cat/again -> .. (a loop" in said and "val/cat/again" in said
     report.record(
         "adversarial",
-        "upload: val/ linked to test/ inside the folder; then a link to a folder above it",
-        f"val/ uploaded ({len(val)} images); the loop refused by name",
+        "upload: val/ linked to test/ inside the folder",
+        f"val/ uploaded ({len(val)} images) as the folder it links to holds them",
         before_fix="val/ left out without a word, the version marked complete without it",
     )
 
@@ -382,7 +378,9 @@ def test_a_new_version_copies_unchanged_files_in_storage(
     """v2 = v1 with one image changed and one added: the rest is copied by the service from
     v1 (same MD5 and size), said so, and each copy keeps its Content-MD5."""
     folder = _photos(tmp_path / "mine")
-    assert data([*command, "upload", str(folder), "--version", "v1"]) == 0
+    container = ContainerClient.from_connection_string(azurite, command[3].split("=", 1)[1])
+    container.create_container()
+    upload_version(container, DataRoot(container.container_name, "mine"), "v1", local_files(folder))
     files = sorted(p for p in folder.rglob("*.png"))
     Image.new("L", (8, 8), 77).save(files[0])  # changed: other bytes under the same name
     Image.new("L", (8, 8), 99).save(folder / "train" / "dog" / "new.png")
@@ -391,7 +389,6 @@ def test_a_new_version_copies_unchanged_files_in_storage(
     said = capsys.readouterr().out
     copied = len(files) - 1
     assert "2 files sent" in said and f"{copied} copied in storage from version v1" in said, said
-    container = ContainerClient.from_connection_string(azurite, command[3].split("=", 1)[1])
     v2 = {b.name: b for b in container.list_blobs(name_starts_with="mine/v2/", include=["copy"])}
     by_copy = [b for b in v2.values() if b.copy and b.copy.status == "success"]
     assert len(by_copy) == copied and all(b.content_settings.content_md5 for b in by_copy)
@@ -412,6 +409,7 @@ def _readme_block() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # a fresh interpreter importing the gate's libraries: `make reliability`
 def test_the_readmes_own_data_commands_work_in_a_fresh_shell(azurite: str, tmp_path: Path) -> None:
     """The commands as the README writes them, in a new login shell that never activated the
     project's environment: they reach the project's Python, and the upload completes. What is
