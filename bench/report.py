@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report_systems as systems
-from bench.report_warm_start import warm_start
+from bench.report_warm_start import warm_start, warm_start_flow
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RESULTS = ROOT / "docs" / "bench-gpu"
@@ -992,6 +992,8 @@ def render(results: Path, previous: str = "") -> str:
         lines += image(r, "## The training image, cpu variant (`bench/image.py`)")
     if (r := load("warm_start")) is not None:
         lines += warm_start(r)
+    if (r := load("warm_start_flow")) is not None:
+        lines += warm_start_flow(r)
     if (r := load("demo")) is not None:
         lines += demo(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []

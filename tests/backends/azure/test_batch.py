@@ -354,6 +354,46 @@ def test_identity_pool_made_through_arm_is_used_and_no_token_is_sent(
     assert not any("sig=" in r.body.decode() for r in batch.requests.all() if r.body)
 
 
+def test_a_pool_made_by_arm_is_used_without_reading_any_secret_block(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The pool `make azure-up` creates through ARM (backends/azure/batch_requests.arm_pool:
+    the nodes' identity attached, the share key read by ARM, no credentials digest) is reused
+    and resized without the Prefect Secret blocks: on that path none exists. Before, ensure-pool
+    read them first, and the nightly on a fresh setup failed on the missing block."""
+    from backends.azure.access import AccessIssuer
+    from backends.azure.batch import BatchCluster
+    from backends.azure.batch_requests import CREDENTIALS_KEY
+    from backends.azure.clients import batch_client
+
+    batch = fake_azure_account.batch
+    config = _identity_config(tmp_path)
+    body = wire(
+        pool_body(config, make_cluster(config).image, make_cluster(config).access, "", None)
+    )
+    body["metadata"] = [m for m in body["metadata"] if m["name"] != CREDENTIALS_KEY]
+    body["targetDedicatedNodes"] = 0  # released after the last run
+    batch.add_pool(body, identity=IDENTITY)
+
+    def no_blocks() -> tuple[str, str | None]:
+        raise AssertionError("a Secret block was read for a pool made through ARM")
+
+    from backends.target import image_reference
+
+    outputs = container_client(config.output, create=True)
+    data = container_client(config.data, create=True)
+    cluster = BatchCluster(
+        config,
+        batch_client(config.azure),
+        outputs,
+        AccessIssuer(config, data, outputs),
+        image_reference(config),
+        no_blocks,
+        FAST,
+    )
+    assert cluster.ensure_pool()["action"] == "resized"
+
+
 def test_identity_without_a_pool_fails_with_the_arm_explanation(
     fake_azure_account, tmp_path: Path
 ) -> None:
