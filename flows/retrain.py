@@ -269,7 +269,6 @@ def _retrain(
                 retry_delay_seconds=run_config.retries.backoff_seconds,
             )
             steps.append(trainer(run_config, cluster, run, key, tracker.epoch).record)
-            steps.insert(image_at, (image or image_f.result()).record)
             scored = collect_and_score(cluster, run)
             steps.append(scored.record)
             tracker.trained(scored.value.metrics, scored.value.score)
@@ -289,6 +288,9 @@ def _retrain(
             if not fresh:
                 meter.before_release()
                 steps.append(release_pool(cluster).record)
+        # Scoring, promotion and the pool's release need no image (the local cluster trains on
+        # this machine's files); only the report does, for the build step's record.
+        steps.insert(image_at, (image or image_f.result()).record)
         # Still holding the pool (released above, the lock kept): a run of the same inputs
         # waiting for it decides whether it is up to date only once this run's record is there.
         cost = meter.report()
