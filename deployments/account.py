@@ -62,6 +62,9 @@ class Account:
             "LOGNAME": self.name,
             "XDG_CACHE_HOME": str(self.home / ".cache"),
             "PREFECT_HOME": str(self.home / "prefect"),
+            # Its own temporary folder: /tmp holds folders of root's that Prefect reuses by
+            # name (its runner's storage), which this account could not write.
+            "TMPDIR": str(self.home / "tmp"),
         }
 
 
@@ -95,9 +98,10 @@ def service_account(state: Path, name: str | None) -> tuple[Account | None, str 
         raise AccountError(f"--user {wanted}: uid 0 is root, and flow runs must not run as root")
     _record(state, wanted, created=note is not None)
     home = state / HOME
-    home.mkdir(parents=True, exist_ok=True)
-    os.chown(home, entry.pw_uid, entry.pw_gid)
-    home.chmod(0o700)
+    for folder in (home, home / "tmp"):
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chown(folder, entry.pw_uid, entry.pw_gid)
+        folder.chmod(0o700)
     return Account(wanted, entry.pw_uid, entry.pw_gid, home), note
 
 

@@ -5,6 +5,7 @@ folder mode 0700, each file 0600, root's or the starting user's alone), the same
   ``PREFECT_API_AUTH_STRING`` on its clients; the UI asks for it as its password);
 - ``mlflow``: the password of MLflow's ``admin`` user (its basic-auth app), and
   ``mlflow-auth.ini``, that app's configuration (where its users are kept, the admin's password);
+  ``mlflow-flask-key``, the key its Flask app signs its CSRF tokens with;
 - ``gateway``: ``user:password`` of the outputs gateway (HTTP basic auth, as a browser asks);
 - ``storage-key``: the key of the account of the service's Azurite (``AZURITE_ACCOUNTS``), so
   the emulator's published key opens nothing there.
@@ -62,14 +63,16 @@ class Credentials:
 
     prefect: str
     mlflow_password: str
+    mlflow_flask_key: str  # MLFLOW_FLASK_SERVER_SECRET_KEY: the auth app's CSRF tokens
     gateway: str  # user:password
     storage_key: str  # base64, as Azure account keys are written
 
     @classmethod
     def of(cls, state: Path) -> Credentials:
         return cls(
-            prefect=secret_file(state, "prefect", secrets.token_urlsafe(32)),
+            prefect=secret_file(state, "prefect", f"retrain:{secrets.token_urlsafe(32)}"),
             mlflow_password=secret_file(state, "mlflow", secrets.token_urlsafe(32)),
+            mlflow_flask_key=secret_file(state, "mlflow-flask-key", secrets.token_urlsafe(32)),
             gateway=secret_file(state, "gateway", f"{GATEWAY_USER}:{secrets.token_urlsafe(24)}"),
             storage_key=secret_file(
                 state, "storage-key", base64.b64encode(secrets.token_bytes(64)).decode()

@@ -404,7 +404,9 @@ def tracking_components(
         if creds
         else None
     )
-    return [mlflow_component(host, port, cluster.sync_url(DATABASE), artifacts, env, create, auth)]
+    key = creds.mlflow_flask_key if creds else None
+    backend = cluster.sync_url(DATABASE)
+    return [mlflow_component(host, port, backend, artifacts, env, create, auth, key)]
 
 
 DEMO_VERSION = "v1"  # the data version scripts/demo.py seeds the digits as (its SEED_VERSION)
@@ -675,12 +677,13 @@ def prepare(options: Options, say: Any) -> Account | None:
     if config.target == "local":
         writes += [here(config.work_dir), here(config.share.local_dir), here(config.nfs.local_dir)]
     python = Path(sys.base_prefix)  # the interpreter the venv links to (it may be below /root)
+    began = time.monotonic()
     grant(account, options.state, [ROOT, here(Path(options.config)), python], writes)
     made = f", {note}" if note else ""
     say(
-        f"{'account':<11} ready         {account.name} (uid {account.uid}{made}): the worker, "
-        "its flow runs, the relay and the gateway run as it, not root; it may write "
-        + ", ".join(shown(w) for w in writes)
+        f"{'account':<11} {'ready':<5} {time.monotonic() - began:6.1f}s  {account.name} (uid "
+        f"{account.uid}{made}): the worker, its flow runs, the relay and the gateway run as it, "
+        "not root; it may write " + ", ".join(shown(w) for w in writes)
     )
     return account
 

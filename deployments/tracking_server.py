@@ -74,6 +74,7 @@ def mlflow_component(
     env: dict[str, str],
     before: Callable[[], str | None] | None = None,
     auth_config: Path | None = None,
+    flask_key: str | None = None,
 ) -> Component:
     """The server as a supervised component, ready once its health check answers; ``before``
     is its set-up (the databases' creation); with ``auth_config``, it asks for the credential
@@ -84,6 +85,7 @@ def mlflow_component(
     extra = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     if auth_config is not None:
         extra["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_config)
+        extra["MLFLOW_FLASK_SERVER_SECRET_KEY"] = flask_key or ""
         where += f"; user admin, its password in {auth_config.with_name('mlflow')}"
     return Component(
         "mlflow",

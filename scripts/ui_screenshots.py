@@ -53,13 +53,21 @@ class Page:
     picture: str | None = None  # the address of an image the page must show, decoded
 
 
-def api(base: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    """One Prefect REST call (POST with ``body``, else GET); None for a 404."""
+def api(base: str, path: str, body: dict[str, Any] | None = None, auth: str | None = None) -> Any:
+    """One Prefect REST call (POST with ``body``, else GET); None for a 404. ``auth``: the
+    server's auth string (default: Prefect's ``PREFECT_API_AUTH_STRING`` setting, when set)."""
+    if auth is None:
+        from prefect.settings import PREFECT_API_AUTH_STRING
+
+        auth = PREFECT_API_AUTH_STRING.value()
     data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
     request = urllib.request.Request(
         f"{base.rstrip('/')}/{path.lstrip('/')}",
         data=data,
-        headers={"Content-Type": "application/json"},
+        headers=headers,
         method="GET" if body is None else "POST",
     )
     try:

@@ -348,10 +348,28 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
+# Files below a Data Docs folder's static/ (the gate writes there copies of public packages'
+# styles, scripts and fonts, and Great Expectations' images: nothing of a run) are served
+# without the credential. Every page is sandboxed (an opaque origin), and a browser sends the
+# basic-auth credentials it keeps for the gateway with navigations only, not with an opaque
+# origin's subresource requests: with them refused, a run's Data Docs lost their styles and
+# the scripts that draw their tables.
+PUBLIC_ASSETS = "/data_docs/static/"
+
+
+def public_asset(request_target: str) -> bool:
+    """Whether the request names a file of a Data Docs folder's static assets (never a
+    folder: no listing). Only the path's spelling is read here: the application still refuses
+    any path that leaves the served prefix (``..``, empty segments) whatever this says."""
+    path = unquote(target_path(request_target))
+    return PUBLIC_ASSETS in f"/{path.lstrip('/')}" and not path.endswith("/")
+
+
 class BasicAuth:
     """Only requests carrying ``user:password`` (HTTP basic auth) reach the gateway: 401, with
-    the challenge a browser answers by asking the person once, otherwise. Compared in constant
-    time; the header never reaches the log (the request line alone is logged)."""
+    the challenge a browser answers by asking the person once, otherwise; Data Docs' static
+    assets excepted (``public_asset``). Compared in constant time; the header never reaches
+    the log (the request line alone is logged)."""
 
     def __init__(self, app: ASGIApp, credential: str) -> None:
         self.app, self.credential = app, credential.encode()
@@ -367,8 +385,10 @@ class BasicAuth:
         return hmac.compare_digest(given, self.credential)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._allowed(
-            Headers(scope=scope).get("authorization", "")
+        if (
+            scope["type"] == "http"
+            and not public_asset(_request_target(scope))
+            and not self._allowed(Headers(scope=scope).get("authorization", ""))
         ):
             response = PlainTextResponse(
                 "this gateway asks for its user and password (make service says where they are)\n",
