@@ -36,30 +36,29 @@ outside it (a PostgreSQL data folder below the ``postgres`` user's home, the acc
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import sys
-import time
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from core.service_env import ENV_FILE, env_text, written_by_service
-from deployments.account import Account, grant, revoke, service_account
-from deployments.credentials import (
-    CLIENT_FILE,
-    GATEWAY_USER,
-    MLFLOW_USER,
-    Credentials,
-    mlflow_auth_config,
-    private_file,
+from core.service_env import ENV_FILE, written_by_service
+from deployments.account import Account
+from deployments.credentials import CLIENT_FILE, GATEWAY_USER, Credentials, mlflow_auth_config
+from deployments.service_runs import WORKERS_FILE, cancel_runs, start_worker, worker_online
+from deployments.service_state import (
+    DEFAULT_STATE,
+    ID_FILE,
+    Options,
+    clean,
+    client_files,
+    client_settings,
+    hold,
+    prepare,
+    service_id,
 )
 from deployments.setup import WORK_POOL
 from deployments.supervisor import (
@@ -72,30 +71,11 @@ from deployments.supervisor import (
 )
 
 if TYPE_CHECKING:
-    from prefect.client.orchestration import SyncPrefectClient
-
     from core.config import PipelineConfig
     from deployments.postgres import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-WORKERS_FILE = "workers.json"  # in the state folder: the workers the last starts ran
-KEPT_WORKERS = 10
-ID_FILE = "service-id"  # in the state folder: its own id, which owns its PostgreSQL data
-LOCK_FILE = "service.lock"  # in the state folder: held by the service running on it
-DEFAULT_STATE = ROOT / ".service"
-
-
-@dataclass(frozen=True)
-class Options:
-    config: str
-    state: Path
-    azurite_port: int
-    prefect_port: int
-    relay_host: str
-    relay_port: int
-    gateway_port: int | None = None  # None: output.links_url's when loopback, else 4280
-    user: str | None = None  # as root: the account of the worker, relay and gateway
 
 
 def relay_secret(state: Path) -> str:
@@ -110,40 +90,6 @@ def relay_secret(state: Path) -> str:
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_hex(24))
     return path.read_text().strip()
-
-
-def service_id(state: Path) -> str:
-    """The state folder's own id, made on its first start (what its PostgreSQL data folder's
-    owner record names)."""
-    path = state / ID_FILE
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        state.mkdir(parents=True, exist_ok=True)
-        made = secrets.token_hex(8)
-        path.write_text(made + "\n")
-        return made
-
-
-def client_settings(options: Options, config: PipelineConfig, creds: Credentials) -> dict[str, str]:
-    """What a client of the service needs: its addresses and the credentials of the APIs a
-    run calls (Prefect's, MLflow's, the storage account's). Not the gateway's: people open it,
-    runs do not."""
-    from backends.local.azurite import connection_string
-    from deployments.tracking_server import local_address
-
-    settings = {
-        "PREFECT_API_URL": f"http://127.0.0.1:{options.prefect_port}/api",
-        "PREFECT_API_AUTH_STRING": creds.prefect,
-    }
-    storage = connection_string(options.azurite_port, creds.storage_key)
-    for variable in {config.data.connection_string_env, config.output.connection_string_env}:
-        if variable:
-            settings[variable] = storage
-    if local_address(config.tracking.mlflow_uri) is not None:
-        settings["MLFLOW_TRACKING_USERNAME"] = MLFLOW_USER
-        settings["MLFLOW_TRACKING_PASSWORD"] = creds.mlflow_password
-    return settings
 
 
 def components(options: Options, account: Account | None = None) -> list[Component]:
@@ -231,7 +177,7 @@ def components(options: Options, account: Account | None = None) -> list[Compone
         Component(
             "worker",
             [str(BIN / "prefect"), "worker", "start", "--pool", WORK_POOL, "--name", worker_name],
-            ready=lambda: _worker_online(api, creds.prefect, worker_name),
+            ready=lambda: worker_online(api, creds.prefect, worker_name),
             before=lambda: start_worker(api, state, worker_name, auth=creds.prefect),
             before_stop=lambda: cancel_runs(api, auth=creds.prefect),
             where=f"{worker_name} on {WORK_POOL}, {_runs_as(account)}",
@@ -529,252 +475,6 @@ def _said(state: Path, name: str, text: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def prefect_client(api: str | None, auth: str | None = None) -> Iterator[SyncPrefectClient]:
-    """Prefect's own client for the server at ``api`` (the settings' when None), presenting
-    ``auth`` (the settings' when None)."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
-    updates: dict[Any, Any] = {}
-    if api is not None:
-        updates[PREFECT_API_URL] = api
-    if auth is not None:
-        updates[PREFECT_API_AUTH_STRING] = auth
-    with temporary_settings(updates=updates), get_client(sync_client=True) as client:
-        yield client
-
-
-def _active_runs(client: SyncPrefectClient, pool: str) -> list[Any]:
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        WorkPoolFilter,
-        WorkPoolFilterName,
-    )
-    from prefect.client.schemas.objects import StateType
-
-    active = [StateType.RUNNING, StateType.PENDING, StateType.CANCELLING]
-    return list(
-        client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=active))
-            ),
-            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
-        )
-    )
-
-
-def cancel_runs(
-    api: str | None, pool: str = WORK_POOL, seconds: float = 90.0, auth: str | None = None
-) -> str | None:
-    """Cancel the flow runs in progress on ``pool`` and wait for them to end: a run cancelled
-    through the API stops its tasks and releases its pool (its cancellation hook), where a
-    signal would leave the pool held and the run marked running for good (and its deployment,
-    one run at a time, blocked). What it did, for the status line; None when nothing ran."""
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Cancelling
-
-    with prefect_client(api, auth) as client:
-        runs = _active_runs(client, pool)
-        if not runs:
-            return None
-        for flow_run in runs:
-            if flow_run.state is None or flow_run.state.type != StateType.CANCELLING:
-                client.set_flow_run_state(
-                    flow_run.id, Cancelling(message="the service is stopping")
-                )
-        deadline = time.monotonic() + seconds
-        left = runs
-        while left and time.monotonic() < deadline:
-            time.sleep(1)
-            left = _active_runs(client, pool)
-    still = f", {len(left)} still running after {seconds:.0f} s" if left else ""
-    return f"cancelled {len(runs)} run{'s' if len(runs) > 1 else ''} in progress{still}"
-
-
-def crash_orphans(
-    api: str | None, pool: str = WORK_POOL, ours: Collection[str] = (), auth: str | None = None
-) -> str | None:
-    """Before the service's worker starts: runs still marked in progress on ``pool`` were left
-    by a service that did not stop cleanly (killed, power lost); their processes are gone, and
-    each holds its deployment's only slot. They are marked crashed (which frees the slot),
-    unless a worker other than the service's earlier ones (``ours``, by name) is online on the
-    pool: then they may be its. An earlier worker of this service is dead whatever its last
-    heartbeat says (the server calls a worker online for 90 s after it)."""
-    from prefect.states import Crashed
-
-    with prefect_client(api, auth) as client:
-        workers = client.read_workers_for_work_pool(pool)
-        if any(w.status.value == "ONLINE" and w.name not in ours for w in workers):
-            return None
-        runs = _active_runs(client, pool)
-        for flow_run in runs:
-            client.set_flow_run_state(
-                flow_run.id,
-                Crashed(message="left in progress by a service that did not stop cleanly"),
-                force=True,
-            )
-    return (
-        f"{len(runs)} run{'s' if len(runs) > 1 else ''} left by an earlier stop marked crashed"
-        if runs
-        else None
-    )
-
-
-def earlier_workers(state: Path) -> list[str]:
-    """The names of the workers earlier starts of this service (this state folder) ran."""
-    try:
-        names = json.loads((state / WORKERS_FILE).read_text())
-    except (OSError, ValueError):
-        return []
-    return [str(n) for n in names] if isinstance(names, list) else []
-
-
-def start_worker(
-    api: str | None, state: Path, name: str, pool: str = WORK_POOL, auth: str | None = None
-) -> str | None:
-    """Before the worker starts: the runs the earlier workers left are crashed, and this one is
-    recorded as the service's. Only one service runs on a state folder (its PostgreSQL data),
-    so every worker recorded there is dead when the next one starts; the last few are kept
-    (a start that crashed nothing, another worker being online, tries again next time)."""
-    earlier = earlier_workers(state)
-    note = crash_orphans(api, pool, ours=earlier, auth=auth)
-    state.mkdir(parents=True, exist_ok=True)
-    partial = state / f"{WORKERS_FILE}.partial"  # replaced whole: never a half-written list
-    partial.write_text(json.dumps([*earlier, name][-KEPT_WORKERS:]))
-    os.replace(partial, state / WORKERS_FILE)
-    return note
-
-
-def _worker_online(api: str, auth: str | None, name: str) -> bool:
-    """Whether the worker named ``name`` has sent its heartbeat to the server."""
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        with prefect_client(api, auth) as client:
-            workers = client.read_workers_for_work_pool(WORK_POOL)
-    except (OSError, ObjectNotFound):
-        return False
-    return any(w.name == name and w.status.value == "ONLINE" for w in workers)
-
-
-def prepare(options: Options, say: Any) -> Account | None:
-    """As root: the account the worker, relay and gateway run as, made when missing, and the
-    folders it needs opened to it alone (deployments/account.py); None otherwise."""
-    from core.config import load_config
-
-    account, note = service_account(options.state, options.user)
-    if account is None:
-        return None
-    config = load_config(options.config)
-
-    def here(path: Path) -> Path:  # the worker runs from the checkout: relative to it
-        return path if path.is_absolute() else ROOT / path
-
-    writes = [options.state / "account-home"]
-    if config.target == "local":
-        writes += [here(config.work_dir), here(config.share.local_dir), here(config.nfs.local_dir)]
-    python = Path(sys.base_prefix)  # the interpreter the venv links to (it may be below /root)
-    began = time.monotonic()
-    grant(account, options.state, [ROOT, here(Path(options.config)), python], writes)
-    made = f", {note}" if note else ""
-    say(
-        f"{'account':<11} {'ready':<5} {time.monotonic() - began:6.1f}s  {account.name} (uid "
-        f"{account.uid}{made}): the worker, its flow runs, the relay and the gateway run as it, "
-        "not root; it may write " + ", ".join(shown(w) for w in writes)
-    )
-    return account
-
-
-def client_files(options: Options, account: Account | None, say: Any) -> list[Path]:
-    """The settings a client of the service needs, where clients find them: ``client.env`` in
-    the state folder (to source from elsewhere) and, for the checkout's own state folder, the
-    checkout's ``.env`` (its commands read it: core/service_env.py), the account allowed to read
-    it (Prefect reads it in the worker's folder). A ``.env`` of the person's own is left as it
-    is, and said so. Returns the files to remove when the service stops."""
-    from core.config import load_config
-
-    state = options.state
-    settings = client_settings(options, load_config(options.config), Credentials.of(state))
-    text = env_text(settings, shown(state))
-    private_file(state / CLIENT_FILE, text)
-    if state != DEFAULT_STATE:
-        return []
-    target = ROOT / ENV_FILE
-    if target.exists() and not written_by_service(target):
-        say(
-            f"{ENV_FILE} in the checkout is not the service's: left as it is (source "
-            f"{shown(state / CLIENT_FILE)} to reach the service from a shell)"
-        )
-        return []
-    private_file(target, text)
-    if account is not None:
-        from deployments.account import allow_read
-
-        allow_read(account, target)
-    return [target]
-
-
-def _hold(state: Path) -> Any:
-    """The state folder's lock, held while the service runs on it (one service per state
-    folder: its PostgreSQL data); ServiceError naming the running one otherwise."""
-    from filelock import FileLock, Timeout
-
-    from deployments.supervisor import ServiceError
-
-    state.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(state / LOCK_FILE, timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        try:
-            pid = (state / "service.pid").read_text().strip()
-        except OSError:
-            pid = "?"
-        raise ServiceError(
-            f"the service of {state} is running (pid {pid}): stop it first (Ctrl-C in its terminal)"
-        ) from None
-    (state / "service.pid").write_text(f"{os.getpid()}\n")
-    return lock
-
-
-def clean(state: Path, say: Any) -> int:
-    """Remove the service of ``state``: its PostgreSQL data wherever it lies (below the
-    ``postgres`` user's home included, with its owner record), the access its account was
-    given (and the account, when the service made it), the checkout's ``.env`` when it is the
-    service's, and the state folder itself. Refused while the service runs."""
-    from deployments.postgres import Cluster, PostgresError
-    from deployments.supervisor import ServiceError
-
-    try:
-        lock = _hold(state)
-    except ServiceError as exc:
-        say(f"error: {exc}")
-        return 1
-    done: list[str] = []
-    try:
-        try:
-            removed = Cluster.at(state / "postgres").remove()
-        except PostgresError as exc:  # no PostgreSQL here: a data folder can only be inside
-            say(f"PostgreSQL: {exc}")
-            removed = None
-        done += [removed] if removed else []
-        done += revoke(state)
-        env_file = ROOT / ENV_FILE
-        if state == DEFAULT_STATE and written_by_service(env_file):
-            env_file.unlink()
-            done.append(f"{shown(env_file)} removed")
-    finally:
-        lock.release()
-    shutil.rmtree(state, ignore_errors=True)
-    done.append(f"state folder {shown(state)} removed")
-    for line in done:
-        say(line)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m deployments.service",
@@ -846,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
 
     say(f"starting the service; data in {shown(state)}, logs in {shown(logs)}")
     try:
-        lock = _hold(state)
+        lock = hold(state)
     except ServiceError as exc:
         say(f"error: {exc}")
         return 1

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deployments.postgres import Cluster, PostgresError
+from tests.reliability import report
 
 
 def _in_home(tmp_path: Path) -> Cluster:
@@ -32,6 +33,13 @@ def test_a_data_folder_is_refused_to_a_state_folder_that_did_not_make_it(tmp_pat
     assert str(cluster.data_dir) in said and "(id first," in said and "not reused" in said
     assert f"--state {state} --clean" in said
     assert json.loads(cluster.owner_file.read_text())["service_id"] == "first"  # unchanged
+    report.record(
+        "orchestrator",
+        "a new checkout's service at the path of a removed one whose PostgreSQL data stayed "
+        "below ~postgres",
+        "refused, naming the data folder, its owner and the --clean command that removes it",
+        before_fix="the old database silently reused",
+    )
 
 
 def test_a_folder_older_than_the_records_is_adopted_only_by_a_used_state(tmp_path: Path) -> None:

@@ -378,7 +378,7 @@ def test_runs_left_in_progress_are_marked_crashed_and_a_stop_cancels_them(tmp_pa
     from prefect.settings import PREFECT_API_URL
     from prefect.states import Cancelled, Pending, Running
 
-    from deployments.service import cancel_runs, crash_orphans, start_worker
+    from deployments.service_runs import cancel_runs, crash_orphans, start_worker
 
     api = str(PREFECT_API_URL.value())
     pool = f"orphans-{uuid.uuid4().hex[:8]}"
@@ -451,7 +451,8 @@ def test_a_killed_worker_leaves_no_flow_run_and_the_restart_frees_its_slot(
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.settings import PREFECT_API_URL
 
-    from deployments.service import BIN, start_worker
+    from deployments.service import BIN
+    from deployments.service_runs import start_worker
     from deployments.supervisor import Component, Supervisor
 
     api = str(PREFECT_API_URL.value())

@@ -16,6 +16,7 @@ from deployments.postgres import Cluster
 from deployments.service import DEMO_VERSION, Options, components, main
 from deployments.supervisor import Component
 from tests.conftest import ROOT, child_env
+from tests.reliability import report
 
 
 def _options(tmp_path: Path, config: str, **ports: int) -> Options:
@@ -256,3 +257,9 @@ def test_the_pool_line_says_whether_alerts_are_on(
     assert set(_wanted([config], "https://hooks.example.com/x")) == {DEFAULT_BLOCK}
     named = load_config(ROOT / "configs" / "local.yaml", ["alerts.notify_block=slack-webhook/ml"])
     assert set(_wanted([named], "https://hooks.example.com/x")) == {"slack-webhook/ml"}
+    report.record(
+        "orchestrator",
+        "make service with the shipped config (no alerts.notify_block)",
+        "its pool line says alerts are off and names the one line that turns them on",
+        before_fix="nothing said; alerts silently off",
+    )
