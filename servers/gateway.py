@@ -543,6 +543,9 @@ def serve(
         log_config=None,  # the process's own logging stays as it is
         access_log=False,  # each request is logged by the app, escaped
         server_header=False,
+        # The client's address is the connection's (RequestDeadline finds each connection by
+        # it): a header of the client's own never replaces it, behind a proxy or not.
+        proxy_headers=False,
         # On every answer of the application, errors included. uvicorn's own 400 to a request
         # it cannot parse goes without them: a fixed text of its own, declared text/plain,
         # carrying nothing of the client's for a browser to run.
