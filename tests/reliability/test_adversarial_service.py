@@ -201,14 +201,17 @@ def test_the_published_azurite_key_opens_nothing(service: Service) -> None:
     from backends.local.azurite import DEV_KEY, connection_string
     from staging.blob import API_VERSION
 
+    port = service.ports["azurite"]
     published = BlobServiceClient.from_connection_string(
-        connection_string(service.ports["azurite"], DEV_KEY), api_version=API_VERSION
+        f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={DEV_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;",
+        api_version=API_VERSION,
     )
     with pytest.raises((ClientAuthenticationError, HttpResponseError)) as refused:
         published.get_container_client("training-data").upload_blob("planted.txt", b"x")
     assert refused.value.status_code == 403
     own = BlobServiceClient.from_connection_string(
-        connection_string(service.ports["azurite"], service.secret("storage-key")),
+        connection_string(port, service.secret("storage-key")),
         api_version=API_VERSION,
     )
     assert own.get_container_client("training-data").exists()
