@@ -10,6 +10,10 @@ connection fails the script) and, when the
 
     python scripts/ui_screenshots.py --api-url http://127.0.0.1:4200/api
 
+(its API's auth string from ``PREFECT_API_AUTH_STRING``, which the checkout's ``.env`` sets
+while the service runs; the gateway's from ``RETRAIN_GATEWAY_AUTH_STRING``:
+``RETRAIN_GATEWAY_AUTH_STRING=$(cat .service/credentials/gateway)``)
+
 (``make setup`` installs Chromium as root; elsewhere ``apt-get install -y chromium``). The test
 suite drives the same browser through :class:`DevTools` (tests/deployments/test_service.py).
 
@@ -339,6 +343,16 @@ class DevTools:
             self.proc.wait()
 
 
+def sign_in(chrome: DevTools, shots: list[Page], credential: str | None) -> None:
+    """Give the browser the gateway's ``user:password`` once, as a person answers its prompt:
+    it then sends them with the gateway's links and pictures."""
+    from urllib.parse import urlsplit
+
+    gateways = {urlsplit(u).netloc for p in shots for u in (p.follow, p.picture) if u}
+    for netloc in sorted(gateways) if credential else []:
+        chrome.navigate(f"http://{credential}@{netloc}/")
+
+
 def small_png(png: bytes) -> bytes:
     """An 8-bit palette PNG at most 1000 px wide: screenshots that stay small in the repo."""
     from PIL import Image
@@ -370,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ui-shots-", ignore_cleanup_errors=True) as profile:
         chrome = DevTools(chromium, Path(profile))
         try:
+            sign_in(chrome, shots, os.environ.get("RETRAIN_GATEWAY_AUTH_STRING"))
             for page in shots:
                 path = args.out / f"{page.name}.png"
                 path.write_bytes(small_png(chrome.shoot(page, args.width, args.settle)))

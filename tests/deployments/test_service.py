@@ -354,6 +354,22 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
         pool_state = base / "work" / "pools" / config["pool"]["id"] / "pool.json"
         if pool_state.exists():
             shutil.copyfile(pool_state, tmp_path / "pool.json")
+        # Its account and the access it was given go with it (as root), then the folder.
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deployments.service",
+                "--state",
+                str(base / "state"),
+                "--clean",
+            ],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            timeout=300,
+            check=False,
+        )
         shutil.rmtree(base, ignore_errors=True)
         receiving.close()
     assert len(hook.received) == 2, hook.received  # the cancelled run tells no one
