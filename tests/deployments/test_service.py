@@ -74,6 +74,9 @@ def chromium() -> str:
     return found
 
 
+# A bound on a hang, not a time to beat: a first start builds the training image as root
+# before the worker starts, and a test killed by the bound leaves the service running.
+@pytest.mark.timeout(1800)
 def test_make_service_a_run_from_the_form_its_links_and_its_model(
     chromium: str, horovodrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
