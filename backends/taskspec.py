@@ -150,6 +150,9 @@ def training_task(
         # The orchestrator's stop request (the budget's) reaches every node through the share.
         "--stop-file",
         node_path(MOUNTS_DIR, SHARE_MOUNT, stop_request(task_id)),
+        # The best epoch is the one the promotion would have chosen.
+        "--val-metric",
+        shlex.quote(config.promotion.metric),
     ]
     values = [*settings_argv(config.training), *config.training.extra_args]
     # Every config value is quoted, extra_args included: only the paths above expand.

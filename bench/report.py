@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report_systems as systems
-from bench.report_warm_start import warm_start
+from bench.report_warm_start import warm_start, warm_start_flow
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RESULTS = ROOT / "docs" / "bench-gpu"
@@ -891,6 +891,58 @@ def image(r: dict[str, Any], heading: str) -> list[str]:
     return lines
 
 
+def demo(r: dict[str, Any]) -> list[str]:
+    """The first `make demo`'s time line, run by run (``bench/demo.py``)."""
+    lines = ["## The first `make demo` (`bench/demo.py`)", ""]
+    if "skipped" in r:
+        return [*lines, f"Not measured on this machine: {r['skipped']}.", ""]
+    runs: dict[str, dict[str, Any]] = r["runs"]
+    names = list(runs)
+    lines += [
+        f"Method: {r['method']}. Load average at the end: {r['load_average']:.1f}.",
+        "",
+        "| seconds from the flow run's start | " + " | ".join(names) + " |",
+        "|---" + "|---:" * len(names) + "|",
+    ]
+    rows = (
+        ("training ended", "training_end"),
+        ("scoring ended", "scored"),
+        ("promotion ended", "promoted"),
+        ("the image's build ended", "image_end"),
+        ("the report ended", "report_end"),
+        ("the flow run ended", "flow_end"),
+    )
+    for label, key in rows:
+        cells = [f"{runs[n][key]:.0f}" if key in runs[n] else "-" for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    total = [f"{runs[n]['total']:.0f}" if "total" in runs[n] else "-" for n in names]
+    lines += ["| the whole demo (its own 'finished in') | " + " | ".join(total) + " |", ""]
+    for name in names:
+        run = runs[name]
+        if {"promoted", "training_end"} <= set(run):
+            wait = run["promoted"] - run["training_end"]
+            lines.append(
+                f"- {name}: the model was promoted {wait:.0f} s after training ended"
+                + (
+                    f"; the image's build ended {run['image_end'] - run['training_end']:.0f} s "
+                    f"after training, and the flow run {run['flow_end'] - run['image_end']:.0f} "
+                    "s after the build"
+                    if {"image_end", "flow_end"} <= set(run)
+                    else ""
+                )
+                + (f" (exit code {run['exit_code']})" if run.get("exit_code") else "")
+                + "."
+            )
+    lines += [
+        "",
+        "A first demo lasts as long as the image's build from nothing plus what follows it;"
+        " the build's own time moves with the machine's load between runs (the image's "
+        "section). What a change to the flow's wiring moves is what waits for the build: the "
+        "time from training's end to the promotion, and from the build's end to the run's.",
+    ]
+    return [*lines, ""]
+
+
 def _fed_measured(paths: list[Path]) -> bool:
     """Whether a GPU result holds the trainer's shards-fed rate for some engine."""
     for path in paths:
@@ -991,6 +1043,10 @@ def render(results: Path, previous: str = "") -> str:
         lines += warm_start(r)
     if (r := load("cost_estimate")) is not None:
         lines += cost_estimate(r)
+    if (r := load("warm_start_flow")) is not None:
+        lines += warm_start_flow(r)
+    if (r := load("demo")) is not None:
+        lines += demo(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [

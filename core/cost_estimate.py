@@ -351,7 +351,9 @@ def _training(
             "the training images are not known yet (the data gate counts them); each epoch "
             f"takes each node about 1 min per {rate * 60:,.0f} images ({how})"
         )
-    work = t.epochs * train / nodes
+    # Early stopping may end training sooner: the cap is what the budget must allow for.
+    epochs = t.epoch_cap()
+    work = epochs * train / nodes
     points = [
         (r.work.epochs_trained * r.work.train_images / r.nodes, r.minutes("training"))
         for r in same
@@ -380,7 +382,8 @@ def _training(
             startup = ASSUMED[config.target]["startup"]
             basis = f"no past run of this shape: {how}, {startup:g} min to start (assumed)"
     minutes = max(startup, 0.0) + slope * work
-    return Phase(minutes, f"{t.epochs} epoch(s) x {train} images on {nodes} node(s); {basis}"), None
+    what = f"up to {epochs} epoch(s) x {train} images on {nodes} node(s); {basis}"
+    return Phase(minutes, what), None
 
 
 def estimate_run(

@@ -67,8 +67,9 @@ def retrain(
     before anything is provisioned (force trains anyway).
 
     Args:
-        epochs: Training epochs. Empty: the config's training.epochs (the file at
-            config_path below, which the deployment sets).
+        epochs: The most training epochs (training stops earlier at its best epoch).
+            Empty: the config's training.epochs (the file at config_path below, which the
+            deployment sets), or, unset there too, a cap fitted to the data.
         model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
             config's.
         data_container: The Blob container with the training data. Empty: the config's
@@ -127,8 +128,12 @@ def retrain(
     tracker = Tracker(run_config, logger.warning)
     refusals: tuple[type[Exception], ...] = (*REFUSALS, OverBudgetError)
     try:
-        explicit = explicit_training_fields(request.overrides, request.run_fields())
-        return _retrain(run_config, effective.source, run, record, force, tracker, explicit)
+        explicit = explicit_training_fields(
+            request.overrides, request.run_fields(), deployed=bool(deployment.id)
+        )
+        return _retrain(
+            run_config, effective.source, run, record, force, tracker, explicit, effective.base
+        )
     except refusals as exc:
         # The data gate refused the data, or the budget the run, naming why in its artifact and
         # its step's log: the run ends failed with that message, not as an error in the code
@@ -162,13 +167,15 @@ def _retrain(
     record: RunLog,
     force: bool,
     tracker: Tracker,
-    explicit: set[str],
+    explicit: dict[str, str],
+    base: str,
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
     from core.run_events import model_promoted
     from servers.gateway import output_link
     from tasks.cost import BudgetWatch, PoolMeter, data_counts, estimate_cost, run_cost_record
+    from tasks.fit_to_data import fit_to_data
     from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
     from tasks.promote import promote
@@ -200,11 +207,19 @@ def _retrain(
                 update={"data": run_config.data.pinned(data.version)}
             )
             target = target_for(run_config)
+            warm_from = None  # the epochs the followed champion's training ran
             if run_config.training.follow_champion:
                 # The champion's recipe and weights, but what this run sets itself.
-                followed = follow_champion(run_config, explicit, run)
+                followed = follow_champion(run_config, explicit, run, base)
                 steps.append(followed.record)
                 run_config = followed.value.config
+                target = target_for(run_config)
+                warm_from = followed.value.champion_epochs
+            if gate.value.facts is not None:
+                # What the config, the run and the recipe leave unset, fitted to the data.
+                fitted = fit_to_data(run_config, gate.value.facts, run, warm_from)
+                steps.append(fitted.record)
+                run_config = fitted.value
                 target = target_for(run_config)
             if run_config.training.init_from is not None:
                 # What training starts from, resolved and checked before anything is
@@ -223,7 +238,7 @@ def _retrain(
                 return result
             # What the run will cost, and whether the budget lets it start: the one place, once
             # its config is the effective one and before anything is provisioned.
-            priced = estimate_cost(run_config, run, data_counts(gate.value.images_by_split))
+            priced = estimate_cost(run_config, run, data_counts(gate.value.facts))
             steps.append(priced.record)
             meter.start(priced.value)
             scripts_f = upload_scripts.submit(target)
@@ -271,7 +286,6 @@ def _retrain(
             finally:
                 watch.stop()
             steps.append(trained.record)
-            steps.insert(image_at, (image or image_f.result()).record)
             if trained.value.stopped_after is None:
                 scored = collect_and_score(cluster, run)
                 steps.append(scored.record)
@@ -298,10 +312,13 @@ def _retrain(
                         run_cost_record(
                             cost,
                             meter.plan,
-                            sum(gate.value.images_by_split.values()) or None,
+                            data_counts(gate.value.facts).images,
                             _work(run_config, trained, scored),
                         )
                     )
+        # Scoring, promotion and the pool's release need no image (the local cluster trains on
+        # this machine's files); only the report does, for the build step's record.
+        steps.insert(image_at, (image or image_f.result()).record)
         # Still holding the pool (released above, the lock kept): a run of the same inputs
         # waiting for it decides whether it is up to date only once this run's record is there.
         if trained is not None and trained.value.stopped_after is not None:
@@ -323,7 +340,7 @@ def _retrain(
             source,
             cost,
             data,
-            tracker.link,
+            tracker.summary(),
         )
         tracker.reported(run)
         # Last: the record makes the next run of the same inputs end as up to date, so it is
@@ -345,6 +362,7 @@ def _retrain(
         "data": data.as_record(),
         "steps": [s.as_dict() for s in steps],
         "cost": cost,
+        "tracking": tracking.runs_link if (tracking := tracker.summary()) else None,
     }
 
 
@@ -486,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
     print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
     print(f"outputs: {result['outputs']}")
+    if result.get("tracking"):
+        print(f"tracked in MLflow: {result['tracking']} (the experiment's runs)")
     if serve:
         print(serve)
     for s in result["steps"]:

@@ -35,6 +35,7 @@ from core.pricing import PriceError, node_prices
 from core.run import Run
 from core.text import markdown_text
 from registry.cost_history import read_history, read_month_spend
+from tasks.fit_to_data import DataFacts
 from tasks.steps import Done, step
 from tasks.validate import drop_tracebacks
 
@@ -47,13 +48,10 @@ class OverBudgetError(RuntimeError):
 drop_tracebacks(OverBudgetError)
 
 
-def data_counts(images_by_split: dict[str, int]) -> DataCounts:
-    """The gate's counts as the estimate reads them."""
-    return DataCounts(
-        sum(images_by_split.values()) or None,
-        images_by_split.get("train"),
-        images_by_split.get("test"),
-    )
+def data_counts(facts: DataFacts | None) -> DataCounts:
+    """The gate's counts as the estimate reads them (None: the gate read none)."""
+    images = facts.images if facts is not None else {}
+    return DataCounts(sum(images.values()) or None, images.get("train"), images.get("test"))
 
 
 @step("estimate-cost")

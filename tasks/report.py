@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import (
@@ -31,6 +31,9 @@ from tasks.provision import StagedData
 from tasks.steps import StepRecord
 from tasks.train_and_score import Scored
 
+if TYPE_CHECKING:
+    from tasks.tracking import TrackingSummary
+
 
 def config_markdown(config: PipelineConfig, source: str) -> list[str]:
     """The config the run used, whole, and where it came from. It holds no secret: credentials
@@ -45,6 +48,23 @@ def config_markdown(config: PipelineConfig, source: str) -> list[str]:
     return ["## Config", "", f"From {shown}.", "", *code_fence(text.rstrip(), "yaml")]
 
 
+def tracking_lines(tracking: TrackingSummary | None) -> list[str]:
+    """The summary's lines on MLflow: where the run and its experiment's runs are, and each
+    repair of the registry (a stale ``champion`` alias moved, ...)."""
+    if tracking is None:
+        return []
+    lines = []
+    if tracking.run_link:
+        runs = (
+            f", among [the experiment's runs]({tracking.runs_link})" if tracking.runs_link else ""
+        )
+        lines += [f"Tracked in MLflow: [the run's page]({tracking.run_link}){runs}.", ""]
+    if tracking.notes:
+        lines += ["MLflow put back in line with the champion record:", ""]
+        lines += [f"- {markdown_text(note)}" for note in tracking.notes] + [""]
+    return lines
+
+
 def summary_markdown(
     run_id: str,
     steps: list[StepRecord],
@@ -56,10 +76,11 @@ def summary_markdown(
     cost: dict[str, Any] | None = None,
     charts: Charts | None = None,
     version: DataVersion | None = None,
-    tracking_url: str | None = None,
+    tracking: TrackingSummary | None = None,
 ) -> str:
-    """``tracking_url``: the run's page on the MLflow server (a tracking URI never carries a
-    credential: the config refuses one)."""
+    """``tracking``: the run's page on the MLflow server and the experiment's runs (a tracking
+    URI never carries a credential: the config refuses one), and what the run put back in line
+    with the champion record there."""
     metrics, score = scored.metrics, scored.score
     lines = [
         f"# Retrain {run_id}",
@@ -68,7 +89,7 @@ def summary_markdown(
         f"{'**promoted**' if decision.promoted else 'not promoted'}: "
         f"{markdown_text(decision.reason)}.",
         "",
-        *([f"Tracked in MLflow: [the run's page]({tracking_url}).", ""] if tracking_url else []),
+        *tracking_lines(tracking),
         *charts_markdown(charts or Charts()),
         "",
         "## Data",
@@ -79,6 +100,7 @@ def summary_markdown(
         "",
         *steps_markdown(steps),
     ]
+    lines += ["", *training_markdown(steps, metrics)]
     lines += ["", *epochs_markdown(steps, metrics)]
     lines += ["", *cost_markdown(cost)]
     if config is not None:
@@ -118,6 +140,41 @@ def data_lines(version: DataVersion | None) -> list[str]:
         f"Trained on {markdown_text(version.describe())} ({markdown_text(version.chosen)}).",
         "",
     ]
+
+
+def early_stop_sentence(stop: dict[str, Any]) -> str:
+    """How long the training ran, what it watched, and which epoch's model it kept."""
+    trained, cap, kept = stop.get("epochs_trained"), stop.get("epoch_cap"), stop.get("kept_epoch")
+    if stop.get("split") is None:
+        return (
+            f"No early stop ({stop.get('why')}): {trained} of {cap} epochs trained; the model is "
+            "the last epoch's."
+        )
+    metric, best = stop.get("metric"), stop.get("best_value")
+    shown = f" ({metric} {best:.4f})" if isinstance(best, int | float) else ""
+    watched = f"the {metric} on {stop.get('why')}"
+    if stop.get("stopped_early"):
+        return (
+            f"Stopped early after epoch {trained} of at most {cap}: {watched} had not improved "
+            f"for {stop.get('patience')} epochs. The model kept is epoch {kept}'s{shown}."
+        )
+    return (
+        f"Trained {trained} of at most {cap} epochs, watching {watched}. The model kept is "
+        f"epoch {kept}'s{shown}."
+    )
+
+
+def training_markdown(steps: list[StepRecord], metrics: dict[str, Any]) -> list[str]:
+    """The settings fitted to the data, each with why, and where the training stopped."""
+    lines: list[str] = []
+    fit = next((s for s in steps if s.step == "fit-to-data"), None)
+    fitted = fit.details.get("settings") if fit else None
+    if fitted:
+        lines += ["Fitted to the data:", "", *(f"- {markdown_text(str(x))}" for x in fitted), ""]
+    stop = metrics.get("early_stopping")
+    if isinstance(stop, dict):
+        lines.append(markdown_text(early_stop_sentence(stop)))
+    return ["## Training", "", *lines] if lines else []
 
 
 def epochs_run(steps: list[StepRecord]) -> set[int]:
@@ -288,9 +345,10 @@ def report(
     config_source: str,
     cost: dict[str, Any] | None = None,
     version: DataVersion | None = None,
-    tracking_url: str | None = None,
+    tracking: TrackingSummary | None = None,
 ) -> str:
-    """``tracking_url``: the run's page on the MLflow server, linked from the summary."""
+    """``tracking``: the run's MLflow page and the experiment's runs, linked from the summary,
+    and what the run repaired in MLflow's registry."""
     score = scored.score
     charts = draw_charts(scored, steps)
     for name, why in charts.left_out.items():
@@ -312,7 +370,7 @@ def report(
             cost,
             charts,
             version,
-            tracking_url,
+            tracking,
         ),
         key="retrain-summary",
         description=f"retrain {run_id}",

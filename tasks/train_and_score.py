@@ -134,7 +134,8 @@ def run_training(
         deadline.progress(
             int(record["epoch"]),
             float(seconds) if isinstance(seconds, int | float) else None,
-            last=record["epoch"] == record.get("epochs"),
+            # The cap, or an early stop: the trainer scores and exports next.
+            last=record["epoch"] == record.get("epochs") or record.get("stop") is True,
         )
         if on_epoch is not None:
             on_epoch(record)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from backends.azure.clients import share_service
-from backends.azure.files import HASH_KEY, AzureFilesShare
+from backends.azure.files import HASH_KEY, AzureFilesShare, BlobContainerShare, ShareError
 from backends.share import collect_files, file_sha256
 from core.config import PipelineConfig
 from tests.azure_helpers import ROOT, azure_config
@@ -142,3 +142,39 @@ def test_a_stop_request_is_written_beside_the_scripts_and_removed(
     share.delete("stop-requests/train-r1")
     share.delete("stop-requests/train-r1")  # gone already: nothing to do
     assert fake.file_paths(config.share.name) == []
+
+
+def test_blob_scripts_upload_once_and_name_a_missing_container(
+    azurite: str, tmp_path: Path
+) -> None:
+    """The scripts container the nodes mount with blobfuse, on Azurite: each file goes up with
+    its hash, an unchanged tree costs no upload, a changed file alone is replaced; a container
+    that is not there is named (the orchestrator's role cannot create one)."""
+    from azure.storage.blob import ContainerClient
+
+    files = _tree(tmp_path / "src")
+    missing = BlobContainerShare(ContainerClient.from_connection_string(azurite, "no-scripts"))
+    with pytest.raises(ShareError, match="no-scripts does not exist"):
+        missing.upload(files)
+    container = ContainerClient.from_connection_string(azurite, "scripts-blob")
+    container.create_container()
+    share = BlobContainerShare(container)
+    first = share.upload(files)
+    assert sorted(first.uploaded) == sorted(files)
+    for rel, path in files.items():
+        blob = container.get_blob_client(rel)
+        assert blob.download_blob().readall() == path.read_bytes()
+        assert blob.get_blob_properties().metadata[HASH_KEY] == file_sha256(path)
+    again = share.upload(files)
+    assert again.uploaded == [] and again.unchanged == len(files) and again.digest == first.digest
+    files["staging/sync.py"].write_text("Y = 3\n")
+    changed = share.upload(files)
+    assert changed.uploaded == ["staging/sync.py"] and changed.digest != first.digest
+    # The budget's stop request goes beside the scripts in the container as well.
+    share.put_text("stop-requests/train-r1", "budget\n")
+    share.put_text("stop-requests/train-r1", "again\n")
+    stop = container.get_blob_client("stop-requests/train-r1")
+    assert stop.download_blob().readall() == b"again\n"
+    share.delete("stop-requests/train-r1")
+    share.delete("stop-requests/train-r1")  # gone already: nothing to do
+    assert "stop-requests/train-r1" not in {b.name for b in container.list_blobs()}
