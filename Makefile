@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/apt_programs.sh scripts/install_sshd.sh \
 	scripts/install_service_packages.sh scripts/install_image_tools.sh scripts/install_strace.sh \
-	package.json package-lock.json
+	package.json package-lock.json tests/training/torchvision_resnet.py
 
 .PHONY: setup demo image azurite service azure-config test test-quick reliability lint bench clean
 
@@ -21,6 +21,8 @@ $(STAMP): $(SETUP_INPUTS)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	bash scripts/install_horovod.sh $(PY)
+	@# torchvision's resnet.py, the ground truth of the ResNet tests: fetched here, never by a test.
+	$(PY) -m tests.training.torchvision_resnet
 	@# sshd for the emulated Batch nodes of the multi-node tests (root only; see the script).
 	bash scripts/install_sshd.sh
 	@# PostgreSQL for `make service` and Chromium for its UI tests (root only; see the script).
