@@ -26,13 +26,11 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-ModelName = Literal["cnn", "resnet18", "resnet50"]
+from training.architectures import ModelName, architecture, input_sizes
+
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 OptimizerKernel = Literal["auto", "fused", "foreach"]
 EngineName = Literal["horovod", "ddp"]
-# The side in pixels each network was designed for: CIFAR's 32 for the small CNN, ImageNet's
-# 224 for the ResNets.
-MODEL_INPUT_SIZES: dict[str, int] = {"cnn": 32, "resnet18": 224, "resnet50": 224}
 
 BOUNDS = ("ge", "gt", "le")
 # Fine-tuning when starting from weights, as measured by bench/warm_start.py (docs/trainer.md).
@@ -53,9 +51,7 @@ def field_metadata(cls: type, name: str) -> Any:
 
 def default_input_size(model: str) -> int:
     """The side in pixels ``model`` reads when no ``--image-size`` is given."""
-    if model not in MODEL_INPUT_SIZES:
-        raise ValueError(f"--model {model!r} is unknown; choose one of {sorted(MODEL_INPUT_SIZES)}")
-    return MODEL_INPUT_SIZES[model]
+    return architecture(model).input_size
 
 
 @dataclass
@@ -84,8 +80,8 @@ class TrainingSettings:
     image_size: int | None = field(
         default=None,
         metadata=about(
-            "input size in pixels; default the model's own (32 or 224); at most 1024, where one "
-            "image is 3 MB in the shards and 12 MB as the model's float32 input",
+            f"input size in pixels; default the model's own ({input_sizes()}); at most 1024, "
+            "where one image is 3 MB in the shards and 12 MB as the model's float32 input",
             ge=8,
             le=1024,
         ),
