@@ -164,8 +164,8 @@ def _retrain(
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
+    from core.links import output_link
     from core.run_events import model_promoted
-    from servers.gateway import output_link
     from tasks.cost import PoolMeter
     from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
