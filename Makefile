@@ -74,7 +74,7 @@ TEST_WORKERS ?= 3
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow and not gpu" \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --junitxml=.work/junit.xml \
-		$(PYTEST_ARGS)
+		--durations=20 $(PYTEST_ARGS)
 
 # The unit tests of every package: the edit-test loop's command. A unit test starts no process
 # and no server, itself or through a fixture: tests/conftest.py fails one that does, naming the
@@ -82,12 +82,14 @@ test: setup
 test-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "quick and not slow and not gpu" $(PYTEST_ARGS)
 
-# The reliability suite with more trials; it writes docs/reliability.md.
+# The reliability suite (tests/reliability/) with more trials, and every test marked slow
+# wherever it is (the repeats `make test` leaves out: a second engine, a second database, more
+# cases of one scenario; docs/testing.md); it writes docs/reliability.md.
 RELIABILITY_TRIALS ?= 5
 reliability: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RETRAIN_RELIABILITY_TRIALS=$(RELIABILITY_TRIALS) \
 	RETRAIN_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
-	$(PY) -m pytest tests/reliability/ $(PYTEST_ARGS)
+	$(PY) -m pytest -m "(reliability or slow) and not gpu" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

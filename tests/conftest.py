@@ -214,7 +214,10 @@ def prefect_api_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PWD": str(ROOT)}
 
 
-PREFECT_DATABASES = ("sqlite", "postgresql")
+# The session's server, then the same scenario on PostgreSQL: a repeat under a second database,
+# run by `make reliability` (the PostgreSQL server of `make service` itself is in `make test`:
+# tests/deployments/test_service.py).
+PREFECT_DATABASES = ("sqlite", pytest.param("postgresql", marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="session")
@@ -256,7 +259,7 @@ def postgres_prefect_api() -> Iterator[str]:
 @pytest.fixture(params=PREFECT_DATABASES)
 def prefect_database(request: pytest.FixtureRequest, prefect_api: None) -> Iterator[str]:
     """The test runs twice: on the session's server (SQLite), then on one on PostgreSQL, with
-    every client, thread and subprocess of the test pointed at it."""
+    every client, thread and subprocess of the test pointed at it (that one is marked slow)."""
     if request.param == "sqlite":
         yield request.param
         return
@@ -410,7 +413,10 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reliability = ROOT / "tests" / "reliability"
     for item in items:
+        if item.path.is_relative_to(reliability):
+            item.add_marker(pytest.mark.reliability)
         fixtures = set(getattr(item, "fixturenames", ()))
         # A GPU test needs a device, not a unit test's nothing: never quick.
         system = item.get_closest_marker("processes") or item.get_closest_marker("gpu")
