@@ -590,8 +590,8 @@ def pipeline(r: dict[str, Any]) -> list[str]:
     row(
         "the four concurrent steps: summed / span / speed-up",
         lambda v: (
-            f"{v['steps_2_to_5']['sum_seconds']:.2f} / "
-            f"{v['steps_2_to_5']['span_seconds']:.2f} s / {v['steps_2_to_5']['speedup']}x"
+            f"{v['concurrent_steps']['sum_seconds']:.2f} / "
+            f"{v['concurrent_steps']['span_seconds']:.2f} s / {v['concurrent_steps']['speedup']}x"
         ),
     )
     row(
