@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from common.atomic import atomic_write_json
 from deployments.setup import WORK_POOL
 from deployments.supervisor import Component, http_ok, port_in_use, shown, supervise
 
@@ -436,9 +437,8 @@ def start_worker(api: str, state: Path, name: str, pool: str = WORK_POOL) -> str
     earlier = earlier_workers(state)
     note = crash_orphans(api, pool, ours=earlier)
     state.mkdir(parents=True, exist_ok=True)
-    partial = state / f"{WORKERS_FILE}.partial"  # replaced whole: never a half-written list
-    partial.write_text(json.dumps([*earlier, name][-KEPT_WORKERS:]))
-    os.replace(partial, state / WORKERS_FILE)
+    # Replaced whole: never a half-written list.
+    atomic_write_json([*earlier, name][-KEPT_WORKERS:], state / WORKERS_FILE)
     return note
 
 
