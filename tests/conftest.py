@@ -53,6 +53,10 @@ class Result:
 
 
 ENGINES = ("horovod", "ddp")
+# Both engines, the second one's run a repeat marked slow (`make reliability`): for a test of
+# what does not depend on the engine beyond the primitives (broadcast, allreduce, checkpoint
+# format) every DDP run of `make test` exercises (tests/training/test_train.py's two-rank runs).
+ENGINES_REPEATED = ("horovod", pytest.param("ddp", marks=pytest.mark.slow))
 
 
 def trainer_command(

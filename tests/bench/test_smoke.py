@@ -15,10 +15,10 @@ import pytest
 
 from bench.pipeline import critical_path
 from flows.steps import ALWAYS
-from tests.conftest import BIN, ROOT, child_env
+from tests.conftest import BIN, ENGINES_REPEATED, ROOT, child_env
 
 
-@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+@pytest.mark.parametrize("engine", ENGINES_REPEATED)
 def test_gpu_mode_runs_under_either_launcher(engine: str, tmp_path: Path, horovodrun: Path) -> None:
     report = tmp_path / "report.json"
     if engine == "ddp":
