@@ -60,11 +60,21 @@ ENGINES_REPEATED = ("horovod", pytest.param("ddp", marks=pytest.mark.slow))
 
 
 def trainer_command(
-    np: int, data_dir: str | Path, output_dir: Path, *extra: str, engine: str = "horovod"
+    np: int,
+    data_dir: str | Path,
+    output_dir: Path,
+    *extra: str,
+    engine: str = "horovod",
+    onnx: bool = False,
 ) -> list[str]:
     """The trainer's documented command line for ``engine``: under horovodrun (horovod) or
-    torchrun (ddp) when np > 1, a plain process otherwise."""
+    torchrun (ddp) when np > 1, a plain process otherwise. Without model.onnx unless ``onnx``:
+    its export and check are about 5 of a tiny run's 9 CPU-seconds, and only the tests of the
+    ONNX file read it (tests/training/test_train.py's two-rank runs, test_predict.py's model,
+    tests/training/test_onnx_export.py; every flow run writes one)."""
     args = ["--data-dir", str(data_dir), "--output-dir", str(output_dir), *extra]
+    if not onnx:
+        args.append("--no-onnx")
     if engine != "horovod":
         args += ["--engine", engine]
     train = [sys.executable, "-m", "training.train", *args]
@@ -113,9 +123,10 @@ def run_trainer(
     *extra: str,
     timeout: float = 600,
     engine: str = "horovod",
+    onnx: bool = False,
 ) -> Result:
     proc = subprocess.run(
-        trainer_command(np, data_dir, output_dir, *extra, engine=engine),
+        trainer_command(np, data_dir, output_dir, *extra, engine=engine, onnx=onnx),
         cwd=ROOT,
         env=child_env(),
         stdout=subprocess.PIPE,

@@ -189,6 +189,14 @@ class TrainerArgs(TrainingSettings):
         metadata=about("batch-norm statistics over all ranks' batches (the ddp engine on GPU)"),
     )
     no_amp: bool = field(default=False, metadata=about("disable mixed precision on GPU"))
+    no_onnx: bool = field(
+        default=False,
+        metadata=about(
+            "write no model.onnx: its export and its check against PyTorch cost about 5 "
+            "CPU-seconds whatever the model (torch.export and onnxscript load), most of a small "
+            "run's; for runs whose model is not served through ONNX"
+        ),
+    )
     precision: Precision = field(
         default="auto",
         metadata=about("autocast type; auto: bf16 on GPUs with it, fp16 on older, fp32 on CPU"),

@@ -44,7 +44,7 @@ def two_rank_runs(
         if engine not in done:
             out = tmp_path_factory.mktemp(f"{engine}2") / "out"
             args = ("--epochs", "3", "--timeline", "--seed", "3", *LOSS_LOG_ARGS)
-            done[engine] = run_trainer(2, digits_dir, out, *args, engine=engine)
+            done[engine] = run_trainer(2, digits_dir, out, *args, engine=engine, onnx=True)
             assert done[engine].returncode == 0, done[engine].output
         return done[engine]
 
@@ -310,6 +310,10 @@ def test_a_rerun_after_the_last_epoch_says_where_it_resumed(tmp_path: Path) -> N
     ]
     assert progress == [{"epochs": 1, "resumed_from": 1}]
     assert again.metrics["resumed_from_epoch"] == 1
+    # --no-onnx (run_trainer's default): model.pt and no model.onnx, nothing recorded of one.
+    assert (tmp_path / "out" / "model.pt").is_file()
+    assert not (tmp_path / "out" / "model.onnx").exists()
+    assert again.metrics["onnx"] is None and again.metrics["onnx_md5"] is None
 
 
 @pytest.mark.parametrize("engine", ENGINES)
