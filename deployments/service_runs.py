@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.atomic import atomic_write_json
 from deployments.setup import WORK_POOL
 
 if TYPE_CHECKING:
@@ -135,9 +135,8 @@ def start_worker(
     earlier = earlier_workers(state)
     note = crash_orphans(api, pool, ours=earlier, auth=auth)
     state.mkdir(parents=True, exist_ok=True)
-    partial = state / f"{WORKERS_FILE}.partial"  # replaced whole: never a half-written list
-    partial.write_text(json.dumps([*earlier, name][-KEPT_WORKERS:]))
-    os.replace(partial, state / WORKERS_FILE)
+    # Replaced whole: never a half-written list.
+    atomic_write_json([*earlier, name][-KEPT_WORKERS:], state / WORKERS_FILE)
     return note
 
 

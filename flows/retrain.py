@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
@@ -28,6 +28,7 @@ from core.run_config import RunRequest, build_run_config
 from flows.config_args import add_config_arguments
 from flows.form import FormConfig, run_form_signature
 from flows.pool_lock import hold_pool, local_pool_lock
+from training.architectures import ModelName
 
 if TYPE_CHECKING:
     from tasks.outcome import RunLog
@@ -52,7 +53,7 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
 def retrain(
     epochs: int | None = None,
-    model: Literal["cnn", "resnet18", "resnet50"] | None = None,
+    model: ModelName | None = None,
     data_container: str | None = None,
     data_prefix: str | None = None,
     data_version: str | None = None,
@@ -70,8 +71,8 @@ def retrain(
         epochs: The most training epochs (training stops earlier at its best epoch).
             Empty: the config's training.epochs (the file at config_path below, which the
             deployment sets), or, unset there too, a cap fitted to the data.
-        model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
-            config's.
+        model: The network to train (cnn is the small, fast one; training/architectures.py
+            lists them). Empty: the config's.
         data_container: The Blob container with the training data. Empty: the config's
             data.container. The new-data trigger fills it in from its event.
         data_prefix: The data root in that container, e.g. images: its data versions are
@@ -172,8 +173,8 @@ def _retrain(
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
+    from core.links import output_link
     from core.run_events import model_promoted
-    from servers.gateway import output_link
     from tasks.cost import BudgetWatch, PoolMeter, data_counts, estimate_cost, run_cost_record
     from tasks.fit_to_data import fit_to_data
     from tasks.follow_champion import follow_champion

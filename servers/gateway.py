@@ -42,13 +42,12 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response, Strea
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from backends.blob import blob_link, join
+from backends.blob import join
 from core.links import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient, ContentSettings
 
-    from core.config import OutputLocation
 
 # The most of a request's line and headers buffered before they are complete.
 MAX_REQUEST_HEAD = 65536
@@ -64,21 +63,6 @@ SAFETY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Content-Security-Policy": "sandbox allow-scripts allow-popups",
 }
-
-
-def output_link(location: OutputLocation, container: ContainerClient, name: str) -> str:
-    """The address people open for the blob ``name`` (a folder when it ends with ``/``): the
-    gateway's when ``links_url`` is set and the blob is below ``prefix`` (all the gateway
-    serves), else the blob's own (which needs a sign-in)."""
-    relative = name.strip("/")
-    base = location.prefix.strip("/")
-    below = not base or relative == base or relative.startswith(f"{base}/")
-    if not location.links_url or not below:
-        # A gateway link to a blob outside the prefix would open prefix/<name>: another file.
-        return blob_link(container, name)
-    relative = relative[len(base) :].lstrip("/")
-    folder = name.endswith("/") and relative
-    return f"{location.links_url}/{quote(relative)}{'/' if folder else ''}"
 
 
 class BadPath(ValueError):

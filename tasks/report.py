@@ -21,10 +21,10 @@ from prefect.cache_policies import NONE
 from backends.blob import container_client
 from core.config import PipelineConfig, hide_credentials
 from core.data_versions import DataVersion
+from core.links import output_link
 from core.run import output_prefix
 from core.text import code_fence, markdown_text
 from registry.promotion import Decision
-from servers.gateway import output_link
 from tasks.charts import confusion_png, curves_png
 from tasks.cost import cost_markdown
 from tasks.provision import StagedData

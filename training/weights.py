@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from common.atomic import file_md5
+from training.architectures import ARCHITECTURES
 from training.models import (
     MODEL_FORMAT_VERSION,
-    MODELS,
     NETWORK,
     classifier_prefix,
     upgrade_state_dict,
@@ -171,9 +171,9 @@ def _model_file(path: Path, saved: dict[str, Any]) -> tuple[dict[str, Any], list
         raise InitFromError(f"--init-from {path}: class_names is not a list of class names")
     if len(set(names)) != len(names):
         raise InitFromError(f"--init-from {path}: class_names names a class twice")
-    if name not in MODELS:
+    if name not in ARCHITECTURES:
         raise InitFromError(
-            f"--init-from {path}: model_name {name!r} is not one of {sorted(MODELS)}"
+            f"--init-from {path}: model_name {name!r} is not one of {sorted(ARCHITECTURES)}"
         )
     if type(size) is not int or size < 1:
         raise InitFromError(f"--init-from {path}: input_size {size!r} is not a size in pixels")

@@ -23,7 +23,8 @@ from azure.storage.blob import ContainerClient, ContentSettings
 from backends.blob import container_client
 from backends.local.ports import free_port
 from core.config import ConfigError, OutputLocation, load_config
-from servers.gateway import output_link, serve
+from core.links import output_link
+from servers.gateway import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
