@@ -121,9 +121,13 @@ def test_end_to_end_then_rerun(
     assert "Estimated before the run:" in summary and "cost-estimate" in keys
     kept = json.loads(outputs.download_blob(f"{prefix}/run.json").readall())["cost"]
     assert kept["node_minutes"] == cost["node_minutes"] and kept["paid"] is None
-    assert kept["work"]["epochs_trained"] == config.training.epochs
-    # Per epoch, as the trainer counted them (a batch sampler may pad the last batch).
-    assert kept["work"]["train_images"] == pytest.approx(metrics["dataset"]["num_train"], rel=0.02)
+    stopping = metrics["early_stopping"]
+    assert kept["work"]["epochs_trained"] == stopping["epochs_trained"]
+    # Per epoch, as the trainer counted them (a batch sampler may pad the last batch): the
+    # train split less the slice early stopping held out of it, when it watched one.
+    held = stopping["images"] if stopping["split"] == "train slice" else 0
+    trained_per_epoch = metrics["dataset"]["num_train"] - held
+    assert kept["work"]["train_images"] == pytest.approx(trained_per_epoch, rel=0.02)
     # The pictures are in the summary itself and in the outputs, the same bytes.
     for name, title in (("curves", "loss and accuracy per epoch"), ("confusion", "confusion")):
         png = outputs.download_blob(f"{prefix}/charts/{name}.png").readall()
@@ -310,6 +314,7 @@ def test_end_to_end_then_rerun(
     assert "over budget.max_run_cost 0.01" in refused.message
     assert set(refused_runs) == {
         "validate-data",
+        "fit-to-data",
         "check-up-to-date",
         "estimate-cost",
         "release-pool",
