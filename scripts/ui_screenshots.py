@@ -185,6 +185,7 @@ class DevTools:
                 chromium,
                 "--headless=new",
                 "--disable-gpu",
+                "--disable-dev-shm-usage",  # a container's small /dev/shm crashes the tab
                 "--no-sandbox",  # running as root, e.g. in a container
                 "--hide-scrollbars",
                 "--remote-debugging-port=0",  # any free port: Chromium writes it in the profile
@@ -245,7 +246,10 @@ class DevTools:
         deadline = time.monotonic() + seconds
         while not (value := self.evaluate(expression)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}")
+                shown = self.evaluate(
+                    "location.href + ' | ' + (document.body ? document.body.innerText : '')"
+                )
+                raise TimeoutError(f"timed out waiting for {what}; the page: {str(shown)[:400]!r}")
             time.sleep(0.25)
         return value
 

@@ -186,8 +186,14 @@ def test_make_service_a_run_from_the_form_its_links_and_its_model(
         browser = DevTools(chromium, profile, offline=True)
         # The UI's login asks for the API's auth string; the gateway's sign-in (basic auth,
         # once per browser) is given with its address, as a person types it when asked.
+        login = "!!document.querySelector('input[type=password]')"
         browser.navigate(ui)
-        browser.wait_for("!!document.querySelector('input[type=password]')", "the UI's login")
+        try:
+            browser.wait_for(login, "the UI's login", seconds=90)
+        except TimeoutError as exc:  # as a person would: a page that never rendered, reloaded
+            mark(f"reloading the UI: {exc}")
+            browser.navigate(ui)
+            browser.wait_for(login, "the UI's login")
         browser.type_into("input[type=password]", _AUTH[api])
         browser.click("Login")
         browser.wait_for("!document.querySelector('input[type=password]')", "the UI after login")
