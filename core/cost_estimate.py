@@ -11,7 +11,11 @@ where there are none:
   split for scoring), the Theil-Sen line through past runs of two sizes or more; with one size,
   the median of past runs' minutes scaled by this run's images over theirs;
 * training: ``startup + work x minutes per image``, with ``work`` the images one node trains
-  (epochs x training images / nodes: data parallelism shares them). The two are the robust line
+  (epochs x training images / nodes: data parallelism shares them). The epochs are the cap
+  times the median share of their cap the root's finished runs trained (early stopping ends
+  most sooner), or the cap, an upper bound, without such a run; the training images are the
+  train split less the slice early stopping holds out of it when there is no val split, sized
+  by the trainer's own rule (``training/stopping.py``). The two are the robust line
   through past runs of the same model, processes per node and batch size (the Theil-Sen slope,
   the median of the pairwise slopes, and the median intercept), or, with one past run, its
   trainer's own images per second per node and the median startup.
@@ -28,11 +32,12 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeGuard
 
 from core.config import PipelineConfig, PoolConfig
 from core.pricing import NodePrices
+from training.stopping import held_out_size
 
 PHASES = ("allocating", "staging", "training", "scoring", "idle")
 # The measured phases (backends/cost.py) each estimated phase sums.
@@ -84,6 +89,16 @@ class DataCounts:
     images: int | None = None
     train: int | None = None
     test: int | None = None
+    val: int | None = None  # with the train split known, None or 0: the data has no val split
+    train_classes: tuple[int, ...] = ()  # the train split's images per class (): not known
+
+    def trained_per_epoch(self) -> int | None:
+        """The images an epoch trains: the train split, less the slice early stopping holds
+        out of it when there is no val split (sized by the trainer's own rule; the whole split
+        as one class when its classes are not known)."""
+        if self.train is None or self.val:
+            return self.train
+        return self.train - held_out_size(self.train_classes or (self.train,))
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,7 @@ class Work:
     train_images: int  # per epoch, all ranks together
     images_per_sec: float | None  # the training loop's, all ranks together
     test_images: int | None = None
+    epoch_cap: int | None = None  # the most epochs it could train (None: an older record)
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,8 @@ class PastRun:
                 _count(parsed.epochs_trained) and _count(parsed.train_images)
             ):
                 parsed = None
+            if parsed is not None and not (_count(parsed.epoch_cap) and parsed.epoch_cap):
+                parsed = replace(parsed, epoch_cap=None)
         paid = cost.get("paid")
         images = cost.get("images")
         return cls(
@@ -330,8 +348,29 @@ def _nominal_rate(config: PipelineConfig) -> tuple[float, str]:
     return per_node, f"{per_node:.0f} images/s per node ({model}, {measured})"
 
 
+def _epochs(cap: int, history: list[PastRun]) -> tuple[float, str]:
+    """The epochs a run capped at ``cap`` is expected to train, and how that was reached: the
+    cap times the median share of their cap that the data root's finished runs trained (early
+    stopping ends most before it), or the cap itself, an upper bound, with no such run."""
+    shares = [
+        r.work.epochs_trained / r.work.epoch_cap
+        for r in history
+        if r.complete and r.work is not None and r.work.epoch_cap
+    ]
+    if not shares:
+        return float(cap), (
+            f"up to {cap} epoch(s): the cap, an upper bound (no past run of this data root "
+            "says how much sooner early stopping ends)"
+        )
+    share = min(statistics.median(shares), 1.0)
+    return cap * share, (
+        f"{cap * share:.1f} of the {cap} epoch(s) capped (the median share of their cap "
+        f"that {len(shares)} past run(s) trained: {share:.0%})"
+    )
+
+
 def _training(
-    config: PipelineConfig, nodes: int, train: int | None, history: list[PastRun]
+    config: PipelineConfig, nodes: int, counts: DataCounts, history: list[PastRun]
 ) -> tuple[Phase | None, str | None]:
     t = config.training
     same = [
@@ -342,6 +381,7 @@ def _training(
         and (r.work.model, r.work.processes_per_node, r.work.batch_size)
         == (t.model, config.pool.processes_per_node, t.batch_size)
     ]
+    train = counts.trained_per_epoch()
     if train is None:
         known = [r.work.train_images for r in same if r.work is not None]
         train = known[0] if known else None
@@ -351,8 +391,7 @@ def _training(
             "the training images are not known yet (the data gate counts them); each epoch "
             f"takes each node about 1 min per {rate * 60:,.0f} images ({how})"
         )
-    # Early stopping may end training sooner: the cap is what the budget must allow for.
-    epochs = t.epoch_cap()
+    epochs, trained = _epochs(t.epoch_cap(), history)
     work = epochs * train / nodes
     points = [
         (r.work.epochs_trained * r.work.train_images / r.nodes, r.minutes("training"))
@@ -382,7 +421,7 @@ def _training(
             startup = ASSUMED[config.target]["startup"]
             basis = f"no past run of this shape: {how}, {startup:g} min to start (assumed)"
     minutes = max(startup, 0.0) + slope * work
-    what = f"up to {epochs} epoch(s) x {train} images on {nodes} node(s); {basis}"
+    what = f"{trained} x {train} images on {nodes} node(s); {basis}"
     return Phase(minutes, what), None
 
 
@@ -418,7 +457,7 @@ def estimate_run(
         phases["staging"] = Phase(minutes, f"no past run: {STAGING_FILES_PER_SEC:.0f} files/s")
     else:
         phases["staging"] = Phase(assumed["staging"], "no past run: assumed")
-    training, why = _training(config, nodes.total, counts.train, history[:HISTORY_RUNS])
+    training, why = _training(config, nodes.total, counts, history[:HISTORY_RUNS])
     if training is None:
         notes.append(f"training is not in this estimate: {why}")
     else:

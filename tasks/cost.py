@@ -51,7 +51,13 @@ drop_tracebacks(OverBudgetError)
 def data_counts(facts: DataFacts | None) -> DataCounts:
     """The gate's counts as the estimate reads them (None: the gate read none)."""
     images = facts.images if facts is not None else {}
-    return DataCounts(sum(images.values()) or None, images.get("train"), images.get("test"))
+    return DataCounts(
+        sum(images.values()) or None,
+        images.get("train"),
+        images.get("test"),
+        images.get("val"),
+        facts.train_classes if facts is not None else (),
+    )
 
 
 @step("estimate-cost")
@@ -153,6 +159,7 @@ def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | No
         round(trained[-1]["images"]),  # summed over the ranks as a float
         sum(e["images"] for e in trained) / seconds if seconds > 0 else None,
         test,
+        config.training.epoch_cap(),
     )
 
 

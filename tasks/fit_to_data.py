@@ -27,7 +27,7 @@ from core.run import Run
 from tasks.steps import Done, step
 from training.architectures import architecture
 from training.args import DEFAULT_EPOCH_CAP, TrainingSettings
-from training.stopping import HOLDOUT_FRACTION
+from training.stopping import held_out_size
 
 # The input size: the photographs' own detail, in steps of 16 px, between these bounds per
 # network (a larger input costs compute by its square and adds no detail to a small image).
@@ -55,6 +55,8 @@ class DataFacts:
     images: dict[str, int]  # readable images per split
     classes: int
     median_side: int | None  # the median shorter side of the train images, in pixels
+    # The train split's images per class (by label), for the slice early stopping holds out.
+    train_classes: tuple[int, ...] = ()
 
     @classmethod
     def from_rows(cls, rows: Iterable[Mapping[str, Any]]) -> DataFacts:
@@ -62,6 +64,7 @@ class DataFacts:
         readable). A tar shard's rows are its samples."""
         readable = [r for r in rows if r.get("readable") and r.get("split") and r.get("label")]
         images = Counter(str(r["split"]) for r in readable)
+        per_class = Counter(str(r["label"]) for r in readable if r["split"] == "train")
         sides = [
             min(int(r["width"]), int(r["height"]))
             for r in readable
@@ -71,6 +74,7 @@ class DataFacts:
             images=dict(sorted(images.items())),
             classes=len({r["label"] for r in readable}),
             median_side=round(statistics.median(sides)) if sides else None,
+            train_classes=tuple(per_class[label] for label in sorted(per_class)),
         )
 
     def as_record(self) -> dict[str, Any]:
@@ -126,8 +130,9 @@ def fit_training(
         given = facts.images.get("train", 0)
         train, held = given, ""
         if not facts.images.get("val"):  # early stopping watches a slice held out of train
-            train = given - round(given * HOLDOUT_FRACTION)
-            held = f" (the {given} less the {HOLDOUT_FRACTION:.0%} held out)"
+            sliced = held_out_size(facts.train_classes or (given,))
+            train = given - sliced
+            held = f" (the {given} less the {sliced} held out)" if sliced else ""
         if train <= 0:
             updates["epochs"] = DEFAULT_EPOCH_CAP
             lines.append(f"training.epochs = {DEFAULT_EPOCH_CAP}: the trainer's default cap")

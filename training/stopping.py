@@ -138,6 +138,21 @@ class Holdout:
     refused: str | None = None
 
 
+def _class_share(images: int) -> int:
+    return round(images * HOLDOUT_FRACTION)
+
+
+def held_out_size(class_images: Iterable[int]) -> int:
+    """How many images :func:`hold_out` keeps out of a train split whose classes have
+    ``class_images`` images each: 0 when the split is too small to spare a slice (every image
+    is then trained on). What a cost estimate or an epoch cap counts before any image is read."""
+    sizes = list(class_images)
+    takes = [_class_share(n) for n in sizes]
+    if not sizes or any(t < 1 or t >= n for t, n in zip(takes, sizes, strict=True)):
+        return 0
+    return sum(takes) if sum(takes) >= MIN_HELD_OUT else 0
+
+
 def hold_out(labels: Sequence[int], seed: int) -> Holdout:
     """:data:`HOLDOUT_FRACTION` of each class's images, drawn with ``seed`` (the same on every
     rank, so every rank cuts the same slice)."""
@@ -146,23 +161,17 @@ def hold_out(labels: Sequence[int], seed: int) -> Holdout:
     by_class: dict[int, list[int]] = {}
     for index, label in enumerate(labels):
         by_class.setdefault(int(label), []).append(index)
-    rng = random.Random(seed)
-    held: list[int] = []
-    short = []
-    for label in sorted(by_class):
-        members = by_class[label]
-        take = round(len(members) * HOLDOUT_FRACTION)
-        if take < 1 or take >= len(members):
-            short.append(label)
-            continue
-        held += rng.sample(members, take)
     everything = list(range(len(labels)))
-    if short or len(held) < MIN_HELD_OUT:
+    if not held_out_size(len(m) for m in by_class.values()):
         why = (
             f"no val split, and the train split ({len(labels)} images) is too small to hold out "
             f"a slice of {HOLDOUT_FRACTION:.0%} of each class with at least {MIN_HELD_OUT} "
             "images: no early stop, the training runs to its epoch cap"
         )
         return Holdout(everything, [], why)
+    rng = random.Random(seed)
+    held: list[int] = []
+    for label in sorted(by_class):
+        held += rng.sample(by_class[label], _class_share(len(by_class[label])))
     chosen = set(held)
     return Holdout([i for i in everything if i not in chosen], sorted(held))

@@ -18,6 +18,7 @@ from core.cost_estimate import (
 )
 from core.pricing import NodePrices
 from tests.conftest import ROOT
+from training.stopping import hold_out
 
 PRICES = NodePrices(4.0, 0.5, "USD", "test prices")
 
@@ -39,6 +40,7 @@ def _past(
     per_image: float = 1e-4,  # minutes per image per node
     nodes: int = 2,
     complete: bool = True,
+    cap: int | None = None,
 ) -> PastRun:
     """A past run of the config's shape whose training took ``startup + per_image x work``."""
     training = startup + per_image * epochs * train / nodes
@@ -50,7 +52,7 @@ def _past(
         "idle between steps": 0.5,
         "idle before release": 0.25,
     }
-    work = Work("resnet50", 1, 128, epochs, train, nodes / (per_image * 60), 10_000)
+    work = Work("resnet50", 1, 128, epochs, train, nodes / (per_image * 60), 10_000, cap)
     record = history_record(
         "Standard_NC24ads_A100_v4",
         nodes,
@@ -65,7 +67,7 @@ def _past(
     return run
 
 
-COUNTS = DataCounts(images=80_000, train=60_000, test=10_000)
+COUNTS = DataCounts(images=80_000, train=60_000, test=10_000, val=10_000)
 
 
 def test_without_history_the_config_and_the_projects_own_figures_are_used() -> None:
@@ -183,3 +185,62 @@ def test_staging_and_scoring_past_two_sizes_are_a_fixed_part_and_a_part_per_imag
     assert estimate.phases["staging"].minutes == pytest.approx(0.5 + 2e-5 * 100_000)
     assert estimate.phases["scoring"].minutes == pytest.approx(1.0 + 1e-4 * 20_000)
     assert "Theil-Sen" in estimate.phases["scoring"].basis
+
+
+def test_the_epochs_priced_are_the_share_of_the_cap_past_runs_trained() -> None:
+    """Early stopping ends runs before their cap: the estimate prices the median share of the
+    cap the root's finished runs trained, and without one, the cap, said to be an upper bound."""
+    config = _config("training.epochs=40", "training.batch_size=128")
+    capped = estimate_run(config, [_past("r0", epochs=10)], COUNTS, PRICES)  # an older record
+    assert capped.phases["training"].minutes == pytest.approx(2.0 + 1e-4 * 40 * 60_000 / 2)
+    assert "up to 40 epoch(s): the cap, an upper bound" in capped.phases["training"].basis
+    history = [
+        _past("r1", epochs=10, cap=40),  # a quarter of the cap
+        _past("r2", epochs=15, cap=30),  # a half
+        _past("r3", epochs=6, cap=20, train=30_000),  # 30%
+        _past("r4", epochs=3, cap=60, complete=False),  # stopped by its budget: not counted
+    ]
+    estimate = estimate_run(config, history, COUNTS, PRICES)
+    epochs = 40 * 0.3
+    assert estimate.phases["training"].minutes == pytest.approx(2.0 + 1e-4 * epochs * 60_000 / 2)
+    assert "12.0 of the 40 epoch(s) capped" in estimate.phases["training"].basis
+    assert "3 past run(s) trained: 30%" in estimate.phases["training"].basis
+
+
+def test_a_cap_kept_in_a_record_is_read_back_and_a_bad_one_ignored() -> None:
+    run = _past("r1", epochs=10, cap=40)
+    assert run.work is not None and run.work.epoch_cap == 40
+    record = history_record("x", 1, {"training": 1.0}, None, 10, run.work, None)
+    for bad in (0, -3, "40", True, 2.5):
+        record["work"]["epoch_cap"] = bad
+        past = PastRun.from_record("r", record, True)
+        assert past is not None and past.work is not None and past.work.epoch_cap is None
+
+
+@pytest.mark.parametrize(
+    "classes",
+    [(200, 150, 85), (44,) * 5 + (43,) * 5, (300,), (5,) * 10, (100, 3), (), (12, 12)],
+)
+def test_without_val_the_images_trained_are_the_split_less_the_trainers_slice(
+    classes: tuple[int, ...],
+) -> None:
+    """The images an epoch trains are what the trainer's own cut leaves of the train split."""
+    labels = [c for c, n in enumerate(classes) for _ in range(n)]
+    counts = DataCounts(train=len(labels), test=50, train_classes=classes)
+    assert counts.trained_per_epoch() == len(hold_out(labels, seed=7).train)
+    assert DataCounts(train=len(labels), val=30, train_classes=classes).trained_per_epoch() == (
+        len(labels)
+    )
+
+
+def test_without_val_the_estimate_trains_the_split_less_the_held_out_slice() -> None:
+    config = _config("training.epochs=30")
+    per_image = 1 / 2528 / 60  # ResNet-50's measured rate, one process per node
+    split = DataCounts(images=535, train=435, test=100, train_classes=(200, 150, 85))
+    estimate = estimate_run(config, [], split, PRICES)
+    # 20 + 15 + 8 of the classes are held out (the trainer's rounding): 392 trained.
+    assert estimate.phases["training"].minutes == pytest.approx(3.0 + per_image * 30 * 392 / 2)
+    assert "392 images" in estimate.phases["training"].basis
+    with_val = DataCounts(images=635, train=435, test=100, val=100)
+    trained = estimate_run(config, [], with_val, PRICES).phases["training"]
+    assert trained.minutes == pytest.approx(3.0 + per_image * 30 * 435 / 2)

@@ -15,7 +15,8 @@ from core.budget import plan_cost
 from core.config import PipelineConfig, load_config
 from core.cost_estimate import DataCounts, PastRun
 from core.pricing import NodePrices
-from tasks.cost import BudgetWatch, cost_markdown, run_cost_record, work_of
+from tasks.cost import BudgetWatch, cost_markdown, data_counts, run_cost_record, work_of
+from tasks.fit_to_data import DataFacts
 from tests.conftest import ROOT
 
 PRICES = NodePrices(3600.0, None, "USD", "test prices")  # a dollar a second per node
@@ -58,6 +59,7 @@ def test_the_record_keeps_what_was_paid_and_what_training_did() -> None:
     work = work_of(config, epochs, 200)
     assert work is not None
     assert (work.epochs_trained, work.train_images, work.images_per_sec) == (2, 800, 400.0)
+    assert work.epoch_cap == 3  # what the share of the cap later estimates price comes from
     assert work_of(config, [], None) is None
     measured = {
         "rented": True,
@@ -96,3 +98,16 @@ def test_the_summary_shows_the_estimate_beside_what_was_measured() -> None:
     )
     assert f"Estimated before the run: {estimate['total_node_minutes']:.2f} node-minutes" in lines
     assert "(-20% against what was measured)" in lines
+
+
+def test_the_gates_counts_say_whether_a_slice_of_train_is_held_out() -> None:
+    rows = [
+        {"split": "train", "label": label, "width": 8, "height": 8, "readable": True}
+        for label, n in (("a", 200), ("b", 150), ("c", 85))
+        for _ in range(n)
+    ]
+    rows += [{"split": "test", "label": "a", "width": 8, "height": 8, "readable": True}] * 50
+    counts = data_counts(DataFacts.from_rows(rows))
+    assert counts == DataCounts(485, 435, 50, None, (200, 150, 85))
+    assert counts.trained_per_epoch() == 392  # 20 + 15 + 8 held out
+    assert data_counts(None) == DataCounts()

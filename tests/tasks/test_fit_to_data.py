@@ -34,7 +34,9 @@ def test_facts_count_readable_images_and_measure_the_train_images_shorter_side()
         {"split": None, "label": None, "width": 8, "height": 8, "readable": True},  # stray file
     ]
     facts = DataFacts.from_rows(rows)
-    assert facts == DataFacts(images={"train": 5, "val": 4}, classes=2, median_side=50)
+    assert facts == DataFacts(
+        images={"train": 5, "val": 4}, classes=2, median_side=50, train_classes=(3, 2)
+    )
 
 
 TEXTURES = DataFacts(images={"train": 360, "val": 90, "test": 90}, classes=3, median_side=71)
@@ -69,7 +71,7 @@ def test_a_warm_start_from_the_champion_trains_a_third_of_the_fewer_epochs() -> 
 def test_without_val_the_held_out_slice_is_not_counted_as_training_images() -> None:
     fitted, lines = fit_training(TrainingConfig(), DIGITS, processes=2)
     assert fitted.image_size == 32  # 8 px digits: the cnn's smallest input
-    assert "1212 train images (the 1347 less the 10% held out) make 10 steps" in lines[1]
+    assert "1212 train images (the 1347 less the 135 held out) make 10 steps" in lines[1]
     assert fitted.epochs == fitted_epoch_cap(1212, 128)
 
 
