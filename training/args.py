@@ -109,6 +109,16 @@ class TrainingSettings:
             "DistributedDataParallel under torchrun; needs no Horovod build)"
         ),
     )
+    checkpoint_minutes: float | None = field(
+        default=None,
+        metadata=about(
+            "also checkpoint every this many minutes of training, inside an epoch too (a retry "
+            "resumes at the first batch not yet trained); off when unset: once per epoch",
+            gt=0,
+            le=10080,
+            allow_inf_nan=False,
+        ),
+    )
     profile_steps: int | None = field(
         default=None,
         metadata=about(
@@ -245,6 +255,15 @@ class TrainerArgs(TrainingSettings):
         ),
     )
     log_every: int = field(default=50, metadata=about("steps between loss checks", ge=1))
+    heartbeat_seconds: float = field(
+        default=30.0,
+        metadata=about(
+            "seconds between rank 0's HEARTBEAT lines (batches done), which an orchestrator's "
+            "stall deadline counts as progress",
+            gt=0,
+            allow_inf_nan=False,
+        ),
+    )
 
     @property
     def checkpoints(self) -> Path:
