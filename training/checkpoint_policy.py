@@ -24,12 +24,20 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Protocol, TextIO
 
-from training.preemption import Notice, PreemptionWatcher
+from training.preemption import Notice
 
 AGREE_SECONDS = 2.0  # training time between two agreement points, about
 MAX_AGREE_BATCHES = 10_000
+
+
+class NoticeSource(Protocol):
+    """What hands this node's preemption notices over (training.preemption.PreemptionWatcher)."""
+
+    def take(self) -> Notice | None: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class CheckpointPolicy:
     def __init__(
         self,
         minutes: float | None,
-        watcher: PreemptionWatcher | None,
+        watcher: NoticeSource | None,
         accumulate: int = 1,
         watching: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
