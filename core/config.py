@@ -361,6 +361,15 @@ class PoolConfig(_Section):
         "region and offer; the largest GPU sizes are well under 1000); each run's summary "
         "multiplies its node-minutes by it; 0 reports node-minutes only",
     )
+    spot_hourly_price: float = Field(
+        0.0,
+        ge=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="what one Spot node of vm_size costs per hour; with hourly_price (the "
+        "dedicated price), the summary compares what the run paid on Spot with the same "
+        "node-minutes on dedicated nodes; 0 reports node-minutes only",
+    )
     dedicated_nodes: int = Field(1, ge=0)
     low_priority_nodes: int = Field(
         0,

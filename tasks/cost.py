@@ -14,7 +14,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from backends.cluster import Cluster
-from backends.cost import cost_report
+from backends.cost import cost_report, spot_comparison
 from core.config import PipelineConfig
 
 
@@ -52,7 +52,12 @@ class PoolMeter:
             if self.allocations is None or self.since is None:
                 raise RuntimeError(self.problem or "the pool was not read before its release")
             usage = self.cluster.usage(self.run_id, self.since, self.allocations)
-            return {"rented": True, **cost_report(usage, pool.hourly_price, pool.vm_size)}
+            report = {"rented": True, **cost_report(usage, pool.hourly_price, pool.vm_size)}
+            spot = self.cluster.spot_record()
+            if spot is not None:
+                prices = (pool.hourly_price, pool.spot_hourly_price)
+                report["spot"] = spot_comparison(usage, spot, *prices)
+            return report
         except Exception as exc:
             get_run_logger().warning("cost not measured: %s", exc)
             return {"vm_size": pool.vm_size, "rented": True, "error": str(exc)}
@@ -84,5 +89,26 @@ def cost_markdown(cost: dict[str, Any] | None) -> list[str]:
         "From the pool's own timestamps: nodes from allocation to release, each phase from its "
         "task's creation to its end.",
         "",
+        *spot_markdown(cost.get("spot")),
     ]
     return lines
+
+
+def spot_markdown(spot: dict[str, Any] | None) -> list[str]:
+    """The cost section's lines on Spot nodes: minutes by kind, preemptions, the comparison."""
+    if not spot:
+        return []
+    lines = [
+        f"On Spot: {spot['spot_node_minutes']:.2f} node-minutes, on dedicated nodes "
+        f"{spot['dedicated_node_minutes']:.2f}; {spot['preemptions']} preemption(s)"
+        + (f"; moved to dedicated nodes: {spot['fallback']}." if spot["fallback"] else "."),
+    ]
+    if "paid" in spot:
+        lines.append(
+            f"Paid about {spot['paid']:.2f} (Spot at {spot['spot_hourly_price']:g} per "
+            f"node-hour); the same node-minutes on dedicated nodes: {spot['all_dedicated']:.2f} "
+            f"(saved {spot['saved']:.2f})."
+        )
+    else:
+        lines.append("Set pool.hourly_price and pool.spot_hourly_price to compare their cost.")
+    return [*lines, ""]

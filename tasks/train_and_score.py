@@ -145,6 +145,12 @@ def run_training(
             "outputs": len(result.uploaded),
             "attempts": result.attempts,
             "stalls": result.stalls,
+            # Spot nodes preempted, and the move to dedicated ones (pool.spot_fallback).
+            **(
+                {"preemptions": result.preemptions, "spot_fallback": result.spot_fallback}
+                if result.preemptions or result.spot_fallback
+                else {}
+            ),
         },
     )
 

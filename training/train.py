@@ -106,10 +106,13 @@ class EpochSums:
 
 @dataclass(frozen=True)
 class EpochStart:
-    """Where an epoch resumes: ``batch`` of its batches trained, this rank's sums of them."""
+    """Where an epoch resumes: ``batch`` of its batches trained, this rank's sums of them, and
+    its random streams as they were then (set once the epoch's loader has started: starting it
+    draws a seed, which the first attempt drew before its first batch, not at this one)."""
 
     batch: int
     sums: EpochSums
+    rng: dict[str, Any] | None = None
 
 
 AfterBatch = Callable[[int, int, Callable[[], EpochSums]], None]
@@ -317,7 +320,10 @@ class Trainer:
         def sums() -> EpochSums:
             return EpochSums(float(loss_sum), float(correct), seen, time.perf_counter() - started)
 
-        for i, (images, labels) in enumerate(loader, start=skip):
+        batches = iter(loader)
+        if start is not None and start.rng is not None:
+            _set_rng_state(start.rng)
+        for i, (images, labels) in enumerate(batches, start=skip):
             if i >= usable:
                 break
             if i % k == 0:
@@ -474,11 +480,12 @@ def _resume(
     )
     if epoch is None:
         return Resumed(1, [], None, None)
-    if rngs is not None and len(rngs) == world.size:
-        _set_rng_state(rngs[world.rank])
+    rng = rngs[world.rank] if rngs is not None and len(rngs) == world.size else None
     if not batch:
+        if rng is not None:
+            _set_rng_state(rng)
         return Resumed(epoch + 1, history, epoch or None, started_from, reason=reason)
-    start = EpochStart(batch, EpochSums(**partial[world.rank]))
+    start = EpochStart(batch, EpochSums(**partial[world.rank]), rng)
     return Resumed(epoch, history, epoch - 1, started_from, start, reason)
 
 

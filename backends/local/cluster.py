@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from backends.cost import PoolUsage
     from backends.progress_deadline import ProgressDeadline
+    from backends.spot_fallback import SpotRecord
 
 
 WATCH_SECONDS = 0.5  # how often a running task's progress deadline is checked
@@ -344,6 +345,9 @@ class LocalCluster:
 
     def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage:
         raise NotImplementedError("the local pool rents nothing to measure")
+
+    def spot_record(self) -> SpotRecord | None:
+        return None  # one dedicated node: this machine
 
     def release(self) -> dict[str, object]:
         """Stop the tasks this pool started and mark it released (scaled to zero).
