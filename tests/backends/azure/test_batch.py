@@ -563,6 +563,58 @@ def test_preempted_spot_node_requeues_the_task_and_its_log_restarts(
     assert _task(batch, config, "train-spot").execution["retryCount"] == 0
 
 
+@pytest.mark.parametrize(
+    ("fallback", "why"),
+    [
+        ("after_preemptions=1", "1 preemptions of Spot nodes (limit 1)"),
+        ("after_minutes_without_capacity=10", "no Spot capacity for"),
+    ],
+)
+def test_a_run_without_spot_capacity_moves_to_dedicated_nodes(
+    fallback: str, why: str, fake_azure_account, tmp_path: Path
+) -> None:
+    """pool.spot_fallback: the Spot node is preempted and Azure gives no capacity back. After
+    one preemption, or 10 minutes of service time waiting, the pool is resized to a dedicated
+    node and no Spot node; the requeued task runs there and the run says so."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(
+        tmp_path,
+        "pool.dedicated_nodes=0",
+        "pool.low_priority_nodes=1",
+        f"pool.spot_fallback.{fallback}",
+    )
+    batch.scripts["train-"] = [
+        Attempt(0, "epoch 1\n", seconds=30),  # preempted before it ends
+        Attempt(0, "resuming from checkpoint-1-40.pt\n", _training_outputs()),
+    ]
+    lines: list[str] = []
+    runner, out = _start(cluster, training_task(config, "train-fb", "k", "runs/fb"), lines)
+    wait_until(lambda: getattr(_task(batch, config, "train-fb"), "state", "") == "running")
+    batch.preempt(config.pool.id, recover_after=None)  # the capacity is gone
+    if "minutes" in fallback:
+        wait_until(
+            lambda: any("moving to" in line for line in lines) or len(batch.requests.all()) > 200
+        )
+        assert not any("moving to" in line for line in lines)  # not before the 10 minutes
+        batch.clock_offset += timedelta(minutes=11)
+    runner.join(timeout=30)
+    assert out and not isinstance(out[0], Exception), out
+    result = out[0]
+    assert result.exit_code == 0 and result.attempts == 1  # requeued, never retried
+    assert result.preemptions == 1 and result.spot_fallback.startswith(why)
+    moved = [line for line in lines if "moving to 1 dedicated node(s)" in line]
+    assert len(moved) == 1 and why in moved[0] and "pool.spot_fallback" in moved[0]
+    resize = batch.bodies("POST", f"/pools/{config.pool.id}/resize")[-1]
+    assert (resize["targetDedicatedNodes"], resize["targetLowPriorityNodes"]) == (1, 0)
+    task = _task(batch, config, "train-fb")
+    assert task.execution["retryCount"] == 0
+    assert task.nodes == ["tvmps_0001d"]  # the requeued attempt ran on the dedicated node
+    assert "resuming from checkpoint-1-40.pt" in lines
+    record = cluster.spot_record()
+    assert record is not None
+    assert [(k.dedicated, k.spot) for k in record.kinds] == [(0, 1), (1, 0)]
+
+
 def test_task_that_never_gets_nodes_fails_at_its_deadline(
     fake_azure_account, tmp_path: Path
 ) -> None:
