@@ -72,6 +72,7 @@ class SpotWatch:
         )
         self._counted: set[tuple[str, str]] = set()
         self._short_since: datetime | None = None
+        self._this_attempt = 0  # preemptions seen since the task's attempt started
 
     @property
     def on_spot(self) -> bool:
@@ -89,6 +90,7 @@ class SpotWatch:
                 if key not in self._counted:
                     self._counted.add(key)
                     self.record.preemptions.append((str(node.id), now))
+                    self._this_attempt += 1
         held = sum(1 for n in nodes if not n.is_dedicated and n.state in HELD)
         if task_running or held >= self.wanted:
             self._short_since = None
@@ -110,6 +112,14 @@ class SpotWatch:
                 f"minutes ({held} of {self.wanted} Spot nodes; limit {minutes:g})"
             )
         return None
+
+    def requeued(self, now: datetime) -> None:
+        """The task started again without a retry: on a pool with Spot nodes, a preemption,
+        counted here when no listing caught the node preempted (it may be back by the next
+        poll)."""
+        if self.on_spot and self._this_attempt == 0:
+            self.record.preemptions.append(("a node of the task", now))
+        self._this_attempt = 0
 
     def moved(self, now: datetime, dedicated: int, why: str) -> None:
         """The pool was resized to ``dedicated`` dedicated nodes and no Spot node."""

@@ -35,6 +35,7 @@ FULL: dict[str, list[str]] = {
     "sharded_state": [],
     "tracking": [],
     "warm_start": [],
+    "preemption": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": [
@@ -61,6 +62,7 @@ QUICK: dict[str, list[str]] = {
     ],
     "tracking": ["--pairs", "1", "--epochs", "1"],
     "warm_start": ["--epochs", "2", "--v1-epochs", "1", "--seeds", "0"],
+    "preemption": ["--trials", "1", "--epochs", "2", "--repeats", "1"],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.
 GPU_BENCHES = [

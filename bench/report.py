@@ -940,6 +940,8 @@ def render(results: Path, previous: str = "") -> str:
         lines += image(r, "## The training image, cpu variant (`bench/image.py`)")
     if (r := load("warm_start")) is not None:
         lines += warm_start(r)
+    if (r := load("preemption")) is not None:
+        lines += systems.preemption(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [

@@ -525,6 +525,8 @@ class BatchCluster:
                         f"task {spec.id} was requeued (a node was preempted or recovered): "
                         f"it starts again on {node}, from its last checkpoint"
                     )
+                    if self.spot is not None:
+                        self.spot.requeued(now)
                 if deadline is not None and (start is None or start[0] != info.start_time):
                     deadline.restart()  # an attempt starts (first, retried or requeued)
                 start = (info.start_time, node, retry)

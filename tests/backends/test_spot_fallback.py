@@ -130,3 +130,12 @@ def test_the_cost_of_spot_against_dedicated() -> None:
     assert report["all_dedicated"] == pytest.approx(3 * 3.0)
     assert report["saved"] == pytest.approx(9.0 - 4.0)
     assert "paid" not in spot_comparison(usage, watch.record, 3.0, 0.0)
+
+
+def test_a_requeue_no_listing_caught_is_a_preemption_counted_once() -> None:
+    watch = SpotWatch(config("pool.spot_fallback.after_preemptions=2").pool, T0)
+    watch.observe([Node("a", "preempted"), Node("b", "idle")], False, T0)
+    watch.requeued(T0 + timedelta(minutes=1))  # the same preemption: not counted again
+    assert len(watch.record.preemptions) == 1
+    watch.requeued(T0 + timedelta(minutes=9))  # the node was back before any listing saw it
+    assert [node for node, _ in watch.record.preemptions] == ["a", "a node of the task"]
