@@ -416,6 +416,7 @@ class Resumed:
     started_from: dict[str, Any] | None
     start: EpochStart | None = None
     reason: str | None = None
+    name: str = ""  # the checkpoint's file name
 
 
 # What must be equal for a checkpoint inside an epoch to resume at its batch: each rank's share
@@ -451,9 +452,10 @@ def _resume(
         if scaler is not None and found.get("scaler"):
             scaler.load_state_dict(found["scaler"])
         rngs = found.get("rng")
-    meta: tuple[Any, ...] = (None, 0, [], None, None, None, None)
+    meta: tuple[Any, ...] = (None, 0, [], None, None, None, None, "")
     if found is not None:
         batch = found.get("batch", 0)
+        name = ckpt.checkpoint_path(args.checkpoints, found["epoch"], batch).name
         partial = found.get("partial")
         record = found["args"] if isinstance(found["args"], dict) else {}
         changed = [k for k in _SAME_ORDER if record.get(k) != getattr(args, k)]
@@ -474,8 +476,9 @@ def _resume(
             found.get("init_from"),
             partial if batch else None,
             found.get("reason"),
+            name,
         )
-    epoch, batch, history, rngs, started_from, partial, reason = cast(
+    epoch, batch, history, rngs, started_from, partial, reason, name = cast(
         tuple[Any, ...], dist.broadcast_object(meta)
     )
     if epoch is None:
@@ -484,9 +487,9 @@ def _resume(
     if not batch:
         if rng is not None:
             _set_rng_state(rng)
-        return Resumed(epoch + 1, history, epoch or None, started_from, reason=reason)
+        return Resumed(epoch + 1, history, epoch, started_from, reason=reason, name=name)
     start = EpochStart(batch, EpochSums(**partial[world.rank]), rng)
-    return Resumed(epoch, history, epoch - 1, started_from, start, reason)
+    return Resumed(epoch, history, epoch - 1, started_from, start, reason, name)
 
 
 def _init_from(
@@ -707,7 +710,6 @@ def set_up(args: TrainerArgs, world: World) -> Job:
 
 
 def _log_resume(resumed: Resumed) -> None:
-    done = resumed.resumed_from or 0
     reason = resumed.reason or "epoch"
     why = (
         " (written by time)"
@@ -717,16 +719,11 @@ def _log_resume(resumed: Resumed) -> None:
         else ""
     )
     if resumed.start is None:
-        log.info("resuming from checkpoint-%d.pt%s: starting at epoch %d", done, why, done + 1)
+        log.info("resuming from %s%s: starting at epoch %d", resumed.name, why, resumed.start_epoch)
         return
     epoch, batch = resumed.start_epoch, resumed.start.batch
     log.info(
-        "resuming from checkpoint-%d-%d.pt%s: epoch %d goes on at batch %d",
-        epoch,
-        batch,
-        why,
-        epoch,
-        batch + 1,
+        "resuming from %s%s: epoch %d goes on at batch %d", resumed.name, why, epoch, batch + 1
     )
 
 
