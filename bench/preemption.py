@@ -39,6 +39,7 @@ from typing import Any
 
 from bench.output import ROOT, emit
 
+EPOCH_1 = re.compile(r'PROGRESS \{"epoch": 1, .*?"seconds": ([0-9.]+)')
 EMERGENCY = re.compile(r"emergency (checkpoint-\S+\.pt) on disk .*?, ([0-9.]+) s after the node")
 
 
@@ -83,14 +84,15 @@ def _trial(
     checkpoints = pool.nfs_dir / "checkpoints"
     shutil.rmtree(checkpoints, ignore_errors=True)  # each trial from the start
     run = pool.start(task_body(spec), JOB)
-    deadline = time.monotonic() + 1800
-    while not list(checkpoints.glob("*/checkpoint-*.pt")):
+    deadline = time.monotonic() + 3600
+    while not (first := EPOCH_1.search(run.primary.stdout())):  # epoch 1 over: its length
         if run.done.is_set() or time.monotonic() > deadline:
-            raise SystemExit(f"no checkpoint:\n{run.primary.stdout()[-3000:]}")
+            raise SystemExit(f"no first epoch:\n{run.primary.stdout()[-3000:]}")
         time.sleep(0.05)
+    epoch_seconds = float(first.group(1))
     folder = next(checkpoints.glob("*/checkpoint-*.pt")).parent
-    # A random moment of an epoch after the first checkpoint (an epoch's end).
-    time.sleep(random.Random(n).uniform(0.0, args.epoch_seconds))
+    # A random moment of the second epoch.
+    time.sleep(random.Random(n).uniform(0.0, epoch_seconds))
     noticed = None
     if setting["notice"] is not None:
         noticed = time.time()
@@ -103,6 +105,7 @@ def _trial(
     assert newest is not None
     name, saved_at = newest
     return {
+        "epoch_seconds": round(epoch_seconds, 1),
         "resumes_from": name,
         "work_lost_seconds": round(killed - saved_at, 2),
         "notice_to_checkpoint_seconds": round(saved_at - noticed, 2) if noticed else None,
@@ -132,6 +135,7 @@ def work_lost(args: argparse.Namespace) -> dict[str, Any]:
             trials = [_trial(pool, events, setting, args, n) for n in range(args.trials)]
             lost = [t["work_lost_seconds"] for t in trials]
             found[label] = {
+                "epoch_seconds": statistics.median(t["epoch_seconds"] for t in trials),
                 "checkpoint_minutes": setting["minutes"],
                 "notice_seconds": setting["notice"],
                 "trials": trials,
@@ -215,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3, help="preemptions per setting")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--image-size", type=int, default=96, help="sets the epoch's length")
-    parser.add_argument(
-        "--epoch-seconds", type=float, default=40.0, help="about an epoch here: kills fall in it"
-    )
     parser.add_argument("--intervals", type=float, nargs="+", default=[0.1, 0.25])
     parser.add_argument("--notice", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3, help="ResNet-50 emergency checkpoints")
@@ -233,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "poll_seconds": POLL_SECONDS,
         "agree_seconds": AGREE_SECONDS,
-        "epoch_seconds": args.epoch_seconds,
     }
     if "work_lost" in args.parts:
         report["work_lost"] = work_lost(args)

@@ -271,12 +271,11 @@ def preemption(r: dict[str, Any]) -> list[str]:
     elif lost:
         lines += [
             "Work lost per preemption: the training task (2 ranks) on an emulated Batch node, "
-            "the node killed at a random moment of an epoch (an epoch takes about "
-            f"{r['epoch_seconds']:g} s here); lost is the training time from the state of the "
-            "checkpoint a retry resumes from to the kill.",
+            "the node killed at a random moment of its second epoch; lost is the training time "
+            "from the state of the checkpoint a retry resumes from to the kill.",
             "",
-            "| checkpoints | preemptions | median work lost | most work lost | bound |",
-            "|---|---:|---:|---:|---|",
+            "| checkpoints | preemptions | an epoch | median work lost | most work lost | bound |",
+            "|---|---:|---:|---:|---:|---|",
         ]
         for label, s in lost.items():
             if s["checkpoint_minutes"] is not None:
@@ -286,7 +285,8 @@ def preemption(r: dict[str, Any]) -> list[str]:
             else:
                 bound = "an epoch"
             lines.append(
-                f"| {label} | {len(s['trials'])} | {s['median_lost_seconds']:.1f} s "
+                f"| {label} | {len(s['trials'])} | {s['epoch_seconds']:.0f} s "
+                f"| {s['median_lost_seconds']:.1f} s "
                 f"| {s['max_lost_seconds']:.1f} s | {bound} |"
             )
         lines.append("")

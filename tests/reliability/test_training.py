@@ -154,8 +154,8 @@ def test_a_slow_first_epoch_is_not_ended_as_hung(tmp_path: Path, horovodrun: Pat
     )
     out = tmp_path / "out"
     trainer = [
-        sys.executable, "-m", "training.train", "--data-dir", "synthetic:3000",
-        "--output-dir", str(out), "--epochs", "1", "--model", "resnet18", "--image-size", "32",
+        sys.executable, "-m", "training.train", "--data-dir", "synthetic:4000",
+        "--output-dir", str(out), "--epochs", "1", "--model", "cnn", "--image-size", "128",
         "--batch-size", "8", "--heartbeat-seconds", "0.5", "--no-verify-images",
     ]  # fmt: skip
     spec = TaskSpec("slow-first", shlex.join(trainer), environment={"PYTHONPATH": str(ROOT)})

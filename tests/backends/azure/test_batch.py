@@ -22,7 +22,7 @@ from backends.azure.batch import BatchCluster, Polling, PoolError, TaskFailedErr
 from backends.azure.batch_requests import pool_body, wire
 from backends.blob import container_client
 from backends.target import AzureTarget, image_reference
-from backends.taskspec import TaskSpec, scoring_task, training_task
+from backends.taskspec import TaskSpec, scoring_task, staging_task, training_task
 from core.config import ConfigError, PipelineConfig
 from tests.azure_helpers import azure_config
 from tests.fakes.batch import Attempt, wait_until
@@ -613,6 +613,34 @@ def test_a_run_without_spot_capacity_moves_to_dedicated_nodes(
     record = cluster.spot_record()
     assert record is not None
     assert [(k.dedicated, k.spot) for k in record.kinds] == [(0, 1), (1, 0)]
+
+
+@pytest.mark.parametrize("step", ["staging", "scoring"])
+def test_a_preemption_during_staging_or_scoring_requeues_that_task(
+    step: str, fake_azure_account, tmp_path: Path
+) -> None:
+    """Staging (incremental, verified: a second attempt copies what the first did not) and
+    scoring (reads the model, writes one file) start again on the new VM; the requeue is no
+    retry, and the run counts the preemption."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=0", "pool.low_priority_nodes=1")
+    if step == "staging":
+        spec = staging_task(config, "stage-p", "runs/p")
+        done = {"outputs/staging.json": b"{}"}
+    else:
+        spec = scoring_task("score-p", "runs/p/model.pt", "runs/p")
+        done = {"outputs/score.json": b"{}"}
+    batch.scripts[spec.id] = [Attempt(0, "working\n", seconds=30), Attempt(0, "done\n", done)]
+    lines: list[str] = []
+    runner, out = _start(cluster, spec, lines)
+    wait_until(lambda: getattr(_task(batch, config, spec.id), "state", "") == "running")
+    batch.preempt(config.pool.id, recover_after=1)
+    runner.join(timeout=30)
+    assert out and not isinstance(out[0], Exception), out
+    assert out[0].exit_code == 0 and out[0].attempts == 1 and out[0].preemptions == 1
+    assert _task(batch, config, spec.id).execution["retryCount"] == 0
+    assert any("was requeued (a node was preempted" in line for line in lines)
+    assert f"runs/p/{next(iter(done)).split('/')[1]}" in out[0].uploaded  # the new attempt's
 
 
 def test_task_that_never_gets_nodes_fails_at_its_deadline(
