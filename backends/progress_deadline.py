@@ -14,7 +14,9 @@ bound of its own:
   or epoch end; each heartbeat renews it, so a first epoch may take as long as its batches need
   (it grows with the data), while a first epoch that stops is still found;
 - after that, ``factor`` times the slowest of the recent intervals (heartbeats' and epochs'),
-  never under ``floor_seconds``.
+  never under ``floor_seconds``;
+- after the last epoch, start-up's bound again: the test split scored, the model exported and
+  checked, work no heartbeat measures.
 
 Both clusters (the local stand-in and Batch) ask this one object when an attempt is overdue;
 the training step hands it every line of the task's output (:meth:`ProgressDeadline.observe`).
@@ -112,8 +114,8 @@ class ProgressDeadline:
 
     def progress(self, epoch: int, seconds: float | None, last: bool = False) -> None:
         """An epoch ended (``seconds``: how long it took, when the trainer says). After the
-        ``last`` one the trainer scores and exports the model, work no heartbeat measures: the
-        first-progress bound holds again."""
+        ``last`` one the trainer scores and exports the model, work no heartbeat measures:
+        start-up's bound holds again."""
         with self._lock:
             self._since, self._epoch, self._batch = self.clock(), epoch, None
             self._started, self._last = True, last
@@ -122,9 +124,9 @@ class ProgressDeadline:
 
     def bound(self) -> float:
         with self._lock:
-            if not self._started:
+            if not self._started or self._last:
                 return self.startup_seconds
-            if not self._durations or self._last:
+            if not self._durations:
                 return self.first_epoch_seconds
             return max(self.floor_seconds, self.factor * max(self._durations))
 

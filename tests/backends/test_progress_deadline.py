@@ -36,15 +36,17 @@ def test_the_bound_follows_the_slowest_recent_epoch_with_a_floor() -> None:
     assert deadline.overdue() == "no progress for 15 s after epoch 7"
 
 
-def test_a_new_attempt_and_the_work_after_the_last_epoch_get_the_first_bound() -> None:
+def test_a_new_attempt_and_the_work_after_the_last_epoch_get_the_start_up_bound() -> None:
     clock = Clock()
-    deadline = ProgressDeadline(first_epoch_seconds=100, factor=3, floor_seconds=10, clock=clock)
+    deadline = ProgressDeadline(
+        first_epoch_seconds=100, factor=3, floor_seconds=10, clock=clock, startup_seconds=900
+    )
     deadline.progress(1, 1.0)
-    deadline.progress(2, 1.0, last=True)  # scoring and export follow: no epoch measures them
-    assert deadline.bound() == 100
+    deadline.progress(2, 1.0, last=True)  # scoring and export follow: no heartbeat measures them
+    assert deadline.bound() == 900
     deadline.restart()
     clock.now = 50
-    assert deadline.bound() == 100 and deadline.overdue() is None
+    assert deadline.bound() == 900 and deadline.overdue() is None
 
 
 def line(kind: str, record: dict[str, object]) -> str:
