@@ -85,7 +85,10 @@ def _trial(
     shutil.rmtree(checkpoints, ignore_errors=True)  # each trial from the start
     run = pool.start(task_body(spec), JOB)
     deadline = time.monotonic() + 3600
-    while not (first := EPOCH_1.search(run.primary.stdout())):  # epoch 1 over: its length
+    # Epoch 1 over (its length) and its checkpoint on disk (written behind the PROGRESS line).
+    while not (first := EPOCH_1.search(run.primary.stdout())) or not list(
+        checkpoints.glob("*/checkpoint-*.pt")
+    ):
         if run.done.is_set() or time.monotonic() > deadline:
             raise SystemExit(f"no first epoch:\n{run.primary.stdout()[-3000:]}")
         time.sleep(0.05)
