@@ -6,9 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/apt_programs.sh scripts/install_sshd.sh \
 	scripts/install_service_packages.sh scripts/install_image_tools.sh scripts/install_strace.sh \
-	package.json package-lock.json
+	package.json package-lock.json Makefile
 
-.PHONY: setup demo image azurite service azure-config test test-quick reliability lint bench clean
+.PHONY: setup demo image azurite service azure-config azure-up azure-down test test-quick reliability lint bench clean
+
+IAC_TOOLS := .tools/iac
+CHECKOV_VERSION := 3.3.30
 
 setup: $(STAMP)
 
@@ -30,6 +33,9 @@ $(STAMP): $(SETUP_INPUTS)
 	@# strace holds a checkpoint write's fsync in the mid-write kill test (root only).
 	bash scripts/install_strace.sh
 	npm ci --no-audit --no-fund --loglevel=error
+	@# checkov (the IaC scanner of tests/infra/) in a venv of its own: its pins stay out of ours.
+	@test -x $(IAC_TOOLS)/bin/checkov || { $(PYTHON) -m venv $(IAC_TOOLS) && \
+		$(IAC_TOOLS)/bin/python -m pip install --quiet checkov==$(CHECKOV_VERSION); }
 	@touch $@
 
 demo: setup
@@ -62,6 +68,16 @@ azure-config:
 	fi
 	@cp -n configs/azure.example.yaml configs/azure.yaml
 	@echo "configs/azure.yaml created from configs/azure.example.yaml: fill in your names (docs/azure.md)"
+
+# The Azure setup from an empty subscription (docs/azure.md): previews infra/main.json, asks,
+# deploys, builds the images, writes configs/azure.yaml, registers the deployments. AZURE_ARGS:
+# --subscription ID --location REGION --name-prefix NAME and the rest of
+# `python -m cli.azure up --help`. azure-down names what it deletes and asks; data is kept.
+azure-up: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m cli.azure up $(AZURE_ARGS)
+
+azure-down: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m cli.azure down $(AZURE_ARGS)
 
 # Everything but the extra trials of the fault tests (marked slow; `make reliability` runs them),
 # in TEST_WORKERS processes (pytest-xdist), a test file per process at a time, the longest

@@ -15,8 +15,9 @@ bound of its own:
   (it grows with the data), while a first epoch that stops is still found;
 - after that, ``factor`` times the slowest of the recent intervals (heartbeats' and epochs'),
   never under ``floor_seconds``;
-- after the last epoch, start-up's bound again: the test split scored, the model exported and
-  checked, work no heartbeat measures.
+- after the last epoch (the cap's, or the one an early stop ended on: ``"stop": true``),
+  start-up's bound again: the test split scored, the model exported and checked, work no
+  heartbeat measures.
 
 Both clusters (the local stand-in and Batch) ask this one object when an attempt is overdue;
 the training step hands it every line of the task's output (:meth:`ProgressDeadline.observe`).
@@ -99,9 +100,9 @@ class ProgressDeadline:
         elif "PROGRESS " in line and (record := trainer_record(line, "PROGRESS")) is not None:
             epoch = record.get("epoch")
             if isinstance(epoch, int):
-                self.progress(
-                    epoch, _seconds(record.get("seconds")), last=epoch == record.get("epochs")
-                )
+                # The cap, or an early stop: the trainer scores and exports next.
+                last = epoch == record.get("epochs") or record.get("stop") is True
+                self.progress(epoch, _seconds(record.get("seconds")), last=last)
 
     def heartbeat(self, epoch: int, batch: int, seconds: float | None) -> None:
         """Training started (``seconds`` None), or goes on: ``batch`` of ``epoch`` done,

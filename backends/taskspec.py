@@ -138,6 +138,9 @@ def training_task(
         node_path(MOUNTS_DIR, NFS_MOUNT, "checkpoints", training_key),
         "--prune-checkpoint-folders",
         shlex.quote(f"{config.nfs.checkpoint_days:g}"),
+        # The best epoch is the one the promotion would have chosen.
+        "--val-metric",
+        shlex.quote(config.promotion.metric),
     ]
     values = [*settings_argv(config.training), *config.training.extra_args]
     # Every config value is quoted, extra_args included: only the paths above expand.

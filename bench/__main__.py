@@ -36,6 +36,8 @@ FULL: dict[str, list[str]] = {
     "tracking": [],
     "warm_start": [],
     "preemption": [],
+    # Six flow runs per seed (3 seeds): about an hour on 2 cores; not in the quick plan.
+    "warm_start_flow": [],
 }
 QUICK: dict[str, list[str]] = {
     "staging": [
@@ -63,6 +65,7 @@ QUICK: dict[str, list[str]] = {
     "tracking": ["--pairs", "1", "--epochs", "1"],
     "warm_start": ["--epochs", "2", "--v1-epochs", "1", "--seeds", "0"],
     "preemption": ["--trials", "1", "--epochs", "2", "--repeats", "1"],
+    "warm_start_flow": ["--datasets", "digits", "--seeds", "0"],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.
 GPU_BENCHES = [
@@ -174,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         name: ["--source", str(args.scratch / "source"), "--work", str(args.scratch / name)]
         for name in ("staging", "loading", "trainer", "feed")
     }
-    for name in ("nodes", "gate_scale", "checkpoint_stall", "sharded_state", "warm_start"):
+    for name in (
+        "nodes",
+        "gate_scale",
+        "checkpoint_stall",
+        "sharded_state",
+        "warm_start",
+        "warm_start_flow",
+    ):
         where[name] = ["--work", str(args.scratch / name)]
     try:
         for name in chosen:

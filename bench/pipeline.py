@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The flow's DAG on the local target (flows/retrain.py): each step and what it waits for.
 DAG: dict[str, list[str]] = {
     "validate-data": [],
-    "check-up-to-date": ["validate-data"],
+    "fit-to-data": ["validate-data"],
+    "check-up-to-date": ["fit-to-data"],
     "upload-scripts": ["check-up-to-date"],
     "stage-data": ["check-up-to-date"],
     "build-image": ["check-up-to-date"],
@@ -54,7 +55,7 @@ DAG: dict[str, list[str]] = {
 }
 CONCURRENT = ("upload-scripts", "stage-data", "build-image", "ensure-pool")
 # A run whose data, code and settings are the last trained run's ends after these.
-UP_TO_DATE = ("validate-data", "check-up-to-date", "report")
+UP_TO_DATE = ("validate-data", "fit-to-data", "check-up-to-date", "report")
 HEAVY = ("torch", "great_expectations", "azure.batch", "azure.storage.blob", "horovod", "numpy")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report_systems as systems
-from bench.report_warm_start import warm_start
+from bench.report_warm_start import warm_start, warm_start_flow
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RESULTS = ROOT / "docs" / "bench-gpu"
@@ -942,6 +942,8 @@ def render(results: Path, previous: str = "") -> str:
         lines += warm_start(r)
     if (r := load("preemption")) is not None:
         lines += systems.preemption(r)
+    if (r := load("warm_start_flow")) is not None:
+        lines += warm_start_flow(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [

@@ -95,3 +95,46 @@ def warm_start(r: dict[str, Any]) -> list[str]:
         *(line for s in r["seeds"] for line in _seed_table(s)),
         *_cost(r),
     ]
+
+
+FLOW_HEADING = "## Warm start through the flow, as the nightly runs it (`bench/warm_start_flow.py`)"
+
+
+def warm_start_flow(r: dict[str, Any]) -> list[str]:
+    """The flow's side by side: per dataset and seed, scratch's and the warm run's epochs and
+    test accuracy on v2 (no training setting given: fitted to the data, stopped early)."""
+    flow = r["flow"]
+    lines = [
+        FLOW_HEADING,
+        "",
+        "Local target, 2 training processes, no training setting given (input size and epoch "
+        "cap fitted to the data, early stopping on the val split or a held-out slice). Per "
+        "dataset and seed: v1 from scratch (the champion), v2 as the nightly trains it "
+        "(`follow_champion`: the champion's weights and recipe, a third of the fewer of its "
+        "epochs and scratch's cap), v2 from scratch. Test accuracy is the flow's score on "
+        "v2's test split.",
+        "",
+        "| dataset | seed | input px | v1 test acc. | scratch: epochs (kept), test acc. | "
+        "warm: epochs (kept), test acc. | warm epochs / scratch's | warm reached scratch |",
+        "|---|---:|---:|---:|---|---|---:|---|",
+    ]
+    for run in flow["runs"]:
+        s, w = run["scratch"], run["warm"]
+        lines.append(
+            f"| {run['dataset']} | {run['seed']} | {s['input_size']} | "
+            f"{run['v1']['test_accuracy']:.3f} | {s['epochs_trained']} ({s['kept_epoch']}), "
+            f"{s['test_accuracy']:.3f} | {w['epochs_trained']} ({w['kept_epoch']}), "
+            f"{w['test_accuracy']:.3f} | {run['epoch_share']:.2f} | "
+            f"{'yes' if run['reached'] else 'no'} |"
+        )
+    share = flow["max_epoch_share"]
+    lines += [
+        "",
+        f"Largest share of scratch's epochs a warm run took: "
+        f"{share:.2f}; warm runs that reached scratch's final test accuracy: "
+        f"{flow['reached']} of {len(flow['runs'])}."
+        if share is not None
+        else "No run.",
+        "",
+    ]
+    return lines

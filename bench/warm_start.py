@@ -7,8 +7,8 @@ this run:
 
 - **scratch**: the recipe from random weights, ``--epochs E``;
 - the same recipe from v1's ``model.pt`` (``--init-from``), once per fine-tuning variant:
-  ``plain`` (no warm-up, the scratch recipe as it is), ``warm-up`` (a linear warm-up from 0
-  over the first epoch: the trainer's default when starting from weights), ``head-only 1``
+  ``plain`` (no warm-up, the scratch recipe as it is: the trainer's default when starting from
+  weights), ``warm-up`` (a linear warm-up from 0 over the first epoch), ``head-only 1``
   (only the classifier learns in epoch 1), ``backbone x0.1`` (the backbone at a tenth of the
   rate), the last two together, and ``lr x0.2`` (the whole network at a fifth of the
   recipe's rate);
@@ -46,6 +46,7 @@ from typing import Any
 import psutil
 
 from bench.output import ROOT, emit
+from bench.warm_start_flow import add_arguments
 
 # ResNet-50 at 224 px on one H100 80GB HBM3, the trainer's own step with torch.compile, batch
 # 256, Horovod (docs/performance.md, "What each speed switch buys (2026-11-23)").
@@ -66,14 +67,14 @@ SIZES = {  # name: (GPUs per node, $/hour)
     "NC40ads H100 v5": (1, 6.98),
 }
 VARIANTS: dict[str, list[str]] = {
-    "plain": ["--warmup-epochs", "0"],
-    "warm-up": [],  # the trainer's defaults when starting from weights
+    "plain": [],  # the trainer's defaults when starting from weights: no warm-up
+    "warm-up": ["--warmup-epochs", "1"],
     "head-only 1": ["--head-only-epochs", "1"],
     "backbone x0.1": ["--backbone-lr-scale", "0.1"],
     "head-only 1, backbone x0.1": ["--head-only-epochs", "1", "--backbone-lr-scale", "0.1"],
     "lr x0.2": ["--lr", "0.01"],
 }
-DEFAULT_VARIANT = "warm-up"
+DEFAULT_VARIANT = "plain"
 
 
 def write_versions(root: Path, seed: int = 0) -> tuple[Path, Path]:
@@ -210,6 +211,11 @@ def nightly_cost(epoch_share: float, prices: dict[str, float]) -> list[dict[str,
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.flow_only:
+        from bench.warm_start_flow import measure, summary
+
+        runs = measure(args.work / "flow", args.datasets, args.seeds, args.warm_args)
+        return {"benchmark": "warm_start_flow", "flow": summary(runs)}
     seeds = [one_seed(args.work, seed, args.epochs, args.v1_epochs) for seed in args.seeds]
     shares = [
         s["runs"][DEFAULT_VARIANT]["reached_epoch"] / args.epochs
@@ -252,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--price-source", help="where the prices given come from")
     p.add_argument("--work", type=Path, default=ROOT / ".bench" / "warm_start", help="scratch")
     p.add_argument("--json", type=Path, help="also write the report here")
+    p.add_argument(
+        "--flow-only",
+        action="store_true",
+        help="only the flow's side by side, as the nightly runs it (bench/warm_start_flow.py)",
+    )
+    add_arguments(p)
     args = p.parse_args(argv)
     return emit(run(args), args.json)
 

@@ -52,6 +52,7 @@ class Recipe:
     run_id: str
     settings: dict[str, Any]  # TrainingSettings fields of RECIPE_FIELDS
     extra: dict[str, Any]  # RECIPE_SWITCHES (bool) and RECIPE_OPTIONS (values)
+    trained_epochs: int | None = None  # the epochs its training ran (early stopping ended it)
 
     @classmethod
     def from_metrics(cls, run_id: str, metrics: Mapping[str, Any]) -> Recipe | None:
@@ -61,7 +62,9 @@ class Recipe:
             return None
         settings = {k: args[k] for k in RECIPE_FIELDS if k in args}
         extra = {k: args[k] for k in (*RECIPE_SWITCHES, *RECIPE_OPTIONS) if k in args}
-        return cls(run_id, settings, extra)
+        history = metrics.get("epochs")
+        trained = len(history) if isinstance(history, list) and history else None
+        return cls(run_id, settings, extra, trained)
 
 
 def explicit_training_fields(overrides: Iterable[str], fields: Iterable[str] = ()) -> set[str]:
@@ -132,6 +135,17 @@ def training_settings(
                 else "the config's default (not part of a recipe)"
             )
             origins.append(Origin(name, value, "config", why))
+    trained = recipe.trained_epochs if recipe is not None else None
+    if updates.get("init_from") == "champion" and "epochs" not in explicit and trained:
+        # The champion's cap was for a training from scratch: a warm start's is fitted to the
+        # data (tasks/fit_to_data.py), from the epochs the champion's training ran.
+        updates["epochs"] = None
+        origins = [o for o in origins if o.field != "epochs"]
+        why = (
+            f"left to be fitted to a warm start from the champion, whose training ran "
+            f"{trained} epochs (run {recipe.run_id if recipe else None})"
+        )
+        origins.append(Origin("epochs", None, "champion", why))
     if recipe is not None and "extra_args" in names and "extra_args" not in explicit:
         extra = list(getattr(config, "extra_args"))  # noqa: B009 - TrainingConfig's field
         given = _extra_words(extra)

@@ -67,8 +67,9 @@ def retrain(
     before anything is provisioned (force trains anyway).
 
     Args:
-        epochs: Training epochs. Empty: the config's training.epochs (the file at
-            config_path below, which the deployment sets).
+        epochs: The most training epochs (training stops earlier at its best epoch).
+            Empty: the config's training.epochs (the file at config_path below, which the
+            deployment sets), or, unset there too, a cap fitted to the data.
         model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
             config's.
         data_container: The Blob container with the training data. Empty: the config's
@@ -166,6 +167,7 @@ def _retrain(
     from core.run_events import model_promoted
     from servers.gateway import output_link
     from tasks.cost import PoolMeter
+    from tasks.fit_to_data import fit_to_data
     from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
     from tasks.promote import promote
@@ -195,11 +197,19 @@ def _retrain(
                 update={"data": run_config.data.pinned(data.version)}
             )
             target = target_for(run_config)
+            warm_from = None  # the epochs the followed champion's training ran
             if run_config.training.follow_champion:
                 # The champion's recipe and weights, but what this run sets itself.
                 followed = follow_champion(run_config, explicit, run)
                 steps.append(followed.record)
                 run_config = followed.value.config
+                target = target_for(run_config)
+                warm_from = followed.value.champion_epochs
+            if gate.value.facts is not None:
+                # What the config, the run and the recipe leave unset, fitted to the data.
+                fitted = fit_to_data(run_config, gate.value.facts, run, warm_from)
+                steps.append(fitted.record)
+                run_config = fitted.value
                 target = target_for(run_config)
             if run_config.training.init_from is not None:
                 # What training starts from, resolved and checked before anything is

@@ -29,6 +29,7 @@ class Followed:
     config: PipelineConfig
     origins: list[Origin]
     champion_run: str | None
+    champion_epochs: int | None = None  # the epochs the champion's own training ran
 
 
 def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
@@ -46,7 +47,8 @@ def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
         recipe = Recipe.from_metrics(read.champion.run_id, champion_metrics(outputs, read.champion))
     training, origins = training_settings(config.training, explicit, recipe)
     run_id = read.champion.run_id if read.champion else None
-    return Followed(config.model_copy(update={"training": training}), origins, run_id)
+    trained = recipe.trained_epochs if recipe is not None else None
+    return Followed(config.model_copy(update={"training": training}), origins, run_id, trained)
 
 
 @step("follow-champion")

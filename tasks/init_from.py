@@ -107,6 +107,13 @@ def _champion(config: PipelineConfig, outputs: Any) -> Start:
         )
     metrics = champion_metrics(outputs, champion)
     have = (metrics.get("model"), metrics.get("input_size"))
+    if config.training.image_size is None and have[0] == config.training.model:
+        # A size left unset is the champion's (one fitted to its data, tasks/fit_to_data.py).
+        size = have[1]
+        if type(size) is int and size > 0:
+            config = config.model_copy(
+                update={"training": replace(config.training, image_size=size)}
+            )
     want = (config.training.model, config.training.input_size())
     if have != want:
         raise InitFromConfigError(

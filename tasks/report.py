@@ -79,6 +79,7 @@ def summary_markdown(
         "",
         *steps_markdown(steps),
     ]
+    lines += ["", *training_markdown(steps, metrics)]
     lines += ["", *epochs_markdown(steps, metrics)]
     lines += ["", *cost_markdown(cost)]
     if config is not None:
@@ -118,6 +119,41 @@ def data_lines(version: DataVersion | None) -> list[str]:
         f"Trained on {markdown_text(version.describe())} ({markdown_text(version.chosen)}).",
         "",
     ]
+
+
+def early_stop_sentence(stop: dict[str, Any]) -> str:
+    """How long the training ran, what it watched, and which epoch's model it kept."""
+    trained, cap, kept = stop.get("epochs_trained"), stop.get("epoch_cap"), stop.get("kept_epoch")
+    if stop.get("split") is None:
+        return (
+            f"No early stop ({stop.get('why')}): {trained} of {cap} epochs trained; the model is "
+            "the last epoch's."
+        )
+    metric, best = stop.get("metric"), stop.get("best_value")
+    shown = f" ({metric} {best:.4f})" if isinstance(best, int | float) else ""
+    watched = f"the {metric} on {stop.get('why')}"
+    if stop.get("stopped_early"):
+        return (
+            f"Stopped early after epoch {trained} of at most {cap}: {watched} had not improved "
+            f"for {stop.get('patience')} epochs. The model kept is epoch {kept}'s{shown}."
+        )
+    return (
+        f"Trained {trained} of at most {cap} epochs, watching {watched}. The model kept is "
+        f"epoch {kept}'s{shown}."
+    )
+
+
+def training_markdown(steps: list[StepRecord], metrics: dict[str, Any]) -> list[str]:
+    """The settings fitted to the data, each with why, and where the training stopped."""
+    lines: list[str] = []
+    fit = next((s for s in steps if s.step == "fit-to-data"), None)
+    fitted = fit.details.get("settings") if fit else None
+    if fitted:
+        lines += ["Fitted to the data:", "", *(f"- {markdown_text(str(x))}" for x in fitted), ""]
+    stop = metrics.get("early_stopping")
+    if isinstance(stop, dict):
+        lines.append(markdown_text(early_stop_sentence(stop)))
+    return ["## Training", "", *lines] if lines else []
 
 
 def epochs_run(steps: list[StepRecord]) -> set[int]:

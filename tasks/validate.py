@@ -28,6 +28,7 @@ from gate.report import DataValidationError, failure, gate_markdown
 from gate.verdicts import judge
 from servers.gateway import output_link
 from staging.listing import listing_blob, listing_json, listing_version
+from tasks.fit_to_data import DataFacts
 from tasks.steps import Done, step
 
 # The gate's refusals: the data cannot be trained (or the version asked for does not exist),
@@ -63,11 +64,12 @@ def gate_cache_dir(config: PipelineConfig) -> Path:
 
 @dataclass(frozen=True)
 class Validated:
-    """What the gate passed: the data version, and its listing's digest (what the up-to-date
-    check compares, known before anything is staged)."""
+    """What the gate passed: the data version, its listing's digest (what the up-to-date
+    check compares, known before anything is staged) and what its images are."""
 
     version: DataVersion
     listing_version: str
+    facts: DataFacts | None = None  # image counts and sizes, for fitting the training to them
 
 
 @step("validate-data")
@@ -115,7 +117,7 @@ def validate_data(config: PipelineConfig, run: Run) -> Done[Validated]:
     )
     return Done(
         True,
-        Validated(version, listing_version(blobs)),
+        Validated(version, listing_version(blobs), DataFacts.from_rows(rows)),
         {
             "data_version": version.label,
             "data_prefix": dataset.prefix,

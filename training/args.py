@@ -26,6 +26,8 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from training.stopping import MetricName
+
 ModelName = Literal["cnn", "resnet18", "resnet50"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 OptimizerKernel = Literal["auto", "fused", "foreach"]
@@ -38,6 +40,8 @@ BOUNDS = ("ge", "gt", "le")
 # Fine-tuning when starting from weights, as measured by bench/warm_start.py (docs/trainer.md).
 DEFAULT_HEAD_ONLY_EPOCHS = 0
 DEFAULT_BACKBONE_LR_SCALE = 1.0
+# The epoch cap of a trainer started without --epochs (the pipeline fits one to its data first).
+DEFAULT_EPOCH_CAP = 30
 
 
 def about(description: str, **bounds: float | bool) -> dict[str, Any]:
@@ -62,7 +66,36 @@ def default_input_size(model: str) -> int:
 class TrainingSettings:
     """What a pipeline run sets of the trainer (see ``python -m training.train --help``)."""
 
-    epochs: int = field(default=5, metadata=about("passes over the training data", ge=1))
+    epochs: int | None = field(
+        default=None,
+        metadata=about(
+            "the most passes over the training data: training stops earlier once the val "
+            "metric stops improving (patience); unset: fitted to the data (docs/trainer.md), "
+            f"{DEFAULT_EPOCH_CAP} for the trainer alone",
+            ge=1,
+            le=10000,
+        ),
+    )
+    patience: int = field(
+        default=10,
+        metadata=about(
+            "epochs in a row without an improvement of the val metric (the val split's, or a "
+            "slice held out of train when there is none) after which training stops and keeps "
+            "its best epoch's model; 0: train to the epoch cap, keeping the best epoch's model",
+            ge=0,
+            le=10000,
+        ),
+    )
+    min_improvement: float = field(
+        default=0.0,
+        metadata=about(
+            "the rise of the val metric over its best that counts as an improvement for "
+            "patience (0: any rise)",
+            ge=0,
+            le=1,
+            allow_inf_nan=False,
+        ),
+    )
     batch_size: int = field(
         default=64,
         metadata=about(
@@ -154,6 +187,10 @@ class TrainingSettings:
         """The side in pixels of every image the trainer reads, and so of the packed shards."""
         return self.image_size or default_input_size(self.model)
 
+    def epoch_cap(self) -> int:
+        """The most epochs the trainer trains."""
+        return self.epochs or DEFAULT_EPOCH_CAP
+
 
 @dataclass(kw_only=True)
 class TrainerArgs(TrainingSettings):
@@ -178,11 +215,19 @@ class TrainerArgs(TrainingSettings):
         default=None,
         metadata=about("the run whose model --init-from is, recorded in metrics.json"),
     )
-    warmup_epochs: float = field(
-        default=1.0,
+    val_metric: MetricName = field(
+        default="accuracy",
+        metadata=about(
+            "the metric early stopping watches and the best epoch is chosen by (the pipeline "
+            "passes its promotion.metric)"
+        ),
+    )
+    warmup_epochs: float | None = field(
+        default=None,
         metadata=about(
             "epochs of linear warm-up to the scaled rate (from the single-worker rate; from 0 "
-            "when starting from weights)",
+            "when starting from weights); default 1 from random weights, none from weights "
+            "(bench/warm_start.py: a warm-up spends the head start)",
             ge=0,
         ),
     )
@@ -265,6 +310,12 @@ class TrainerArgs(TrainingSettings):
         ),
     )
 
+    def warmup(self) -> float:
+        """Epochs of warm-up: ``--warmup-epochs``, or its default for the start."""
+        if self.warmup_epochs is not None:
+            return self.warmup_epochs
+        return 0.0 if self.init_from is not None else 1.0
+
     @property
     def checkpoints(self) -> Path:
         """Where checkpoints are written and resumed from."""
@@ -281,8 +332,15 @@ def flag(name: str) -> str:
 
 
 # What a pipeline's run passes itself: where it reads and writes (the validated data it staged,
-# the run's outputs, the checkpoints of its training key) and which checkpoint folders go.
-PIPELINE_OPTIONS = ("data_dir", "output_dir", "checkpoint_dir", "prune_checkpoint_folders")
+# the run's outputs, the checkpoints of its training key), which checkpoint folders go, and
+# the metric early stopping watches (its promotion.metric).
+PIPELINE_OPTIONS = (
+    "data_dir",
+    "output_dir",
+    "checkpoint_dir",
+    "prune_checkpoint_folders",
+    "val_metric",
+)
 
 
 # What a pipeline's run sets from its ``training.init_from`` (the weights it resolved and checked).

@@ -140,17 +140,16 @@ def mismatch(
     Checked before anything is applied, because ``load_state_dict`` copies the tensors that
     fit before it raises about the rest: a failed attempt would leave the model half-loaded.
     """
-    weights, want = state["model"], model.state_dict()
-    if not isinstance(weights, dict):
-        return "its model weights are not a state dict"
-    if weights.keys() != want.keys():
-        odd = sorted(set(weights) ^ set(want))[:3]
-        return f"its weights name other layers than the model's (e.g. {odd})"
-    for key, tensor in want.items():
-        have = weights[key]
-        if not isinstance(have, torch.Tensor) or have.shape != tensor.shape:
-            shape = tuple(have.shape) if isinstance(have, torch.Tensor) else type(have).__name__
-            return f"{key} is {shape} in the checkpoint, {tuple(tensor.shape)} in the model"
+    want = model.state_dict()
+    why = _weights_mismatch(state["model"], want)
+    if why is not None:
+        return why
+    best = state.get("best")
+    if best is not None:
+        if not isinstance(best, dict) or type(best.get("epoch")) is not int:
+            return "its best epoch's record is not the trainer's"
+        if "model" in best and (why := _weights_mismatch(best["model"], want)):
+            return f"its best epoch's weights do not fit: {why}"
     saved = state["optimizer"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
@@ -171,6 +170,20 @@ def mismatch(
         and all(isinstance(r, dict) and {"python", "numpy", "torch"} <= r.keys() for r in rngs)
     ):
         return "its random-number states are not the trainer's"
+    return None
+
+
+def _weights_mismatch(weights: Any, want: dict[str, torch.Tensor]) -> str | None:
+    if not isinstance(weights, dict):
+        return "its model weights are not a state dict"
+    if weights.keys() != want.keys():
+        odd = sorted(set(weights) ^ set(want))[:3]
+        return f"its weights name other layers than the model's (e.g. {odd})"
+    for key, tensor in want.items():
+        have = weights[key]
+        if not isinstance(have, torch.Tensor) or have.shape != tensor.shape:
+            shape = tuple(have.shape) if isinstance(have, torch.Tensor) else type(have).__name__
+            return f"{key} is {shape} in the checkpoint, {tuple(tensor.shape)} in the model"
     return None
 
 

@@ -47,6 +47,7 @@ from training.distributed import GradientOptions, UsageError, World
 from training.models import MODEL_FORMAT_VERSION, build_model, upgrade_state_dict
 from training.onnx_export import ExportError, check_images, write_onnx
 from training.preemption import Notice, PreemptionWatcher
+from training.stopping import StoppingRule, hold_out, metric_value
 from training.weights import InitFromError, carry, network_parameters, read_weights
 
 log = dist.log
@@ -60,11 +61,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 class EvalSampler(Sampler[int]):
-    """Every rank takes indices rank, rank+N, ...: no padding (unlike DistributedSampler), so
-    every image is evaluated exactly once and the counts summed across ranks are exact."""
+    """Every rank takes indices rank, rank+N, ... (of ``indices``, when given: a slice of the
+    split): no padding (unlike DistributedSampler), so every image is evaluated exactly once
+    and the counts summed across ranks are exact."""
 
-    def __init__(self, length: int, world: World) -> None:
-        self.indices = list(range(world.rank, length, world.size))
+    def __init__(self, length: int, world: World, indices: list[int] | None = None) -> None:
+        chosen = indices if indices is not None else list(range(length))
+        self.indices = chosen[world.rank :: world.size]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
@@ -73,10 +76,23 @@ class EvalSampler(Sampler[int]):
         return len(self.indices)
 
 
+class SliceSampler(DistributedSampler[Any]):
+    """A DistributedSampler over ``indices`` of a split (the train split less the slice held
+    out for early stopping): this rank's shuffled share of them, as indices into the split."""
+
+    def __init__(self, indices: list[int], world: World, seed: int) -> None:
+        super().__init__(indices, num_replicas=world.size, rank=world.rank, shuffle=True, seed=seed)  # type: ignore[arg-type]
+        self.indices = indices
+
+    def __iter__(self) -> Iterator[int]:
+        return (self.indices[i] for i in super().__iter__())
+
+
 class ResumingSampler(Sampler[int]):
-    """This rank's share of an epoch in ``DistributedSampler``'s order (a function of the seed
-    and the epoch alone), from a position: an attempt that resumes inside an epoch trains
-    exactly the batches its checkpoint had not, in the order the first attempt would have."""
+    """This rank's share of an epoch in ``DistributedSampler``'s order (a function of the seed,
+    the epoch and the images trained on: the whole train split, or what a ``SliceSampler``
+    leaves of it), from a position: an attempt that resumes inside an epoch trains exactly the
+    batches its checkpoint had not, in the order the first attempt would have."""
 
     def __init__(self, inner: DistributedSampler[Any]) -> None:
         self.inner = inner
@@ -253,6 +269,7 @@ class Trainer:
     # How the optimizer's groups' rates relate to the schedule's (the backbone's and the
     # classifier's, when starting from weights).
     tuning: FineTuning | None = None
+    classes: int = 0  # the classifier's outputs
 
     def _prepare(
         self, images: torch.Tensor, labels: torch.Tensor, train: bool = False
@@ -382,33 +399,56 @@ class Trainer:
         log.info("epoch %d batch %d: mean loss so far %.4f", epoch, batch, total / max(1.0, count))
 
     @torch.no_grad()
-    def evaluate(self, split: SplitData, name: str) -> dict[str, float]:
+    def evaluate(
+        self, split: SplitData, name: str, indices: list[int] | None = None
+    ) -> dict[str, float]:
+        """Loss, accuracy and ``--val-metric`` over ``split`` (or its ``indices``), summed
+        over the ranks' shares: every rank gets the same figures."""
         self.model.eval()
-        loader = _loader(split, EvalSampler(len(split), self.world), self.args, self.world)
-        loss_sum = correct = seen = 0.0
+        sampler = EvalSampler(len(split), self.world, indices)
+        loader = _loader(split, sampler, self.args, self.world)
+        # Per class: images of it, images labelled it, and both (every metric a promotion
+        # decides on follows from these).
+        counts = torch.zeros((3, self.classes), dtype=torch.float64, device=self.world.device)
+        loss_sum = 0.0
         for images, labels in loader:
             images, labels = self._prepare(images, labels)
             logits = self._forward(images, self.model).float()
             loss_sum += float(self.loss_fn(logits, labels)) * len(labels)
-            correct += float((logits.argmax(1) == labels).sum())
-            seen += len(labels)
-        total_loss, total_correct, total_seen = dist.allreduce_sum(
-            [loss_sum, correct, seen], name=f"eval.{name}"
+            predicted = logits.argmax(1)
+            for row, values in enumerate((labels, predicted, labels[predicted == labels])):
+                counts[row] += torch.bincount(values, minlength=self.classes)[: self.classes]
+        total_loss, *summed = dist.allreduce_sum(
+            [loss_sum, *counts.flatten().tolist()], name=f"eval.{name}"
         )
+        n = self.classes
+        true, predicted_n, correct = summed[:n], summed[n : 2 * n], summed[2 * n :]
+        seen = sum(true)
         return {
-            "loss": total_loss / max(1.0, total_seen),
-            "accuracy": total_correct / max(1.0, total_seen),
+            "loss": total_loss / max(1.0, seen),
+            "accuracy": sum(correct) / max(1.0, seen),
+            "metric": metric_value(self.args.val_metric, correct, true, predicted_n),
         }
 
 
 # ---------------------------------------------------------------------------- checkpoints
 
 
+@dataclass
+class Best:
+    """The best epoch so far and its weights, a host copy every rank keeps (None: the model
+    as it stands is that epoch's, as in a checkpoint written at the best epoch's end)."""
+
+    epoch: int
+    weights: dict[str, Any] | None
+
+
 @dataclass(frozen=True)
 class Resumed:
     """Where this attempt starts: ``start_epoch`` (at ``start``'s batch when the checkpoint was
-    inside it), the epochs' history, ``resumed_from`` (whole epochs the checkpoint had done; None
-    on a fresh start), what the training started from, and why the checkpoint was written."""
+    inside it), the epochs' history (from which the stopping rule is replayed), ``resumed_from``
+    (whole epochs the checkpoint had done; None on a fresh start), what the training started
+    from, why the checkpoint was written, and its best epoch."""
 
     start_epoch: int
     history: list[dict[str, Any]]
@@ -417,10 +457,12 @@ class Resumed:
     start: EpochStart | None = None
     reason: str | None = None
     name: str = ""  # the checkpoint's file name
+    best: Best | None = None
 
 
 # What must be equal for a checkpoint inside an epoch to resume at its batch: each rank's share
-# of the epoch, and the batches it falls into, depend on them.
+# of the epoch (and of the train images left after a held-out slice, which the seed draws), and
+# the batches it falls into, depend on them.
 _SAME_ORDER = ("batch_size", "backward_passes_per_step", "seed", "compile")
 
 
@@ -431,11 +473,13 @@ def _resume(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
 ) -> Resumed:
-    """Rank 0 loads the newest valid checkpoint; its position, history and what the training
-    started from go to every rank, and each rank its own sums of an epoch it was inside of.
+    """Rank 0 loads the newest valid checkpoint; its position, history, what the training
+    started from and its best epoch go to every rank, and each rank its own sums of an epoch
+    it was inside of.
 
     Weights and optimizer state reach the other ranks through the broadcast that follows,
-    so only one process reads the (possibly remote) checkpoint file.
+    so only one process reads the (possibly remote) checkpoint file. The best epoch's weights
+    travel here only when they are not the checkpoint's own (an epoch after the best one).
     """
 
     def fits(state: dict[str, Any]) -> str | None:
@@ -452,7 +496,7 @@ def _resume(
         if scaler is not None and found.get("scaler"):
             scaler.load_state_dict(found["scaler"])
         rngs = found.get("rng")
-    meta: tuple[Any, ...] = (None, 0, [], None, None, None, None, "")
+    meta: tuple[Any, ...] = (None, 0, [], None, None, None, None, "", None)
     if found is not None:
         batch = found.get("batch", 0)
         name = ckpt.checkpoint_path(args.checkpoints, found["epoch"], batch).name
@@ -477,19 +521,21 @@ def _resume(
             partial if batch else None,
             found.get("reason"),
             name,
+            found.get("best"),
         )
-    epoch, batch, history, rngs, started_from, partial, reason, name = cast(
+    epoch, batch, history, rngs, started_from, partial, reason, name, best = cast(
         tuple[Any, ...], dist.broadcast_object(meta)
     )
     if epoch is None:
         return Resumed(1, [], None, None)
+    kept = Best(best["epoch"], best.get("model")) if best is not None else None
     rng = rngs[world.rank] if rngs is not None and len(rngs) == world.size else None
     if not batch:
         if rng is not None:
             _set_rng_state(rng)
-        return Resumed(epoch + 1, history, epoch, started_from, reason=reason, name=name)
+        return Resumed(epoch + 1, history, epoch, started_from, reason=reason, name=name, best=kept)
     start = EpochStart(batch, EpochSums(**partial[world.rank]), rng)
-    return Resumed(epoch, history, epoch - 1, started_from, start, reason, name)
+    return Resumed(epoch, history, epoch - 1, started_from, start, reason, name, kept)
 
 
 def _init_from(
@@ -567,6 +613,15 @@ def _save_checkpoint(
         "init_from": job.init_from,
         "reason": reason if not notices else f"preemption: {notices[0].describe()}",
         "saved_at": time.time(),
+        # The best epoch, with its weights when they are not this checkpoint's own (never
+        # inside an epoch): a resumed training still ends with the best epoch's model.
+        "best": (
+            None
+            if job.best is None
+            else {"epoch": job.best.epoch}
+            if job.best.epoch == epoch and not batch
+            else {"epoch": job.best.epoch, "model": job.best.weights}
+        ),
     }
     name = ckpt.checkpoint_path(args.checkpoints, epoch, batch).name
     # The step waits for the copy to host memory only; the file is written in the background.
@@ -604,9 +659,58 @@ class Job:
     checkpoints: ckpt.CheckpointWriter  # written by rank 0 only
     policy: moments.CheckpointPolicy  # when to checkpoint inside an epoch (every rank alike)
     batches: int  # in a whole epoch, on each rank
+    watched: Watched
+    rule: StoppingRule  # replayed from the history when resuming
     init_from: dict[str, Any] | None = None  # what it started from (metrics.json's init_from)
     start: EpochStart | None = None  # inside the first epoch this attempt trains, if resumed so
     heartbeat: moments.Heartbeat | None = None  # rank 0's
+    best: Best | None = None  # the best epoch's weights (None: no split is watched)
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What early stopping watches: the val split, a slice held out of train (``indices``
+    into it), or nothing (``split`` None: ``why`` says why)."""
+
+    name: str | None
+    split: SplitData | None
+    indices: list[int] | None
+    why: str
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "split": self.name,
+            "images": None if self.split is None else len(self.indices or self.split),
+            "why": self.why,
+        }
+
+
+def _labels(dataset: Any) -> list[int]:
+    """Every image's class id, read without decoding the images where the dataset says."""
+    if hasattr(dataset, "labels"):
+        return [int(label) for label in dataset.labels]
+    if hasattr(dataset, "samples"):
+        return [int(label) for _, label in dataset.samples]
+    if hasattr(dataset, "label"):
+        return [dataset.label(i) for i in range(len(dataset))]
+    return [int(dataset[i][1]) for i in range(len(dataset))]
+
+
+def _watched(args: TrainerArgs, data: DatasetInfo) -> tuple[Watched, list[int] | None]:
+    """The split early stopping watches, and the train split's indices left to train on (None:
+    all of them)."""
+    if "val" in data.splits:
+        split = data.splits["val"]
+        return Watched("val", split, None, f"the val split ({len(split)} images)"), None
+    train = data.splits["train"]
+    cut = hold_out(_labels(train.dataset), args.seed)
+    if cut.refused is not None:
+        return Watched(None, None, None, cut.refused), None
+    why = (
+        f"no val split: a slice of {len(cut.held)} of the {len(train)} train images, held out "
+        "of training"
+    )
+    return Watched("train slice", train, cut.held, why), cut.train
 
 
 def run(args: TrainerArgs, world: World) -> dict[str, Any]:
@@ -657,7 +761,7 @@ def set_up(args: TrainerArgs, world: World) -> Job:
     net, optimizer = dist.wrap(model, base, options)
     scaler = fast.grad_scaler(speed)
     resumed = _resume(args, world, model, optimizer, scaler)
-    started_from = resumed.started_from
+    started_from, best = resumed.started_from, resumed.best
     if resumed.resumed_from is not None:
         _log_resume(resumed)
     elif args.init_from is not None:
@@ -666,14 +770,20 @@ def set_up(args: TrainerArgs, world: World) -> Job:
     if speed.contiguous_grads:
         fast.set_layout(model, speed)  # after Horovod's broadcast, which takes contiguous tensors
     fast.match_state_layout(optimizer)
-    sampler, loader, steps_per_epoch = _train_loader(args, world, data.splits["train"])
+    watched, train_indices = _watched(args, data)
+    log.info("early stopping watches %s", watched.why)
+    sampler, loader, steps_per_epoch = _train_loader(
+        args, world, data.splits["train"], train_indices
+    )
+    if best is not None and best.weights is None:  # the checkpoint's own weights: the best's
+        best = Best(best.epoch, ckpt.host_copy(model.state_dict()))
     schedule = Schedule(
         # From weights, the warm-up starts at 0: the first steps' gradients, through the fresh
         # rows of new classes, are the largest and least informed.
         0.0 if tuning is not None else args.lr,
         args.lr * scale,
-        int(args.warmup_epochs * steps_per_epoch),
-        args.epochs * steps_per_epoch,
+        int(args.warmup() * steps_per_epoch),
+        args.epoch_cap() * steps_per_epoch,
     )
     trainer = Trainer(
         args,
@@ -687,6 +797,7 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         fast.forward_fn(net, speed),
         net=net,
         tuning=tuning,
+        classes=len(data.class_names),
     )
     return Job(
         args=args,
@@ -706,6 +817,9 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         batches=len(loader),
         start=resumed.start,
         heartbeat=moments.Heartbeat(sys.stdout, args.heartbeat_seconds) if world.is_root else None,
+        watched=watched,
+        rule=StoppingRule.replay(args.patience, args.min_improvement, resumed.history),
+        best=best,
     )
 
 
@@ -762,13 +876,16 @@ def _speed(args: TrainerArgs, world: World) -> fast.Speed:
 
 
 def _train_loader(
-    args: TrainerArgs, world: World, split: SplitData
+    args: TrainerArgs, world: World, split: SplitData, indices: list[int] | None = None
 ) -> tuple[ResumingSampler, Batches, int]:
-    """This rank's shuffled share of the train split, and the optimizer steps in an epoch."""
+    """This rank's shuffled share of the train split (of its ``indices``, when given), and the
+    optimizer steps in an epoch."""
     sampler = ResumingSampler(
         DistributedSampler(
             split.dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=args.seed
         )
+        if indices is None
+        else SliceSampler(indices, world, args.seed)
     )
     # A compiled step is specialised to the batch's shape: a last, smaller batch would compile
     # it again (tens of seconds on a GPU, each epoch's end) for a few images. Dropping it costs
@@ -777,8 +894,9 @@ def _train_loader(
     loader = _loader(split, sampler, args, world, drop_last=args.compile)
     steps_per_epoch = len(loader) // args.backward_passes_per_step
     if steps_per_epoch == 0:
+        count = len(split) if indices is None else len(indices)
         raise DatasetError(
-            f"train split has {len(split)} images: too few for batch size "
+            f"train split has {count} images to train on: too few for batch size "
             f"{args.batch_size} x {world.size} workers x {args.backward_passes_per_step} passes"
         )
     return sampler, loader, steps_per_epoch
@@ -813,15 +931,19 @@ def _open_data(args: TrainerArgs, world: World) -> tuple[DatasetInfo, list[str]]
 
 
 def _train(job: Job, writer: Any) -> None:
-    """The epochs not yet done: train, evaluate, checkpoint and report each one."""
+    """The epochs not yet done: train, evaluate, decide whether to stop, checkpoint and report
+    each one."""
     args, world, trainer = job.args, job.world, job.trainer
+    cap = args.epoch_cap()
+    # Resumed after the epoch that stopped the training (killed before its export): no more.
+    last = job.start_epoch - 1 if job.rule.stopped else cap
     if args.timeline:
         dist.start_timeline(str(args.output_dir / "timeline.json"))
     k = args.backward_passes_per_step
     step = (job.start_epoch - 1) * job.steps_per_epoch
     if job.start is not None:
         step += job.start.batch // k
-    for epoch in range(job.start_epoch, args.epochs + 1):
+    for epoch in range(job.start_epoch, last + 1):
         start = job.start if epoch == job.start_epoch else None
         done = start.batch if start is not None else 0
         job.sampler.set_epoch(epoch, skip=done * args.batch_size)
@@ -845,26 +967,78 @@ def _train(job: Job, writer: Any) -> None:
         dist.sync_buffers(trainer.model)
         record: dict[str, Any] = {
             "epoch": epoch,
-            "epochs": args.epochs,
+            "epochs": cap,
             **stats,
             "lr": trainer.schedule.lr(step - 1),
             "images_per_sec": stats["images"] / max(stats["seconds"], 1e-9),
         }
-        if "val" in job.data.splits:
-            val = trainer.evaluate(job.data.splits["val"], f"val.{epoch}")
-            record["val_accuracy"] = val["accuracy"]
+        stop = _watch(job, epoch, record)
         job.history.append(record)
         _save_checkpoint(job, epoch)
         if world.is_root:
             at = {"resumed_batch": job.start.batch} if job.start is not None else {}
             emit_progress({**record, "resumed_from": job.resumed_from, **at})
             _add_scalars(writer, record, epoch)
+        if stop:
+            log.info(
+                "early stop after epoch %d: %s %s has not improved for %d epochs; the model "
+                "kept is epoch %d's",
+                epoch,
+                job.watched.name,
+                args.val_metric,
+                args.patience,
+                job.rule.best_epoch,
+            )
+            break
     if args.timeline:
         dist.stop_timeline()
-    if job.start_epoch > args.epochs and world.is_root:
+    if job.start_epoch > last and world.is_root:
         # Resumed after the last epoch (a job killed after its last checkpoint): nothing is
         # trained, but orchestrators still learn where this attempt started.
-        emit_progress({"epochs": args.epochs, "resumed_from": job.resumed_from})
+        emit_progress({"epochs": cap, "resumed_from": job.resumed_from})
+
+
+def _watch(job: Job, epoch: int, record: dict[str, Any]) -> bool:
+    """Evaluate the watched split after ``epoch`` (its figures into ``record``), keep the best
+    epoch's weights, and say whether to stop. The figures are rank 0's, sent to every rank, so
+    every rank's rule takes the same decision from the same numbers."""
+    watched = job.watched
+    if watched.split is None:
+        return False
+    val = job.trainer.evaluate(watched.split, f"val.{epoch}", watched.indices)
+    val = cast(dict[str, float], dist.broadcast_object(val))
+    verdict = job.rule.update(epoch, val["metric"], val["loss"])
+    if verdict.best:
+        job.best = Best(epoch, ckpt.host_copy(job.trainer.model.state_dict()))
+    record.update(
+        val_split=watched.name,
+        val_loss=val["loss"],
+        val_accuracy=val["accuracy"],
+        val_metric=val["metric"],
+        val_metric_name=job.args.val_metric,
+        best_epoch=job.rule.best_epoch,
+        stop=verdict.stop,
+    )
+    return verdict.stop
+
+
+def _kept_epoch(job: Job) -> int | None:
+    """The epoch whose model the job exports: the best one, else the last trained."""
+    if job.best is not None:
+        return job.best.epoch
+    return job.history[-1]["epoch"] if job.history else None
+
+
+def _keep_best(job: Job) -> None:
+    """Every rank takes the best epoch's weights, which it holds (a host copy, identical on
+    every rank): the test figures, the weights' check across ranks and the exported model are
+    that epoch's."""
+    if job.best is None or job.best.weights is None:
+        return
+    trained = job.history[-1]["epoch"] if job.history else None
+    if job.best.epoch != trained:
+        job.trainer.model.load_state_dict(job.best.weights)
+        log.info("the model kept is epoch %d's (the best), not epoch %s's", job.best.epoch, trained)
 
 
 def _after_batch(job: Job, epoch: int) -> AfterBatch:
@@ -886,14 +1060,23 @@ def _after_batch(job: Job, epoch: int) -> AfterBatch:
 
 
 def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
-    """Test accuracy, a check that every rank holds the same weights, and the outputs."""
+    """The best epoch's model: its test accuracy, a check that every rank holds the same
+    weights, and the outputs."""
     job.policy.close()
+    _keep_best(job)
     test = job.trainer.evaluate(job.data.splits["test"], "test")
     job.checkpoints.wait()  # the last checkpoint is on disk before the outputs say "done"
     digests = dist.gather_objects(dist.state_digest(job.trainer.model.state_dict()))
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks ended with different weights: {digests}")
+    # Every rank's own stopping decision: the same, or the job's outputs would be one rank's.
+    decisions = dist.gather_objects(
+        {"epochs_trained": len(job.history), "kept_epoch": _kept_epoch(job)}
+    )
+    if any(d != decisions[0] for d in decisions):
+        raise RuntimeError(f"ranks stopped differently: {decisions}")
     metrics = _metrics(job, test, digests, time.perf_counter() - started)
+    metrics["early_stopping"]["per_rank"] = decisions
     failed = None
     if job.world.is_root:
         try:
@@ -906,7 +1089,7 @@ def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
     if failed is not None:
         raise ExportError(failed)
     if job.world.is_root:
-        ckpt.mark_finished(job.args.checkpoints, job.args.epochs)  # after the model is out
+        ckpt.mark_finished(job.args.checkpoints, job.args.epoch_cap())  # after the model is out
     return metrics
 
 
@@ -934,6 +1117,14 @@ def _metrics(
         },
         "skipped_images": {"count": len(job.skipped), "files": job.skipped},
         "resumed_from_epoch": job.resumed_from,
+        "early_stopping": {
+            **job.watched.as_record(),
+            "metric": args.val_metric,
+            "epoch_cap": args.epoch_cap(),
+            "epochs_trained": len(job.history),
+            **job.rule.as_record(),
+            "kept_epoch": _kept_epoch(job),
+        },
         "init_from": (
             {**job.init_from, **job.trainer.tuning.as_record()}
             if job.init_from is not None and job.trainer.tuning is not None
@@ -975,7 +1166,7 @@ def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
     metrics["onnx_md5"] = file_md5(onnx_path)
     atomic_write_json(metrics, args.output_dir / "metrics.json")
     if writer is not None:
-        writer.add_scalar("test/accuracy", metrics["test_accuracy"], args.epochs)
+        writer.add_scalar("test/accuracy", metrics["test_accuracy"], len(job.history))
         writer.close()
     log.info(
         "test accuracy %.4f; %.1f images/sec over %d workers; outputs in %s",
@@ -1001,7 +1192,15 @@ def emit_progress(record: dict[str, Any]) -> None:
 def _add_scalars(writer: Any, record: dict[str, Any], epoch: int) -> None:
     if writer is None:
         return
-    for key in ("train_loss", "train_accuracy", "val_accuracy", "lr", "images_per_sec"):
+    for key in (
+        "train_loss",
+        "train_accuracy",
+        "val_loss",
+        "val_accuracy",
+        "val_metric",
+        "lr",
+        "images_per_sec",
+    ):
         if key in record:
             writer.add_scalar(key.replace("_", "/", 1), record[key], epoch)
     writer.flush()

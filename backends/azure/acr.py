@@ -48,8 +48,13 @@ class AcrBuilder:
         login_server: str,
         poll_seconds: float = 5.0,
         timeout_seconds: int = 3 * 3600,
+        dockerfile: str = DOCKERFILE,
+        context: Callable[[Path], bytes] = context_archive,
     ) -> None:
+        """``dockerfile`` and ``context`` (the build context's tar.gz, from the project root)
+        default to the training image's; `make azure-up` builds the service image with its own."""
         self.tasks, self.registry = tasks, registry
+        self.dockerfile, self.context = dockerfile, context
         self.resource_group, self.login_server = resource_group, login_server
         self.registry_name = login_server.split(".", 1)[0]
         self.poll_seconds, self.timeout_seconds = poll_seconds, timeout_seconds
@@ -67,12 +72,12 @@ class AcrBuilder:
             self.resource_group, self.registry_name
         )
         BlobClient.from_blob_url(str(upload.upload_url)).upload_blob(
-            context_archive(root), overwrite=True
+            self.context(root), overwrite=True
         )
         request = m.DockerBuildRequest(
             image_names=[f"{repository}:{tag}"],
             is_push_enabled=True,
-            docker_file_path=DOCKERFILE,
+            docker_file_path=self.dockerfile,
             source_location=upload.relative_path,
             platform=m.PlatformProperties(os="Linux", architecture="amd64"),
             timeout=self.timeout_seconds,

@@ -179,8 +179,6 @@ class BatchCluster:
         from azure.core.exceptions import ResourceNotFoundError
 
         pool_cfg = self.config.pool
-        share_key, registry_password = self._secrets()
-        wanted = pool_body(self.config, self.image, self.access, share_key, registry_password)
         try:
             existing = self.client.get_pool(self.pool_id)
         except ResourceNotFoundError:
@@ -188,6 +186,16 @@ class BatchCluster:
         if existing is not None and existing.state == "deleting":
             self._wait_deleted()
             existing = None
+        # The secrets are read only when they matter: to create the pool, or to compare with
+        # the digest of those it was made with. A pool made through ARM (`make azure-up`)
+        # carries none: its share key was read by ARM, and no Secret block exists for it.
+        fetched = existing is None or CREDENTIALS_KEY in _metadata(existing)
+        if fetched:
+            share_key, registry_password = self._secrets()
+        else:
+            share_key = ""
+            registry_password = "" if self.config.image.registry_password_secret else None
+        wanted = pool_body(self.config, self.image, self.access, share_key, registry_password)
         action = "reused"
         if existing is not None:
             self._check_identity(existing)
@@ -199,6 +207,8 @@ class BatchCluster:
             if action != "recreated":
                 self._check_identity(None)
                 action = "created"
+            if not fetched:
+                wanted = pool_body(self.config, self.image, self.access, *self._secrets())
             self.client.create_pool(wanted)
         elif not pool_cfg.autoscale_formula and self._needs_resize(existing):
             self._wait_steady_allocation(fresh=False)
@@ -235,8 +245,8 @@ class BatchCluster:
             f"pool {self.pool_id} {where}, and azure.identity_resource_id is set: a pool whose "
             "nodes use a user-assigned managed identity can only be created through Azure "
             "Resource Manager (the Batch API cannot attach an identity, and refuses identity "
-            "references the pool does not have). Create it once with the identity (portal, az "
-            "CLI or an ARM template, from the pool settings `--plan` prints; see docs/azure.md), "
+            "references the pool does not have). Create it once with the identity (`make "
+            "azure-up` does, from the pool settings `--plan` prints; see docs/azure.md), "
             "or unset azure.identity_resource_id to give the nodes SAS tokens instead"
         )
 
@@ -641,7 +651,10 @@ class BatchCluster:
                 )
             )
 
-        return read_new_lines(size, offset, read, on_line)
+        try:
+            return read_new_lines(size, offset, read, on_line)
+        except ResourceNotFoundError:  # the node went since its size was read: a requeue
+            return offset
 
     def _uploaded(self, spec: TaskSpec) -> list[str]:
         """What the node actually uploaded, listed from the output container."""

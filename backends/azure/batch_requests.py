@@ -285,3 +285,68 @@ def task_body(
         ),
         multi_instance_settings=multi,
     )
+
+
+def arm_pool(config: PipelineConfig, image: str, identity: str) -> dict[str, Any]:
+    """The pool as Azure Resource Manager creates it (``Microsoft.Batch/batchAccounts/pools``),
+    from the same :func:`pool_body` that ensure-pool sends and ``--plan`` prints: only the
+    shape differs (ARM nests the image under ``deploymentConfiguration`` and the node counts
+    under ``scaleSettings``). The nodes' identity is attached beside these properties, and the
+    scripts share's key is not here: the template reads it from the storage account, so it
+    reaches Batch and no file, parameter or secret block."""
+
+    class _Identity:
+        def __init__(self, resource_id: str) -> None:
+            self.identity: str | None = resource_id
+
+    body = wire(pool_body(config, image, _Identity(identity), "", None))
+    vm = body["virtualMachineConfiguration"]
+    container = vm["containerConfiguration"]
+    scale: dict[str, Any]
+    if body.get("enableAutoScale"):
+        scale = {
+            "autoScale": {
+                "formula": body["autoScaleFormula"],
+                "evaluationInterval": body["autoScaleEvaluationInterval"],
+            }
+        }
+    else:
+        scale = {
+            "fixedScale": {
+                "targetDedicatedNodes": body["targetDedicatedNodes"],
+                "targetLowPriorityNodes": body["targetLowPriorityNodes"],
+                "resizeTimeout": body["resizeTimeout"],
+            }
+        }
+    machine: dict[str, Any] = {
+        "imageReference": vm["imageReference"],
+        "nodeAgentSkuId": vm["nodeAgentSKUId"],
+        "containerConfiguration": {
+            # The same enum, spelt in ARM's Pascal case (BatchManagement's ContainerType).
+            "type": container["type"][:1].upper() + container["type"][1:],
+            "containerImageNames": container["containerImageNames"],
+            "containerRegistries": container["containerRegistries"],
+        },
+    }
+    if "osDisk" in vm:
+        machine["osDisk"] = vm["osDisk"]
+    mounts = []
+    for mount in body["mountConfiguration"]:
+        share = mount.get("azureFileShareConfiguration")
+        if share is not None:
+            share = {k: v for k, v in share.items() if k != "accountKey"}
+            mount = {"azureFileShareConfiguration": share}
+        mounts.append(mount)
+    properties: dict[str, Any] = {
+        "vmSize": body["vmSize"],
+        "deploymentConfiguration": {"virtualMachineConfiguration": machine},
+        "scaleSettings": scale,
+        "interNodeCommunication": "Enabled" if body["enableInterNodeCommunication"] else "Disabled",
+        "taskSlotsPerNode": body["taskSlotsPerNode"],
+        "mountConfiguration": mounts,
+        # The credentials digest is left out: ARM reads the key itself, the pipeline never does.
+        "metadata": [m for m in body["metadata"] if m["name"] != CREDENTIALS_KEY],
+    }
+    if "networkConfiguration" in body:
+        properties["networkConfiguration"] = body["networkConfiguration"]
+    return {"name": body["id"], "properties": properties}

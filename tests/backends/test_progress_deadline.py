@@ -47,6 +47,12 @@ def test_a_new_attempt_and_the_work_after_the_last_epoch_get_the_start_up_bound(
     deadline.restart()
     clock.now = 50
     assert deadline.bound() == 900 and deadline.overdue() is None
+    # An early stop before the cap is a last epoch too; heartbeats before it are progress.
+    deadline.observe(line("HEARTBEAT", {"epoch": 3, "batch": 10, "seconds": 1.0}))
+    deadline.observe(line("PROGRESS", {"epoch": 3, "epochs": 30, "seconds": 1.0, "stop": False}))
+    assert deadline.bound() == 10
+    deadline.observe(line("PROGRESS", {"epoch": 4, "epochs": 30, "seconds": 1.0, "stop": True}))
+    assert deadline.bound() == 900
 
 
 def line(kind: str, record: dict[str, object]) -> str:

@@ -64,6 +64,7 @@ def test_critical_path_takes_the_longest_branch() -> None:
     seconds, path = critical_path(durations)
     assert path == [
         "validate-data",
+        "fit-to-data",
         "check-up-to-date",
         "stage-data",
         "run-training",
@@ -72,13 +73,13 @@ def test_critical_path_takes_the_longest_branch() -> None:
         "release-pool",
         "report",
     ]
-    assert seconds == 12.0  # seven steps of 1 s and the 5 s branch; the other branches overlap
+    assert seconds == 13.0  # eight steps of 1 s and the 5 s branch; the other branches overlap
     # The local cluster trains without the image: a long build runs beside training and only
     # the report waits for it.
     durations["build-image"] = 20.0
     seconds, path = critical_path(durations)
-    assert path == ["validate-data", "check-up-to-date", "build-image", "report"]
-    assert seconds == 23.0
+    assert path == ["validate-data", "fit-to-data", "check-up-to-date", "build-image", "report"]
+    assert seconds == 24.0
 
 
 @pytest.mark.processes

@@ -75,3 +75,53 @@ def test_the_section_renders_from_a_result(tmp_path: Path) -> None:
     assert "| scratch | 1/1 | 2 | 8 | +0.010 |" in page
     assert "| warm-up | 0.800 0.960 | not reached | 8 |" in page
     assert "Prices: a list." in page
+
+
+def test_the_photo_versions_add_a_texture_and_the_other_half(tmp_path: Path) -> None:
+    """Real photographs (scikit-image's brick, grass, gravel), cropped: v1 two textures and
+    half the training crops, v2 all three; no split's crop overlaps another's rows."""
+    from bench.warm_start_flow import write_dataset
+
+    v1, v2 = write_dataset("textures", tmp_path, seed=0)
+
+    def count(root: Path, split: str) -> dict[str, int]:
+        return {d.name: len(list(d.iterdir())) for d in sorted((root / split).iterdir())}
+
+    assert count(v2, "train") == {"brick": 120, "grass": 120, "gravel": 120}
+    assert count(v2, "val") == count(v2, "test") == {"brick": 30, "grass": 30, "gravel": 30}
+    assert count(v1, "train") == {"brick": 60, "grass": 60}
+    assert count(v1, "test") == {"brick": 30, "grass": 30}
+    from PIL import Image
+
+    sides = {Image.open(p).size for p in (v2 / "train" / "gravel").iterdir()}
+    assert all(w == h and 48 <= w <= 96 for w, h in sides) and len(sides) > 10
+
+
+def test_the_flow_section_renders_from_a_result(tmp_path: Path) -> None:
+    import json
+
+    def run(epochs: int, accuracy: float) -> dict[str, object]:
+        return {"epochs_trained": epochs, "kept_epoch": epochs, "test_accuracy": accuracy}
+
+    result = {
+        "benchmark": "warm_start_flow",
+        "flow": {
+            "runs": [
+                {
+                    "dataset": "textures",
+                    "seed": 0,
+                    "v1": run(20, 1.0),
+                    "warm": run(7, 0.99),
+                    "scratch": {**run(21, 0.98), "input_size": 64},
+                    "epoch_share": 1 / 3,
+                    "reached": True,
+                }
+            ],
+            "max_epoch_share": 1 / 3,
+            "reached": 1,
+        },
+    }
+    (tmp_path / "warm_start_flow.json").write_text(json.dumps(result))
+    page = render(tmp_path)
+    assert "| textures | 0 | 64 | 1.000 | 21 (21), 0.980 | 7 (7), 0.990 | 0.33 | yes |" in page
+    assert "Largest share of scratch's epochs a warm run took: 0.33" in page

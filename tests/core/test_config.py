@@ -151,7 +151,7 @@ def test_promotion_decision(
 
 
 def test_an_unknown_field_suggests_the_closest_one(tmp_path: Path) -> None:
-    text = LOCAL.read_text().replace("  epochs: 4", "  epoch: 4")
+    text = LOCAL.read_text().replace("training:\n", "training:\n  epoch: 4\n", 1)
     (tmp_path / "typo.yaml").write_text(text)
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "typo.yaml")

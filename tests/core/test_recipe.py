@@ -77,3 +77,24 @@ def test_an_explicit_init_from_and_extra_args_are_the_deployments() -> None:
     assert RECIPE is not None
     settings, _ = training_settings(config, {"init_from", "extra_args"}, RECIPE)
     assert settings.init_from is None and settings.extra_args == ["--fp16-allreduce"]
+
+
+def test_a_warm_start_from_the_champion_leaves_its_cap_to_be_fitted() -> None:
+    """The champion's training stopped early after 13 epochs (its history): the retrain from
+    its weights does not take the champion's from-scratch cap of 15 but leaves it to the
+    fitting step (tests/tasks/test_fit_to_data.py), unless the deployment states one."""
+    history = [{"epoch": e} for e in range(1, 14)]
+    recipe = Recipe.from_metrics("run-a", {"args": CHAMPION_ARGS, "epochs": history})
+    assert recipe is not None and recipe.trained_epochs == 13
+    config = load_config(LOCAL).training
+    settings, origins = training_settings(config, set(), recipe)
+    assert settings.epochs is None and settings.init_from == "champion"
+    assert "whose training ran 13 epochs" in _origins_why(origins)["epochs"]
+    stated, _ = training_settings(config, {"epochs"}, recipe)
+    assert stated.epochs == config.epochs
+    scratch, _ = training_settings(config, {"init_from"}, recipe)  # no champion weights
+    assert scratch.epochs == 15
+
+
+def _origins_why(origins: list) -> dict[str, str]:  # type: ignore[type-arg]
+    return {o.field: o.why for o in origins}

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from core.config import BlobLocation
 from core.data_versions import DataRoot
 from deployments.sensor import find_versions, watch_new_data
 from servers.relay import RelaySettings, create_app
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env, prefect_api_env
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 SECRET = "relay-shared-secret-for-tests"
@@ -554,3 +555,70 @@ def test_the_relay_listens_on_loopback_unless_told_otherwise(tmp_path: Path) -> 
     finally:
         relay.terminate()
         relay.wait(timeout=30)
+
+
+def test_a_scheduled_run_trains_the_config_the_deployments_were_registered_with(
+    deployed: dict[str, Any], azurite: str, tmp_path: Path
+) -> None:
+    """Registered with RETRAIN_FORM_CONFIG (as `make azure-up` and `make service --config`
+    register them), the nightly's scheduled run, started as the worker starts it, trains that
+    config. Before, prefect.yaml gave every deployment configs/local.yaml, whatever config the
+    deployments were registered with: a nightly registered for Azure trained the local target."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.states import Scheduled
+
+    from tests.deployments.test_new_data_path import _service_config
+    from tests.pipeline_helpers import execute_as_worker, flow_run_logs
+
+    registered = _service_config(tmp_path)
+    config = yaml.safe_load(registered.read_text())
+    # Data this config alone names, behind a variable no one sets: the run stops at the gate.
+    missing = f"RETRAIN_REGISTERED_ONLY_{uuid.uuid4().hex[:8].upper()}"
+    config["data"] = {**config["data"], "connection_string_env": missing}
+    registered.write_text(yaml.safe_dump(config))
+    nightly = deployed["retrain/nightly"]
+    env = {**prefect_api_env(), "RETRAIN_FORM_CONFIG": str(registered)}
+    deploy = [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy"]
+    proc = subprocess.run(
+        [*deploy, "--name", "retrain/nightly"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        with get_client(sync_client=True) as client:
+            assert client.read_deployment(nightly.id).parameters == {
+                "config_path": str(registered),
+                "overrides": ["training.follow_champion=true"],
+            }
+            # What the server's scheduler does each loop, asked for now: the cron's next runs.
+            client.request("POST", "/deployments/{id}/schedule", path_params={"id": nightly.id})
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    deployment_id=FlowRunFilterDeploymentId(any_=[nightly.id])
+                )
+            )
+        scheduled = [r for r in runs if r.auto_scheduled and r.state_name == "Scheduled"]
+        assert scheduled, [(r.name, r.state_name) for r in runs]
+        run = scheduled[0]
+        assert run.parameters["config_path"] == str(registered)
+        # Its time has come (the server would not let it run before 02:00): then the worker
+        # starts it.
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(
+                run.id, Scheduled(scheduled_time=datetime.now(UTC)), force=True
+            )
+        worker_env = {**child_env(), **env, "AZURE_STORAGE_CONNECTION_STRING": azurite}
+        state, output = execute_as_worker(run, worker_env)
+        logs = flow_run_logs(run.id)
+        assert f"config: the config file {registered};" in logs, output + logs
+        assert state.is_failed() and missing in (state.message or "") + logs, output + logs
+    finally:
+        with get_client(sync_client=True) as client:
+            client.update_deployment(nightly.id, DeploymentUpdate(parameters=nightly.parameters))

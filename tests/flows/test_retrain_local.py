@@ -175,7 +175,7 @@ def test_end_to_end_then_rerun(tmp_path: Path, digits_source: Path) -> None:
     same, same_runs, same_artifacts = run(config)
     assert same.is_completed(), same.message
     assert same.result()["up_to_date"] is True
-    assert set(same_runs) == {"validate-data", "check-up-to-date", "report"}
+    assert set(same_runs) == {"validate-data", "fit-to-data", "check-up-to-date", "report"}
     assert pool_file.read_bytes() == pool_before  # the pool was not even looked at
     summary = next(a for a in same_artifacts if a.key == "retrain-summary").data
     assert "up to date" in summary and result["run_id"] in summary
@@ -523,6 +523,6 @@ def test_a_run_starts_from_the_champion_and_records_it(
     assert "do not match the MD5 the trainer recorded" in str(
         task_runs["resolve-init-from"].state.message
     )
-    assert set(task_runs) <= {"validate-data", "resolve-init-from", "release-pool"}
+    assert set(task_runs) <= {"validate-data", "fit-to-data", "resolve-init-from", "release-pool"}
     assert sorted(tasks_dir.iterdir()) == trained  # no task ran on the pool
     assert outputs.download_blob(champion_blob_name).readall() == champion

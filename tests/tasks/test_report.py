@@ -191,3 +191,40 @@ def test_the_steps_table_holds_no_text_the_ui_would_cut() -> None:
     assert f"data_docs={docs}" in text and "<a " not in rendered  # text, not a link
     assert f"run-training: task=train-{run_id}, checkpoint_key=f7ffa5e87dc6a4c5" in text
     assert "upload-scripts:" not in text  # a step with nothing to say has no line
+
+
+def test_the_summary_says_where_training_stopped_and_what_was_fitted() -> None:
+    from tasks.report import training_markdown
+
+    fit = StepRecord(
+        "fit-to-data",
+        "ran",
+        0.0,
+        {"settings": ["training.image_size = 64: the train images' median shorter side is 71 px"]},
+    )
+    stopped = {
+        "split": "val",
+        "why": "the val split (90 images)",
+        "metric": "accuracy",
+        "epoch_cap": 34,
+        "epochs_trained": 21,
+        "patience": 10,
+        "best_value": 1.0,
+        "stopped_early": True,
+        "kept_epoch": 11,
+    }
+    text = "\n".join(training_markdown([fit], {"early_stopping": stopped}))
+    assert "- training.image_size = 64: the train images' median shorter side" in text
+    assert "Stopped early after epoch 21 of at most 34" in text
+    assert "The model kept is epoch 11's (accuracy 1.0000)." in text
+    refused = {
+        "split": None,
+        "why": "no val split, and the train split (33 images) is too small to hold out a slice",
+        "epoch_cap": 3,
+        "epochs_trained": 3,
+        "kept_epoch": 3,
+    }
+    text = "\n".join(training_markdown([], {"early_stopping": refused}))
+    assert "No early stop (no val split, and the train split (33 images) is too small" in text
+    assert "3 of 3 epochs trained; the model is the last epoch's." in text
+    assert training_markdown([], {}) == []

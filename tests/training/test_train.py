@@ -66,9 +66,12 @@ def test_two_ranks_learn_far_above_chance(two_rank_run: Result) -> None:
     for key in ("images_per_sec", "images_per_sec_per_worker", "wall_seconds"):
         assert m[key] > 0
     assert m["images_per_sec"] == pytest.approx(2 * m["images_per_sec_per_worker"])
-    # Every training image is seen once per epoch across the two ranks (DistributedSampler
-    # pads the odd one out), so the per-epoch count proves the shards were disjoint.
-    assert m["epochs"][0]["images"] == m["dataset"]["num_train"] + m["dataset"]["num_train"] % 2
+    # Every training image (the train split less the slice early stopping watches: the digits
+    # have no val split) is seen once per epoch across the two ranks (DistributedSampler pads
+    # the odd one out), so the per-epoch count proves the shards were disjoint.
+    assert m["early_stopping"]["split"] == "train slice"
+    trained = m["dataset"]["num_train"] - m["early_stopping"]["images"]
+    assert m["epochs"][0]["images"] == trained + trained % 2
 
 
 def test_both_engines_take_the_same_first_steps(two_rank_runs: Callable[[str], Result]) -> None:
@@ -296,7 +299,12 @@ def test_a_kill_inside_an_epoch_resumes_at_the_batch_after_its_checkpoint(
     assert again[done + 1] == first[done + 1]
     m = second.metrics
     assert [e["epoch"] for e in m["epochs"]] == [1]
-    full = m["dataset"]["num_train"] // (8 * 2) * 8 * 2  # every rank's whole batches
+    # No val split: the epoch trains the train images less the slice early stopping holds out
+    # (the resumed order is the held-out sampler's), every rank an equal share of them.
+    watched = m["early_stopping"]
+    assert watched["split"] == "train slice", watched
+    trained = m["dataset"]["num_train"] - watched["images"]
+    full = -(-trained // 2) * 2  # DistributedSampler pads to equal shares
     assert m["epochs"][epoch - 1]["images"] == full  # the sums before the kill carried over
     resumed = [p for p in _progress(second.output) if p["epoch"] == epoch]
     assert resumed[0]["resumed_from"] == epoch - 1 and resumed[0]["resumed_batch"] == done

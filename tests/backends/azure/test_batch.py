@@ -354,6 +354,46 @@ def test_identity_pool_made_through_arm_is_used_and_no_token_is_sent(
     assert not any("sig=" in r.body.decode() for r in batch.requests.all() if r.body)
 
 
+def test_a_pool_made_by_arm_is_used_without_reading_any_secret_block(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The pool `make azure-up` creates through ARM (backends/azure/batch_requests.arm_pool:
+    the nodes' identity attached, the share key read by ARM, no credentials digest) is reused
+    and resized without the Prefect Secret blocks: on that path none exists. Before, ensure-pool
+    read them first, and the nightly on a fresh setup failed on the missing block."""
+    from backends.azure.access import AccessIssuer
+    from backends.azure.batch import BatchCluster
+    from backends.azure.batch_requests import CREDENTIALS_KEY
+    from backends.azure.clients import batch_client
+
+    batch = fake_azure_account.batch
+    config = _identity_config(tmp_path)
+    body = wire(
+        pool_body(config, make_cluster(config).image, make_cluster(config).access, "", None)
+    )
+    body["metadata"] = [m for m in body["metadata"] if m["name"] != CREDENTIALS_KEY]
+    body["targetDedicatedNodes"] = 0  # released after the last run
+    batch.add_pool(body, identity=IDENTITY)
+
+    def no_blocks() -> tuple[str, str | None]:
+        raise AssertionError("a Secret block was read for a pool made through ARM")
+
+    from backends.target import image_reference
+
+    outputs = container_client(config.output, create=True)
+    data = container_client(config.data, create=True)
+    cluster = BatchCluster(
+        config,
+        batch_client(config.azure),
+        outputs,
+        AccessIssuer(config, data, outputs),
+        image_reference(config),
+        no_blocks,
+        FAST,
+    )
+    assert cluster.ensure_pool()["action"] == "resized"
+
+
 def test_identity_without_a_pool_fails_with_the_arm_explanation(
     fake_azure_account, tmp_path: Path
 ) -> None:
@@ -561,6 +601,36 @@ def test_preempted_spot_node_requeues_the_task_and_its_log_restarts(
     assert any("was requeued" in line for line in lines)
     assert "resuming from checkpoint-3.pt" in lines
     assert _task(batch, config, "train-spot").execution["retryCount"] == 0
+
+
+def test_a_preemption_between_reading_the_log_size_and_its_lines_is_a_requeue(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The node goes after the log's size was read and before its lines are: the file is gone
+    (404), which is the requeue the next poll sees, not a failed training."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=0", "pool.low_priority_nodes=1")
+    batch.scripts["train-"] = [
+        Attempt(0, "epoch 1 loss 0.5\n", seconds=30),  # preempted before it ends
+        Attempt(0, "resuming from checkpoint-1.pt\n", _training_outputs()),
+    ]
+    record, preempted = batch.requests.add, threading.Event()
+
+    def add(req: Any) -> None:
+        record(req)
+        reading = req.method == "GET" and req.path.endswith("/files/stdout.txt")
+        if reading and not preempted.is_set():
+            preempted.set()
+            batch.preempt(config.pool.id, recover_after=1)  # before the read is answered
+
+    batch.requests.add = add
+    lines: list[str] = []
+    runner, out = _start(cluster, training_task(config, "train-gone", "k", "runs/g"), lines)
+    runner.join(timeout=30)
+    assert preempted.is_set()
+    assert out and not isinstance(out[0], Exception), out
+    assert out[0].exit_code == 0 and out[0].attempts == 1  # a requeue is not a retry
+    assert "resuming from checkpoint-1.pt" in lines
 
 
 @pytest.mark.parametrize(
