@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 SETUP_INPUTS := pyproject.toml constraints.txt scripts/install_horovod.sh scripts/apt_programs.sh scripts/install_sshd.sh \
 	scripts/install_service_packages.sh scripts/install_image_tools.sh scripts/install_strace.sh \
-	package.json package-lock.json Makefile
+	package.json package-lock.json tests/training/torchvision_resnet.py Makefile
 
 .PHONY: setup demo image azurite service azure-config azure-up azure-down test test-quick reliability lint bench clean
 
@@ -24,6 +24,8 @@ $(STAMP): $(SETUP_INPUTS)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	bash scripts/install_horovod.sh $(PY)
+	@# torchvision's resnet.py, the ground truth of the ResNet tests: fetched here, never by a test.
+	$(PY) -m tests.training.torchvision_resnet
 	@# sshd for the emulated Batch nodes of the multi-node tests (root only; see the script).
 	bash scripts/install_sshd.sh
 	@# PostgreSQL for `make service` and Chromium for its UI tests (root only; see the script).
@@ -88,7 +90,7 @@ TEST_WORKERS ?= 3
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow and not gpu" \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --junitxml=.work/junit.xml \
-		$(PYTEST_ARGS)
+		--durations=20 $(PYTEST_ARGS)
 
 # The unit tests of every package: the edit-test loop's command. A unit test starts no process
 # and no server, itself or through a fixture: tests/conftest.py fails one that does, naming the
@@ -96,12 +98,14 @@ test: setup
 test-quick: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "quick and not slow and not gpu" $(PYTEST_ARGS)
 
-# The reliability suite with more trials; it writes docs/reliability.md.
+# The reliability suite (tests/reliability/) with more trials, and every test marked slow
+# wherever it is (the repeats `make test` leaves out: a second engine, a second database, more
+# cases of one scenario; docs/testing.md); it writes docs/reliability.md.
 RELIABILITY_TRIALS ?= 5
 reliability: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RETRAIN_RELIABILITY_TRIALS=$(RELIABILITY_TRIALS) \
 	RETRAIN_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
-	$(PY) -m pytest tests/reliability/ $(PYTEST_ARGS)
+	$(PY) -m pytest -m "(reliability or slow) and not gpu" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from core.links import blob_link
 from staging.blob import API_VERSION, folder, hide_sas_in_http_logs
 
 if TYPE_CHECKING:
@@ -144,20 +145,6 @@ def unreachable(location: BlobLocation, field: str) -> str | None:
         code = getattr(exc, "error_code", None) or getattr(exc, "status_code", "")
         return f"{field}: Blob storage at {blob_link(client)} refused the credentials ({code})"
     return None
-
-
-def blob_link(container: ContainerClient, name: str = "") -> str:
-    """The address of a blob (of the container itself for ``name=""``), with no credential in it.
-
-    A client made from a SAS connection string carries the token in its ``url``; links end up in
-    logs, artifacts and the Prefect database, so they are built from the account URL, the
-    container and the blob path alone (and a path appended to a URL with a query is broken).
-    """
-    from urllib.parse import quote, urlsplit, urlunsplit
-
-    parts = urlsplit(container.url)
-    path = parts.path.rstrip("/") + (f"/{quote(name.strip('/'))}" if name.strip("/") else "")
-    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 def join(prefix: str, name: str) -> str:

@@ -9,11 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.atomic import atomic_write_json, read_json_object
+from common.atomic import atomic_write, atomic_write_json, read_json_object
 
 HASHES = ".content-hashes.json"
 
@@ -68,16 +67,10 @@ class LocalShare:
             if known.get(rel) == digest and target.is_file() and file_sha256(target) == digest:
                 report.unchanged += 1
                 continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with (
-                tempfile.NamedTemporaryFile(
-                    dir=target.parent, prefix=".upload-", delete=False
-                ) as tmp,
-                open(source, "rb") as fh,
-            ):
-                shutil.copyfileobj(fh, tmp)
-            Path(tmp.name).chmod(source.stat().st_mode & 0o777)
-            Path(tmp.name).replace(target)
+            with open(source, "rb") as fh:
+                atomic_write(
+                    target, lambda out: shutil.copyfileobj(fh, out), source.stat().st_mode & 0o777
+                )
             report.uploaded.append(rel)
         atomic_write_json(current, self.root / HASHES)
         report.digest = tree_digest(current)

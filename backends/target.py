@@ -122,7 +122,8 @@ class LocalTarget:
 
 
 class AzureTarget:
-    """Azure Files, ACR Tasks (or docker, or a tag used as is), a Batch pool."""
+    """A Blob container or Azure Files share for the scripts, ACR Tasks (or docker, or a tag
+    used as is), a Batch pool."""
 
     stages_on_pool = True  # the data must not stream through the orchestrator
     trains_in_image = True
@@ -131,10 +132,13 @@ class AzureTarget:
         self.config = config
 
     def share(self) -> Share:
-        from backends.azure.clients import share_service
-        from backends.azure.files import AzureFilesShare
+        from backends.azure.clients import scripts_container, share_service
+        from backends.azure.files import AzureFilesShare, BlobContainerShare
 
-        return AzureFilesShare(share_service(self.config.share), self.config.share.name)
+        share = self.config.share
+        if share.on_blob:
+            return BlobContainerShare(scripts_container(share))
+        return AzureFilesShare(share_service(share), share.name)
 
     def build_image(self, on_line: OnLine) -> ImageResult:
         image = self.config.image
@@ -176,9 +180,9 @@ class AzureTarget:
 
         def pool_secrets() -> tuple[str, str | None]:
             password = config.image.registry_password_secret
-            return secret(str(config.share.account_key_secret)), secret(
-                password
-            ) if password else None
+            # A Blob container is mounted with the nodes' identity: no key is read.
+            key = "" if config.share.on_blob else secret(str(config.share.account_key_secret))
+            return key, secret(password) if password else None
 
         return BatchCluster(
             config,

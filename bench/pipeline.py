@@ -34,36 +34,19 @@ from typing import Any
 from uuid import UUID
 
 from bench.output import emit
+from flows.steps import ALWAYS, CONCURRENT, NAMES, graph
 
 ROOT = Path(__file__).resolve().parents[1]
-# The flow's DAG on the local target (flows/retrain.py): each step and what it waits for.
-DAG: dict[str, list[str]] = {
-    "validate-data": [],
-    "fit-to-data": ["validate-data"],
-    "check-up-to-date": ["fit-to-data"],
-    "upload-scripts": ["check-up-to-date"],
-    "stage-data": ["check-up-to-date"],
-    "build-image": ["check-up-to-date"],
-    "ensure-pool": ["check-up-to-date"],
-    # The local cluster trains on this machine's files: training does not wait for the image,
-    # whose build ends before the report (flows/retrain.py).
-    "run-training": ["upload-scripts", "stage-data", "ensure-pool"],
-    "collect-and-score": ["run-training"],
-    "promote": ["collect-and-score"],
-    "release-pool": ["promote"],
-    "report": ["release-pool", "build-image"],
-}
-CONCURRENT = ("upload-scripts", "stage-data", "build-image", "ensure-pool")
-# A run whose data, code and settings are the last trained run's ends after these.
-UP_TO_DATE = ("validate-data", "fit-to-data", "check-up-to-date", "report")
 HEAVY = ("torch", "great_expectations", "azure.batch", "azure.storage.blob", "horovod", "numpy")
 
 
 def critical_path(durations: dict[str, float]) -> tuple[float, list[str]]:
-    """Length and steps of the longest chain through DAG (steps listed in dependency order)."""
+    """Length and steps of the longest chain through the flow's graph (flows/steps.py) of the
+    steps in ``durations`` (those a run ran), listed in dependency order."""
+    dag = graph(set(durations))
     finish: dict[str, tuple[float, list[str]]] = {}
-    for step in DAG:  # DAG is written in dependency order
-        before = max((finish[d] for d in DAG[step]), default=(0.0, []), key=lambda f: f[0])
+    for step, waits in dag.items():  # the graph is in the steps' order
+        before = max((finish[d] for d in waits), default=(0.0, []), key=lambda f: f[0])
         finish[step] = (before[0] + durations[step], [*before[1], step])
     return max(finish.values(), key=lambda f: f[0])
 
@@ -89,22 +72,22 @@ def analyse(flow_run_id: UUID) -> dict[str, Any]:
     spans: dict[str, tuple[datetime, datetime]] = {}
     for run in runs:
         step = run.name.rsplit("-", 1)[0]
-        if step not in DAG:
-            raise RuntimeError(f"task {run.name!r} is not in bench.pipeline.DAG: update the DAG")
+        if step not in NAMES:
+            raise RuntimeError(f"task {run.name!r} is not a step of flows/steps.py")
         spans[step] = (run.start_time, run.end_time)  # the last attempt's, if retried
     wall = _seconds(flow_run.start_time, flow_run.end_time)
-    if set(spans) == set(UP_TO_DATE):
-        durations = {s: _seconds(*spans[s]) for s in UP_TO_DATE}
+    ran = [s for s in NAMES if s in spans]
+    durations = {s: _seconds(*spans[s]) for s in ran}
+    if not set(ran) & set(CONCURRENT):  # up to date: it ended before provisioning
         return {
             "up_to_date": True,
             "wall_seconds": round(wall, 3),
             "sum_of_steps_seconds": round(sum(durations.values()), 3),
             "steps": {s: round(d, 3) for s, d in durations.items()},
         }
-    missing = sorted(set(DAG) - set(spans))
+    missing = [s for s in ALWAYS if s not in spans]
     if missing:
         raise RuntimeError(f"the flow run has no task run for {missing}")
-    durations = {s: _seconds(*spans[s]) for s in DAG}
     path_seconds, path = critical_path(durations)
     block = [spans[s] for s in CONCURRENT]
     block_span = _seconds(min(s for s, _ in block), max(e for _, e in block))
@@ -116,7 +99,7 @@ def analyse(flow_run_id: UUID) -> dict[str, Any]:
         "critical_path": path,
         "orchestration_overhead_seconds": round(wall - path_seconds, 3),
         "overhead_fraction_of_wall": round((wall - path_seconds) / wall, 3),
-        "steps_2_to_5": {
+        "concurrent_steps": {
             "sum_seconds": round(block_sum, 3),
             "span_seconds": round(block_span, 3),
             "speedup": round(block_sum / block_span, 2) if block_span else None,

@@ -1,8 +1,10 @@
-"""Render the benchmarks' JSON results as ``docs/performance.md``.
+"""Render the benchmarks' JSON results as ``docs/performance.md``: figures and tables only.
 
-Every sentence with a number is computed from the results, so the page cannot drift from what
-was measured. GPU results (``docs/bench-gpu/*.json``) are kept in the repository because most
-machines that run ``make bench`` have no GPU; they are shown with their own machine and date.
+Every figure is computed from the results, so the page cannot drift from what was measured; how
+each benchmark measures and what its figures decided is prose, kept by hand in
+``docs/benchmarks.md``, which each section links. GPU results (``docs/bench-gpu/*.json``) are
+kept in the repository because most machines that run ``make bench`` have no GPU; they are
+shown with their own machine and date.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from bench import report_systems as systems
 from bench.report_warm_start import warm_start, warm_start_flow
 
 ROOT = Path(__file__).resolve().parents[1]
+LOADING = "data-loading-and-the-trainer-on-loose-files-and-shards"
 GPU_RESULTS = ROOT / "docs" / "bench-gpu"
 # A benchmark's section of the page: its heading names its module.
 SECTION = re.compile(r"^## .*\(`bench/(\w+)\.py`\)\s*$")
@@ -92,6 +95,16 @@ def _delay(ms: str) -> str:
     return "no delay" if float(ms) == 0 else f"{ms} ms per request"
 
 
+def _why(anchor: str) -> str:
+    """The link to the section of docs/benchmarks.md that says how to read one."""
+    return f"How it measures and how to read it: [benchmarks.md](benchmarks.md#{anchor})."
+
+
+def _figures(rows: list[tuple[str, str]]) -> list[str]:
+    """A two-column table of named figures."""
+    return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows), ""]
+
+
 def _first_step(found: dict[str, Any] | None) -> list[str]:
     """Loose files against WebDataset shards of the same images: the stage-data step."""
     if not found:
@@ -108,10 +121,7 @@ def _first_step(found: dict[str, Any] | None) -> list[str]:
             f"| {_ratio(packed, loose)} |"
         )
     return [
-        f"The same small images uploaded as {found['tar_files']} WebDataset tar shard(s) of "
-        f"about {found['tar_mb']} MB (`python -m imagedata.webdataset`), against loose files: "
-        "the whole stage-data step, download and pack, which is what stands between new data "
-        "and the trainer's first step (the trainer then reads the same packed rows).",
+        f"Tar shards: {found['tar_files']} WebDataset shard(s) of about {found['tar_mb']} MB.",
         "",
         *rows,
         "",
@@ -175,29 +185,29 @@ def staging(r: dict[str, Any]) -> list[str]:
         "## Staging: Blob to the data folder (`bench/staging.py`)",
         "",
         f"Method: {r['method']}. Load average during the run: {r.get('load_average', '?')} on "
-        f"{r.get('cores', '?')} cores shared with other work, so absolute rates are low and "
-        "noisy; the step and rclone alternate within each case, so the ratios are the figures "
-        "to read. The figures of each tool are its medians; a ratio is the median of each "
-        "round's ratio (the two tools run back to back in a round, so a drift of the "
-        "machine's speed over the run cancels: the same code took 76 ms and 131 ms fifteen "
-        "minutes apart on this machine). Delays come from `bench/delay_proxy.py` (a fixed "
-        "delay per request on loopback); 'no delay' is Azurite direct. For rates, step / "
-        "rclone above 1 means the step is faster; for CPU and re-sync time, below 1 means the "
-        "step spends less.",
+        f"{r.get('cores', '?')} cores. {_why('staging')}",
         "",
         *rows,
         "",
-        f"Packing the small images into shards (first time): {pack['images']:,} images decoded "
-        f"in {pack['seconds']:.2f} s ({pack['images'] / max(pack['seconds'], 1e-9):,.0f} "
-        f"images/s), {pack['shards']} shard file(s), {_mb(pack['bytes'])}. The nightly case, "
-        f"1% of the small files changed ({changed['changed_blobs']} blobs): the whole step took "
-        f"{changed['seconds']:.2f} s, {changed['downloaded']} downloaded, repacked in "
-        f"{changed['pack_seconds']:.2f} s ({changed['decoded']} decoded, "
-        f"{changed['reused']:,} rows reused).",
-        "",
+        *_figures(
+            [
+                (
+                    "packing the small images into shards, first time",
+                    f"{pack['images']:,} images decoded in {pack['seconds']:.2f} s "
+                    f"({pack['images'] / max(pack['seconds'], 1e-9):,.0f} images/s), "
+                    f"{pack['shards']} shard file(s), {_mb(pack['bytes'])}",
+                ),
+                (
+                    f"the nightly case: 1% of the small files changed "
+                    f"({changed['changed_blobs']} blobs)",
+                    f"the whole step {changed['seconds']:.2f} s, {changed['downloaded']} "
+                    f"downloaded, repacked in {changed['pack_seconds']:.2f} s "
+                    f"({changed['decoded']} decoded, {changed['reused']:,} rows reused)",
+                ),
+            ]
+        ),
         *_first_step(r.get("first_step")),
         *_large_choices(r.get("large_choices")),
-        *STAGING_NOTES,
     ]
 
 
@@ -230,12 +240,8 @@ def _large_choices(found: dict[str, Any] | None) -> list[str]:
     if not found:
         return []
     rows = [
-        "Large files, no delay: each choice of the step undone in turn, measured beside the",
-        "step as shipped in the same run (alternating, medians). Below 1, the alternative is",
-        "slower.",
-        "",
-        "| alternative | its MB/s | shipped MB/s | alternative / shipped | CPU per file, "
-        "alternative | CPU per file, shipped |",
+        "| large files, no delay: alternative | its MB/s | shipped MB/s | alternative / shipped "
+        "| CPU per file, alternative | CPU per file, shipped |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for label, m in found.items():
@@ -248,143 +254,32 @@ def _large_choices(found: dict[str, Any] | None) -> list[str]:
     return [*rows, ""]
 
 
-STAGING_NOTES = [
-    "The engine, and the contenders tried. Every small blob costs the storage SDK about 3 ms",
-    "of interpreter-locked CPU (request preparation, its policy pipeline, a model object per",
-    "listed blob), which bounded the step whatever its thread count. An earlier run of this",
-    "bench measured the SDK on a thread pool (the step before), a naive one-at-a-time loop and",
-    "the async SDK with 64 in flight: all within 0.3-0.5x of rclone on small files. Tried",
-    "since: `rclone copy` driven by the step, and `obstore` (Python bindings of Rust's",
-    "`object_store`, which makes each request outside the interpreter lock). The step",
-    "now downloads with obstore's blocking calls from as many fetch threads as it has requests",
-    "in flight (each call releases the interpreter lock for its whole exchange; from an",
-    "asyncio loop the same engine costs two awaited futures per blob, each a wake-up of the",
-    "loop), and hands the file work (MD5, temp file, write, rename) to one writer thread, more",
-    "only when its queue grows. A blob over 16 MB is read as parallel ranged reads of 16 MB,",
-    "each pinned with If-Match to the listed ETag, at most 4 per core in flight; each range's",
-    "body is streamed a MB at a time, written in place and hashed in order while that MB is",
-    "still in the processor's cache. Why 16 MB: a blob's MD5 is one serial pass, so the bytes",
-    "of the ranges ahead of the hash's turn are hashed late, and the fewer and larger the",
-    "ranges, the less a request costs the service and the client; with 4 ranges of a 64 MB",
-    "blob in flight, two such blobs are read and hashed at once on two cores. The table of",
-    "choices gives 8 MB (the step before) and 32 MB beside it. In scratch trials (20 rounds",
-    "alternating, one process) 4 MB ranges took 1.86x the time of 8 MB ones, 12 MB 1.16x, and",
-    "24 MB 1.02x the time of 16 MB ones: part of that is Azurite's own (a lone range of 4 MB",
-    "answered its first byte after 16 ms, one of 8 MB after 4 ms), which real Blob storage",
-    "need not share; 16 MB is within what peers use (azcopy's 8 MiB blocks, rclone's 64 MiB",
-    "chunks per stream). On a local disk the step does not wait for its files to reach the",
-    "disk: the manifest records the machine's boot and marks them, and a sync under another",
-    "boot (after a restart, maybe a crash) reads them once before trusting them; on NFS a file",
-    "is committed to the server when it is closed; any other file system is flushed before",
-    "the manifest is written (`staging/durability.py`). A process's first download sets",
-    "glibc's thresholds so that the buffers its chunks arrive in are reused once freed",
-    "(`staging/memory.py`): with glibc's defaults each MB received was fresh memory again, a",
-    "page fault and a zeroed page per 4 KB. Separate processes, 8 rounds each alternating",
-    "with rclone, three pairs: 158 against 182 ms of CPU per 64 MB file (medians; rclone",
-    "158-170 ms), 463 against 446 MB/s. Trim thresholds tried: 8 MB left most of the churn",
-    "(176 ms), 16 MB some (155), 32 MB none (146), 128 MB gained nothing more (147). It",
-    "lists through azure-core's public pipeline client with the container's credential, and",
-    "instead of the SDK's per-blob models reads each page with the C XML parser for the four",
-    "fields it pins (`staging/list_page.py`); the cyclic garbage collector is paused while a",
-    "page is read (the gate's section below measures both choices). A sync",
-    "that lists reads its manifest, each recorded file's status and its slice of files while",
-    "the listing is on its way, so a re-sync's own work overlaps the wait. A re-sync reads no file",
-    "whose status (size, modification and change times, inode) is the one recorded when it was",
-    "staged; a file rewritten behind its back has a new change time and is read, and one slice",
-    "of the files in 16 is re-read by turns for what no status shows. rclone as the engine was",
-    "rejected: 1.60 writes in place under the final name, does not pin a blob to the gate's",
-    "ETag, and checks an MD5 only by reading every file again; the step would have had to",
-    "re-read what rclone wrote to keep its guarantees (MD5-verified, temp name then rename,",
-    "the gate's exact listing, a manifest).",
-    "",
-    "The data gate lists through the same lister and keeps what it read from each image by",
-    "content (Content-MD5 and size from the listing; name and ETag where the service stores no",
-    "MD5), so a new version under a new prefix reads only its new images. On the full listing",
-    "it checks every blob's name and layout (split/class), size, image extension and the",
-    "train/test leak by MD5; each image is read and decoded whole (readable, dimensions after",
-    "its EXIF orientation, channels) once per content. Reusing a row by MD5 is sound because",
-    "staging checks every byte it stages against that same MD5. Its cost on a 1.28 M-blob",
-    "listing is measured in the gate's section below (`bench/gate_scale.py`).",
-    "",
-    "Where the step stands against rclone, and what bounds each row here. Azurite serves",
-    "every request from one Node.js process on the same 2 cores as the client; the server's",
-    "CPU rows count it (with the delay proxy's share where there is a delay) while each tool",
-    "is its client. Small files: Azurite spends 0.8-1.2 ms of CPU per file with no delay in",
-    "the runs behind this page, more than either client (0.3-0.85 ms), so it is the bound",
-    "whichever client asks, and a",
-    "client's rate mostly says how much CPU it leaves the server; the step leaves more. In",
-    "scratch runs with Azurite on a core of its own, where nothing but its own CPU bounds it,",
-    "the two clients were level (0.92x and 1.04x). Re-sync of small files: Azurite's listing of",
-    "one 5,000-blob page costs it more CPU than the step's whole re-sync and about as much",
-    "as rclone's (the server's share in the re-sync rows), and it is what either tool mostly",
-    "waits for; in scratch runs of the same listing it took Azurite 0.38-0.69 s of CPU from",
-    "one listing to the next. The step spends about a third of rclone's CPU on a re-sync. In",
-    "a scratch run, reading the page took it 48 ms with the XML parser (19 ms with a scanner",
-    "since removed) and its own work after (plan, status checks, manifest) 74 ms, of a 0.50 s",
-    "re-sync against rclone's 0.61 s. Large files: the MD5 of every byte, which rclone",
-    "computes too, is about half of either client's CPU, and client and server together fill",
-    "both cores, so",
-    "with no delay the two are level within this machine's spread (0.93x to 1.08x of rclone",
-    "in the runs behind this page and the scratch trials before them). With Azurite on a core",
-    "of its own (the row named so) the client has the other core to itself and its rate is",
-    "its CPU per byte on one core (the step then keeps 4 ranges in flight, its setting for",
-    "one core); there the step is ahead (1.20x to 1.32x of rclone in four runs). With 10 ms",
-    "per request the two were level or the step ahead (0.92x to 1.18x in the same runs). Those",
-    "CPU figures are the clients' own since the small files' folders are kept until every",
-    "benchmark has run: this machine's ext4 has no journal, and there a file created within",
-    "60 s of the deletion of thousands (300 s while their inode table is unwritten) costs the",
-    "kernel's inode allocator a scan of the deleted inodes (`recently_deleted` in `perf`),",
-    "about 0.5 ms per file for either tool, which had made both tools' CPU per file look",
-    "alike (0.84 and 0.80 ms at 10 ms per request, against 0.33 and 0.42 ms without it, in a",
-    "scratch run). The large files are measured before the small ones: measured after the",
-    "small files' kept folders (2.4 GB in 120,000 files), two runs put the step at 0.71x and",
-    "0.79x of rclone, each round of the step that came right after rclone's taking 1.3-1.6x",
-    "the time of its other rounds; the cause is not established. `cp -r` is one local copy",
-    "on one thread: the ceiling for small files, which no HTTP client here comes near; for",
-    "large files it moved between 296 and 1,992 MB/s from one run to the next (the page",
-    "cache and the disk's write-back), so it bounds nothing there.",
-    "",
-]
-
-
 def _listing_ahead(a: dict[str, Any] | None) -> list[str]:
     """The listing's choices, asking for the next page before parsing this one and pausing the
     collector while parsing, each measured against its alternative in the same run."""
     if a is None:
         return []
     ahead, plain = a["ahead"], a["one_after_another"]
-    return [
-        f"The listing asks for the next page before it reads this one. Measured against one "
-        f"page after another, on {int(ahead['blobs']):,} blobs ({a['pages']} pages) answered "
-        f"{a['page_delay_ms']:g} ms after each request (a stand-in for the service's own time, "
-        f"which this server lacks), medians of {a['rounds']} alternating rounds: "
-        f"{ahead['wall_s']:.1f} s against {plain['wall_s']:.1f} s (one after another takes "
-        f"{plain['wall_s'] / max(ahead['wall_s'], 1e-9):.2f}x the time), with "
-        f"{ahead['cpu_s']:.1f} s and {plain['cpu_s']:.1f} s of CPU. What it saves per page is "
-        "the smaller of the page's reading and the wait for the next one.",
+    rows = [
+        f"The listing's choices: {int(ahead['blobs']):,} blobs ({a['pages']} pages) answered "
+        f"{a['page_delay_ms']:g} ms after each request, medians of {a['rounds']} alternating "
+        "rounds.",
         "",
-        *_collector(a),
+        "| listing | wall | CPU | time against the shipped way |",
+        "|---|---:|---:|---:|",
+        f"| the next page asked for before this one is read (shipped) | {ahead['wall_s']:.1f} s "
+        f"| {ahead['cpu_s']:.1f} s | 1 |",
+        f"| one page after another | {plain['wall_s']:.1f} s | {plain['cpu_s']:.1f} s "
+        f"| {plain['wall_s'] / max(ahead['wall_s'], 1e-9):.2f}x |",
     ]
-
-
-def _collector(a: dict[str, Any]) -> list[str]:
-    """The other choice of the listing: the cyclic collector paused while a page is parsed."""
     running = a.get("collector_running")
-    if running is None:
-        return []
-    ahead = a["ahead"]
-    return [
-        "Each page is read with the cyclic garbage collector paused: a page of 5,000 blobs "
-        "becomes some 80,000 objects the collector tracks in the XML parser's tree, none in a "
-        "cycle, and each time they outnumber a "
-        "quarter of the process's long-lived objects the collector walks all of them. In the "
-        f"same rounds, with Prefect imported as in the flow's process "
-        f"({a['tracked_objects']:,} objects tracked), the collector running took "
-        f"{running['wall_s']:.1f} s and {running['cpu_s']:.1f} s of CPU against "
-        f"{ahead['wall_s']:.1f} s and {ahead['cpu_s']:.1f} s paused "
-        f"({running['cpu_s'] / max(ahead['cpu_s'], 1e-9):.2f}x the CPU).",
-        "",
-    ]
+    if running is not None:
+        rows.append(
+            f"| the collector running while a page is read ({a['tracked_objects']:,} objects "
+            f"tracked) | {running['wall_s']:.1f} s | {running['cpu_s']:.1f} s "
+            f"| {running['cpu_s'] / max(ahead['cpu_s'], 1e-9):.2f}x the CPU |"
+        )
+    return [*rows, ""]
 
 
 def gate_scale(r: dict[str, Any]) -> list[str]:
@@ -440,57 +335,38 @@ def gate_scale(r: dict[str, Any]) -> list[str]:
             f" ({_per_sec(reads['reads_per_s'])} reads/s)",
         )
     )
+    estimate = r["first_gate_estimate_s"]
     return [
         "## The data gate at ImageNet scale (`bench/gate_scale.py`)",
         "",
-        f"Method: {r['method']}. Each step is timed on its own, in one process; peak RSS is the "
-        "process's high-water mark after the step (it never goes down).",
+        f"Method: {r['method']}. {_why('the-data-gate-at-scale')}",
         "",
         *rows,
         "",
+        *_figures(
+            [
+                (
+                    f"a first gate over {listing['blobs']:,} new images at the measured "
+                    "read-and-decode rate",
+                    f"{estimate:,} s ({estimate / 60:,.0f} min)",
+                ),
+                (
+                    "listing and the cached manifest, against the 5-minute goal",
+                    f"{before:,.0f} s ({before / 300:.2f}x the goal)",
+                ),
+                (
+                    f"`run_expectations` at the full {cached['rows']:,} rows, linearly from "
+                    f"{big['rows']:,}",
+                    f"{expect:,.0f} s",
+                ),
+                (
+                    "the nightly gate as a whole",
+                    f"{before + expect:,.0f} s ({(before + expect) / 300:.2f}x the goal)",
+                ),
+            ]
+        ),
         *_listing_ahead(r.get("listing_ahead")),
-        f"A first gate over {listing['blobs']:,} new images at the measured read-and-decode rate: "
-        f"{r['first_gate_estimate_s']:,} s ({r['first_gate_estimate_s'] / 60:,.0f} min).",
-        "",
-        f"Against the goal of 5 minutes: listing and the cached manifest took {before:,.0f} s "
-        f"together ({before / 300:.2f}x the goal) before any expectation ran. "
-        f"`run_expectations` took {big['run_expectations']['wall_s']:,.0f} s at "
-        f"{big['rows']:,} rows, {big['class_counts']['wall_s']:,.1f} s of it (timed apart) in "
-        "`class_counts` (one pass over the rows); "
-        f"at the full {cached['rows']:,} rows, linearly, about {expect:,.0f} s: the nightly "
-        f"gate as a whole about {before + expect:,.0f} s ({(before + expect) / 300:.2f}x the "
-        "goal).",
-        "",
-        *GATE_NOTES,
     ]
-
-
-GATE_NOTES = [
-    "What the gate guarantees, and where. On the full listing, every run: every blob's name",
-    "and layout (split and class), its size (no empty blob), its image extension, the class",
-    "counts, and the train/test leak by Content-MD5; the listing it validated is pinned, and",
-    "staging checks every byte it stages against the listed MD5. From one read of the whole",
-    "image, decoded as the trainer decodes it, once per content (MD5 and size), never sampled:",
-    "readable (every pixel decoded, not a header), width and height after the EXIF orientation,",
-    "channels. The cache makes the nightly run and a new version of mostly unchanged images",
-    "read only new content. Per blob, the listing pays one read of its page (taken as a",
-    "stream: unstreamed, the SDK's pipeline parsed every page a second time, into a tree it",
-    "never returned; the XML parser reads it for four fields per blob) and the cached",
-    "manifest a few dicts in the listing's",
-    "thread (a cache hit no longer goes through the thread pool). What is left is interpreter",
-    "work per blob; the manifest taking each page while the next is read would overlap the two",
-    "(not done: the manifest is the smaller part now). Listing by folder, several at once",
-    "as rclone does, was tried and not kept: it asks for a page per folder (2,002 for",
-    "ImageNet's layout against 266), which pays where folders hold thousands of blobs and",
-    "costs where they hold a few dozen; against Azurite it listed 5,000 blobs in 20",
-    "folders 8% faster. A first gate at the",
-    "rate above is bound by one read per image through the SDK plus its decode (Pillow",
-    "decodes outside the interpreter lock, so the reading threads decode in parallel);",
-    "decoding a sample (e.g. a few per class) and trusting staging's MD5 check for the rest",
-    "would bound it, at the price of catching an undecodable image only when the trainer",
-    "opens it (a header read alone passed PNGs cut after 60 bytes).",
-    "",
-]
 
 
 def loading(r: dict[str, Any], heading: str) -> list[str]:
@@ -508,49 +384,65 @@ def loading(r: dict[str, Any], heading: str) -> list[str]:
             + " | ".join(f"{per[c]:,.0f} images/s" for c in columns)
             + " |"
         )
-    lines = [
-        heading,
-        "",
-        f"Machine: {r['machine']}. Method: {r['method']}.",
-        "",
-        *rows,
-        "",
-        f"Shards deliver {r['shards_over_loose']}x the images/s of loose files (best loader "
-        f"setting of each), and start {r['open_loose_over_shards']}x faster (loose start-up "
-        f"decodes every image to find damaged ones; packing already did). Packing cost "
-        f"{r['pack']['seconds']:.2f} s ({r['pack']['images_per_sec']:,.0f} images/s), once per "
-        "data version.",
+    figures = [
+        (
+            "shards against loose files, images/s (best loader setting of each)",
+            f"{r['shards_over_loose']}x",
+        ),
+        ("loose files' start-up against the shards'", f"{r['open_loose_over_shards']}x"),
+        (
+            "packing, once per data version",
+            f"{r['pack']['seconds']:.2f} s ({r['pack']['images_per_sec']:,.0f} images/s)",
+        ),
     ]
     if "gpu" in r:
         g = r["gpu"]
-        lines += [
-            "",
-            f"What the GPU consumes: {g['model']} on {g['device']} trains "
-            f"{g['images_per_sec']:,.0f} images/s at this size on batches already on the device; "
-            f"loose files feed {max(rates['loose'].values()) / g['images_per_sec']:.2f} of that, "
-            f"shards {max(rates['shards'].values()) / g['images_per_sec']:.2f}.",
+        figures += [
+            (
+                f"what the GPU consumes: {g['model']} on {g['device']}",
+                f"{g['images_per_sec']:,.0f} images/s",
+            ),
+            (
+                "of which loose files feed / shards feed",
+                f"{max(rates['loose'].values()) / g['images_per_sec']:.2f} / "
+                f"{max(rates['shards'].values()) / g['images_per_sec']:.2f}",
+            ),
         ]
-    return [*lines, ""]
+    return [
+        heading,
+        "",
+        f"Machine: {r['machine']}. Method: {r['method']}. {_why(LOADING)}",
+        "",
+        *rows,
+        "",
+        *_figures(figures),
+    ]
 
 
 def trainer(r: dict[str, Any], heading: str) -> list[str]:
     return [
         heading,
         "",
-        f"Machine: {r['machine']}. Method: {r['method']}.",
+        f"Machine: {r['machine']}. Method: {r['method']}. {_why(LOADING)}",
         "",
-        "| read from | training images/s | wall (start-up and evaluation included) |",
-        "|---|---:|---:|",
+        "| read from | training images/s | wall (start-up and evaluation included) | test loss |",
+        "|---|---:|---:|---:|",
         *(
-            f"| {name} | {r[name]['images_per_sec']:,.0f} | {r[name]['wall_seconds']:.1f} s |"
+            f"| {name} | {r[name]['images_per_sec']:,.0f} | {r[name]['wall_seconds']:.1f} s "
+            f"| {r[name]['test_loss']:.3g} |"
             for name in ("loose", "shards")
         ),
         "",
-        f"Shards train at {r['shards_over_loose_images_per_sec']}x the images/s of loose files; "
-        f"the loose run takes {r['loose_over_shards_wall']}x the wall time. Test loss "
-        f"{r['loose']['test_loss']:.3g} from loose files, {r['shards']['test_loss']:.3g} from "
-        f"shards; {_sameness(r)}.",
-        "",
+        *_figures(
+            [
+                (
+                    "shards against loose files, images/s",
+                    f"{r['shards_over_loose_images_per_sec']}x",
+                ),
+                ("loose files against shards, wall", f"{r['loose_over_shards_wall']}x"),
+                ("the same samples", _sameness(r)),
+            ]
+        ),
     ]
 
 
@@ -558,9 +450,9 @@ def _sameness(r: dict[str, Any]) -> str:
     if "identical_samples" in r:
         return (
             f"{r['identical_samples']} of {r['samples_checked']} random training samples "
-            "checked are bit-identical in both copies"
+            "bit-identical in both copies"
         )
-    return "the two runs ended with bit-identical test losses" if r.get("same_test_loss") else ""
+    return "bit-identical test losses" if r.get("same_test_loss") else "-"
 
 
 def pipeline(r: dict[str, Any]) -> list[str]:
@@ -590,8 +482,8 @@ def pipeline(r: dict[str, Any]) -> list[str]:
     row(
         "the four concurrent steps: summed / span / speed-up",
         lambda v: (
-            f"{v['steps_2_to_5']['sum_seconds']:.2f} / "
-            f"{v['steps_2_to_5']['span_seconds']:.2f} s / {v['steps_2_to_5']['speedup']}x"
+            f"{v['concurrent_steps']['sum_seconds']:.2f} / "
+            f"{v['concurrent_steps']['span_seconds']:.2f} s / {v['concurrent_steps']['speedup']}x"
         ),
     )
     row(
@@ -603,32 +495,35 @@ def pipeline(r: dict[str, Any]) -> list[str]:
         row(f"step: {step}", lambda v, s=step: f"{v['steps'][s]:.2f} s")
     slowest = max(r["rerun_unchanged"]["steps"].items(), key=lambda kv: kv[1])
     first, again = r["first_run"]["wall_seconds"], r["rerun_unchanged"]["wall_seconds"]
-    up_to_date = (
-        f"The re-run with nothing changed was up to date: it ended after the data gate, with "
-        f"no pool, staging, training or scoring, in {again / first:.2f}x the first run's wall "
-        "time. "
-        if r["rerun_unchanged"].get("up_to_date")
-        else ""
-    )
     start = r["startup"]
+    figures = [
+        ("critical path of the first run", " -> ".join(r["first_run"]["critical_path"])),
+        (
+            "the re-run's wall against the first run's",
+            f"{again / first:.2f}x"
+            + (" (up to date)" if r["rerun_unchanged"].get("up_to_date") else ""),
+        ),
+        ("the slowest step of the re-run", f"{slowest[0]} ({slowest[1]:.2f} s)"),
+        ("`python -m flows.retrain --help`", f"{start['help_seconds']:.2f} s"),
+        (
+            "`import prefect` alone",
+            f"{start['import_prefect_seconds']:.2f} s "
+            f"(--help: {start['help_over_import_prefect']}x)",
+        ),
+        ("a bare interpreter", f"{start['bare_python_seconds']:.2f} s"),
+        (
+            "heavy libraries loaded by the flow module",
+            ", ".join(start["heavy_modules_loaded_by_flow_module"]) or "none",
+        ),
+    ]
     return [
         "## The pipeline (`bench/pipeline.py`)",
         "",
-        f"Method: {r['method']}. The critical path is the longest chain through the flow's DAG",
-        "(validate, then scripts / data / image / pool concurrently, then train, score, promote,",
-        "release, report) with the measured step durations.",
+        f"Method: {r['method']}. {_why('the-pipeline')}",
         "",
         *rows,
         "",
-        f"Critical path of the first run: {' -> '.join(r['first_run']['critical_path'])}. "
-        f"{up_to_date}The slowest step of the re-run is {slowest[0]} ({slowest[1]:.2f} s).",
-        "",
-        f"Start-up: `python -m flows.retrain --help` takes {start['help_seconds']:.2f} s against "
-        f"{start['import_prefect_seconds']:.2f} s for `import prefect` alone "
-        f"({start['help_over_import_prefect']}x) and {start['bare_python_seconds']:.2f} s for "
-        "a bare interpreter; heavy libraries loaded by the flow module: "
-        f"{', '.join(start['heavy_modules_loaded_by_flow_module']) or 'none'}.",
-        "",
+        *_figures(figures),
     ]
 
 
@@ -654,18 +549,19 @@ def tracking(r: dict[str, Any]) -> list[str]:
     return [
         "## MLflow tracking's cost per run (`bench/tracking.py`)",
         "",
-        f"Method: {r['method']}. After one run that is not compared (the first run of a data",
-        "version pays for what later runs reuse), each pair runs the two in turn; the estimate",
-        "is the mean of the median difference of the pairs run tracked first and of those run",
-        "untracked first, which cancels what running second adds or takes away (the order",
-        "effect). The orchestrator's CPU is the flow process's, every thread (tracking's own",
-        "included), not the trainer's.",
+        f"Method: {r['method']}. {_why('mlflow-trackings-cost-per-run')}",
         "",
         *rows,
         "",
-        f"`import mlflow` alone costs a fresh interpreter {imported['cpu_seconds']:.2f} s of CPU "
-        f"({imported['wall_seconds']:.2f} s wall).",
-        "",
+        *_figures(
+            [
+                (
+                    "`import mlflow` alone, a fresh interpreter",
+                    f"{imported['cpu_seconds']:.2f} s of CPU "
+                    f"({imported['wall_seconds']:.2f} s wall)",
+                )
+            ]
+        ),
     ]
 
 
@@ -722,40 +618,32 @@ def nodes(r: dict[str, Any]) -> list[str]:
         )
     overhead = r["launch_overhead_seconds"]
     load = r.get("load_average_5min")
-    busy = f" Load average at the end: {load} (other work on the machine)." if load else ""
+    busy = f" Load average at the end: {load}." if load else ""
+    figures = [
+        (
+            "2 nodes x 1 process against 1 node x 2 processes, images/s",
+            f"{r['two_nodes_over_one_images_per_sec']}x",
+        ),
+        (
+            "launch overhead, 1 node / 2 nodes",
+            f"{overhead['1 node']:.2f} s / {overhead['2 nodes']:.2f} s",
+        ),
+    ]
+    if "ddp_two_nodes_over_one_images_per_sec" in r:
+        figures += [
+            ("DDP: 2 nodes against 1, images/s", f"{r['ddp_two_nodes_over_one_images_per_sec']}x"),
+            (
+                "DDP against Horovod on 2 nodes, images/s",
+                f"{r['ddp_over_horovod_two_nodes_images_per_sec']}x",
+            ),
+        ]
     return [
         *heading,
-        f"Machine: {r['machine']}.{busy} Method: {r['method']}.",
-        "Emulated Batch nodes: each a network namespace with its own eth0 on a shared bridge,",
-        "host name, process tree and cores; the",
-        "training task the pipeline sends to Batch, prepared by `prepare_node.sh` on every node",
-        "and started by `launch.sh` on the first. Launch overhead: from the application command's",
-        "start to rank 0's first optimizer step (interpreter and library start-up, SSH to the",
-        "other node, Horovod's rendezvous, data loading). The coordination command (checks, the",
-        "sshd) runs before it on every node.",
+        f"Machine: {r['machine']}.{busy} Method: {r['method']}. {_why('training-across-hosts')}",
         "",
         *rows,
         "",
-        f"2 nodes x 1 process train at {r['two_nodes_over_one_images_per_sec']}x the images/s of "
-        "1 node x 2 processes on the same cores: the allreduce crosses the network stack (Gloo "
-        "over TCP on eth0 and the bridge) instead of loopback. The bridge adds no wire latency, "
-        "so between real nodes the gap is wider. Launch overhead: "
-        f"{overhead['1 node']:.2f} s on 1 node, {overhead['2 nodes']:.2f} s on 2.",
-        "",
-        *_ddp_nodes(r),
-    ]
-
-
-def _ddp_nodes(r: dict[str, Any]) -> list[str]:
-    """The DDP engine's ratios (reports written before it existed have none)."""
-    if "ddp_two_nodes_over_one_images_per_sec" not in r:
-        return []
-    return [
-        "Rows named `ddp, ...` ran the DDP engine (one torchrun per node, c10d rendezvous on "
-        f"the first): 2 nodes at {r['ddp_two_nodes_over_one_images_per_sec']}x the images/s "
-        f"of 1 node, and at {r['ddp_over_horovod_two_nodes_images_per_sec']}x Horovod's on 2 "
-        "nodes.",
-        "",
+        *_figures(figures),
     ]
 
 
@@ -766,13 +654,7 @@ def gpu_speed(r: dict[str, Any]) -> list[str]:
     lines = [
         f"Machine: {r['machine']}. Method: {r['method']}. {r.get('runs', '')}",
         "",
-        "Each row adds its switch to those above it (the last row undoes one, to show it).",
-        "At batch 64 the step is bound by kernel launches and Python, not by the GPU, so",
-        "the precision, optimizer and layout switches move it little; a larger batch and",
-        "compilation (fewer, fused kernels) are what lift it. Under Horovod, channels-last",
-        "weights need contiguous gradient buffers (its collectives refuse other layouts), and",
-        "autograd then adds each convolution's gradient into them with a transposing copy, so",
-        "that switch costs Horovod what it buys DDP, whose buckets follow the weights' layout.",
+        _why("what-each-speed-switch-buys-on-a-gpu"),
         "",
         f"| step | {head} | warm-up s | peak GiB |",
         "|---|" + "---:|---:|" * len(engines) + "---:|---:|",
@@ -792,30 +674,36 @@ def gpu_speed(r: dict[str, Any]) -> list[str]:
             peak.append(f"{row['peak_gib']:.1f}")
         lines.append(f"| {name} | {' | '.join(cells)} | {'/'.join(warm)} | {'/'.join(peak)} |")
     lines.append("")
+    figures: list[tuple[str, str]] = []
     if (m := r.get("memory")) is not None:
-        sizes = ", ".join(
-            f"{b}: {v['peak_gib']:.1f} GiB, {v['images_per_sec']:,.0f}/s"
+        figures += [
+            (
+                f"peak memory at batch {b} ({m.get('note', '')})",
+                f"{v['peak_gib']:.1f} GiB, {v['images_per_sec']:,.0f} images/s",
+            )
             for b, v in m["per_batch"].items()
-        )
-        lines += [
-            f"Memory ({m.get('note', '')}), peak per batch size: {sizes}. The largest batch "
-            f"that fits in the GPU's {m['gpu_gib']:.0f} GiB is {m['largest_batch']} "
-            f"({m['first_failing_batch']} does not).",
-            "",
         ]
+        figures.append(
+            (
+                f"the largest batch that fits in {m['gpu_gib']:.0f} GiB",
+                f"{m['largest_batch']} ({m['first_failing_batch']} does not)",
+            )
+        )
     fed = r.get("fed") or {}
     if fed.get("measured") is False:
-        lines += [f"Fed from packed shards: not measured in this run ({fed['why']}).", ""]
+        figures.append(("fed from packed shards", f"not measured in this run ({fed['why']})"))
     for engine, f in fed.items() if fed.get("measured") is not False else []:
         if "images_per_sec" in f:
             synthetic = r["engines"][engine]["steps"][r["steps"].index("torch.compile")]
             ratio = f["images_per_sec"] / synthetic["images_per_sec"]
-            lines += [
-                f"Fed from packed shards ({engine}): {f['images_per_sec']:,.0f} images/s in the "
-                f"last epoch, {ratio:.2f} of the synthetic rate with the same switches.",
-                "",
-            ]
-    return lines
+            figures.append(
+                (
+                    f"fed from packed shards ({engine}), last epoch",
+                    f"{f['images_per_sec']:,.0f} images/s, {ratio:.2f} of the synthetic rate with "
+                    "the same switches",
+                )
+            )
+    return [*lines, *(_figures(figures) if figures else [])]
 
 
 def image(r: dict[str, Any], heading: str) -> list[str]:
@@ -824,7 +712,7 @@ def image(r: dict[str, Any], heading: str) -> list[str]:
     if "skipped" in r:
         return [*lines, f"Not measured on this machine: {r['skipped']}.", ""]
     lines += [
-        f"Method: {r['method']}; {r['storage_driver']} storage. Load average at the end:",
+        f"Method: {r['method']}; {r['storage_driver']} storage. Load average at the end: "
         f"{r['load_average']:.1f}.",
         "",
         "| | seconds |",
@@ -836,10 +724,63 @@ def image(r: dict[str, Any], heading: str) -> list[str]:
     if "code_change_seconds" in r:
         changed = r["code_change_seconds"]
         lines.append(f"| again after a change to the training code | {changed:.0f} |")
-    lines += ["", f"Image size ({r['variant']} variant, layers unpacked): {r['size']}.", ""]
+    lines.append(f"| image size ({r['variant']} variant, layers unpacked) | {r['size']} |")
+    lines.append("")
     if r.get("checks"):
         lines += ["What its build-time checks saw:", "", *(f"    {c}" for c in r["checks"]), ""]
     return lines
+
+
+def demo(r: dict[str, Any]) -> list[str]:
+    """The first `make demo`'s time line, run by run (``bench/demo.py``)."""
+    lines = ["## The first `make demo` (`bench/demo.py`)", ""]
+    if "skipped" in r:
+        return [*lines, f"Not measured on this machine: {r['skipped']}.", ""]
+    runs: dict[str, dict[str, Any]] = r["runs"]
+    names = list(runs)
+    lines += [
+        f"Method: {r['method']}. Load average at the end: {r['load_average']:.1f}.",
+        "",
+        "| seconds from the flow run's start | " + " | ".join(names) + " |",
+        "|---" + "|---:" * len(names) + "|",
+    ]
+    rows = (
+        ("training ended", "training_end"),
+        ("scoring ended", "scored"),
+        ("promotion ended", "promoted"),
+        ("the image's build ended", "image_end"),
+        ("the report ended", "report_end"),
+        ("the flow run ended", "flow_end"),
+    )
+    for label, key in rows:
+        cells = [f"{runs[n][key]:.0f}" if key in runs[n] else "-" for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    total = [f"{runs[n]['total']:.0f}" if "total" in runs[n] else "-" for n in names]
+    lines += ["| the whole demo (its own 'finished in') | " + " | ".join(total) + " |", ""]
+    for name in names:
+        run = runs[name]
+        if {"promoted", "training_end"} <= set(run):
+            wait = run["promoted"] - run["training_end"]
+            lines.append(
+                f"- {name}: the model was promoted {wait:.0f} s after training ended"
+                + (
+                    f"; the image's build ended {run['image_end'] - run['training_end']:.0f} s "
+                    f"after training, and the flow run {run['flow_end'] - run['image_end']:.0f} "
+                    "s after the build"
+                    if {"image_end", "flow_end"} <= set(run)
+                    else ""
+                )
+                + (f" (exit code {run['exit_code']})" if run.get("exit_code") else "")
+                + "."
+            )
+    lines += [
+        "",
+        "A first demo lasts as long as the image's build from nothing plus what follows it;"
+        " the build's own time moves with the machine's load between runs (the image's "
+        "section). What a change to the flow's wiring moves is what waits for the build: the "
+        "time from training's end to the promotion, and from the build's end to the run's.",
+    ]
+    return [*lines, ""]
 
 
 def _fed_measured(paths: list[Path]) -> bool:
@@ -900,12 +841,8 @@ def render(results: Path, previous: str = "") -> str:
         "",
         f"Machine: {machine()}.",
         "",
-        "Method: every comparison is measured side by side in one run on one machine, and read",
-        "as a ratio: absolute times on a shared machine move by tens of percent between runs.",
-        "Blob storage is Azurite on loopback, so there is no network latency and the storage",
-        "service shares the CPU with the client; on Azure the per-request latency is higher and",
-        "the parallel paths gain more. `python -m bench` (what `make bench` runs) regenerates",
-        "this page; each benchmark also runs on its own (`python -m bench.<name> --help`).",
+        "Figures and tables from the results of `python -m bench`; how each benchmark measures,",
+        "how to read it and what it decided: [benchmarks.md](benchmarks.md).",
         "",
     ]
     if (r := load("staging")) is not None:
@@ -944,20 +881,20 @@ def render(results: Path, previous: str = "") -> str:
         lines += systems.preemption(r)
     if (r := load("warm_start_flow")) is not None:
         lines += warm_start_flow(r)
+    if (r := load("demo")) is not None:
+        lines += demo(r)
     gpu = sorted(GPU_RESULTS.glob("*.json")) if GPU_RESULTS.is_dir() else []
     if gpu:
         lines += [
             "## On a GPU",
             "",
-            "Kept from a run on a GPU machine (`docs/bench-gpu/`); `make bench` there refreshes",
-            "them. Each says its own machine and method.",
+            "Kept from a run on a GPU machine (`docs/bench-gpu/`), each with its machine and date.",
             "",
         ]
         if not _fed_measured(gpu):
             lines += [
-                "The trainer fed from packed shards against its synthetic rate (the goal: 0.9 "
-                f"or more for both engines) awaits a GPU: {systems.GPU_COMMAND} measures it, "
-                "with one core's feed rate and the checkpoint stall there.",
+                "The trainer fed from packed shards against its synthetic rate (goal: 0.9 or "
+                f"more for both engines) awaits a GPU: {systems.GPU_COMMAND}.",
                 "",
             ]
         for path in gpu:

@@ -1,6 +1,7 @@
 """The page's sections on the trainer's systems: feeding a GPU from shards on one core, the last
-partial batch under compilation, the checkpoint stall and sharded optimizer state. Every number
-comes from the results; ``bench.report`` places the sections."""
+partial batch under compilation, the checkpoint stall and sharded optimizer state. Figures and
+tables from the results (how to read them: docs/benchmarks.md); ``bench.report`` places the
+sections."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ GPU_COMMAND = (
 
 def _n(value: float) -> str:
     return f"{value:,.1f}" if value < 10 else f"{value:,.0f}"
+
+
+def _why(anchor: str) -> str:
+    return f"How it measures and how to read it: [benchmarks.md](benchmarks.md#{anchor})."
+
+
+def _figures(rows: list[tuple[str, str]]) -> list[str]:
+    return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows), ""]
 
 
 def feed(r: dict[str, Any], heading: str) -> list[str]:
@@ -33,37 +42,44 @@ def feed(r: dict[str, Any], heading: str) -> list[str]:
         ),
     ]
     engines = ", ".join(f"{_n(v)} ({e})" for e, v in gpu["images_per_sec"].items())
-    lines = [
+    figures = [
+        (
+            f"what one GPU consumes ({gpu['machine']}, "
+            f"{gpu.get('date') or 'measured in the same run'})",
+            f"{engines} images/s",
+        ),
+        (
+            "one core's whole batches, per CPU-second, against the faster GPU rate",
+            f"{r['one_core_over_gpu']}x",
+        ),
+        ("whole batches against the per-image path", f"{r['batched_over_per_image']}x"),
+        ("the per-image path against the GPU rate", f"{r['per_image_over_gpu']}x"),
+        (
+            "a core's share per GPU with crops and flips on the CPU / without",
+            f"{r['cpu_augment_cores_per_gpu']} / {needed / rates['batched']['cpu']:.2f}",
+        ),
+    ]
+    if (g := r.get("gpu")) is not None:
+        figures += [
+            (
+                f"on {g['device']}: one core gathering pinned batches, augmenting on the device",
+                f"{_n(g['images_per_sec'])} images/s",
+            ),
+            (
+                "the augmentation alone on the device",
+                f"{_n(g['augment_on_device_images_per_sec'])} images/s",
+            ),
+        ]
+    return [
         heading,
         "",
         f"Machine: {r['machine']}; load average {r.get('load_average', '?')}. Method: "
-        f"{r['method']}.",
+        f"{r['method']}. {_why('feeding-a-gpu-from-shards-on-one-core')}",
         "",
         *rows,
         "",
-        f"What one GPU consumes: {engines} images/s, ResNet-50 at 224 px with every speed "
-        f"switch on, synthetic batches on the device ({gpu['machine']}, "
-        f"{gpu.get('date') or 'measured in the same run'}). "
-        f"One core gathering whole batches delivers {r['one_core_over_gpu']}x the faster of "
-        f"those per CPU-second of its own ({r['batched_over_per_image']}x the per-image path, "
-        f"which delivers {r['per_image_over_gpu']}x); so one core per GPU feeds it, with the "
-        "other cores of a node left to the training processes. Per CPU-second is the figure "
-        "for a core of one's own: on this shared machine the process got only part of its "
-        "core, which the wall rate shows. Cropping and flipping each image on the CPU as "
-        f"well, a core would spend {r['cpu_augment_cores_per_gpu']} of itself per GPU, against "
-        f"{needed / rates['batched']['cpu']:.2f} without; `--augment` does it on the device "
-        "instead, for the whole batch in one gather.",
-        "",
+        *_figures(figures),
     ]
-    if (g := r.get("gpu")) is not None:
-        lines += [
-            f"On {g['device']}: one core gathering pinned batches, copying them to the device "
-            f"and augmenting them there fed {_n(g['images_per_sec'])} images/s; the "
-            f"augmentation alone runs at {_n(g['augment_on_device_images_per_sec'])} images/s "
-            "on the device.",
-            "",
-        ]
-    return lines
 
 
 def compile_tail(r: dict[str, Any]) -> list[str]:
@@ -72,7 +88,8 @@ def compile_tail(r: dict[str, Any]) -> list[str]:
     return [
         "## The last partial batch under `torch.compile` (`bench/compile_tail.py`)",
         "",
-        f"Machine: {r['machine']}. Method: {r['method']}.",
+        f"Machine: {r['machine']}. Method: {r['method']}. "
+        f"{_why('the-last-partial-batch-under-torchcompile')}",
         "",
         "| policy | cost against dropping it |",
         "|---|---:|",
@@ -83,16 +100,20 @@ def compile_tail(r: dict[str, Any]) -> list[str]:
         f"| drop it (what the trainer does now under `--compile`) | 0; "
         f"{r['images_deferred_by_drop']} images wait for the next epoch's shuffle |",
         "",
-        f"The first compilation took {r['compile_seconds']:.1f} s; the partial batch compiled "
-        f"again ({r['graphs_before_partial']} graph before it, {r['graphs_after_partial']} "
-        f"after) for {cost['recompile_once']:.1f} s, {r['recompile_over_pad_per_epoch']}x a "
-        "padded step, and full steps afterwards took "
-        f"{full['after_recompile']:.3f} s against {full['before']:.3f} s before. Dropping costs "
-        "no compute and loses no image for good (the sampler reshuffles each epoch); padding "
-        "costs a step per epoch and lets the duplicated rows move BatchNorm's statistics. The "
-        "trainer drops it whenever it compiles; `tests/training/test_speed.py` checks with the "
-        "compiler's own log (`TORCH_LOGS=recompiles`) that nothing recompiles.",
-        "",
+        *_figures(
+            [
+                ("the first compilation", f"{r['compile_seconds']:.1f} s"),
+                (
+                    "graphs before / after the partial batch",
+                    f"{r['graphs_before_partial']} / {r['graphs_after_partial']}",
+                ),
+                ("recompiling against a padded step", f"{r['recompile_over_pad_per_epoch']}x"),
+                (
+                    "a full step before / after recompiling",
+                    f"{full['before']:.3f} s / {full['after_recompile']:.3f} s",
+                ),
+            ]
+        ),
     ]
 
 
@@ -117,31 +138,11 @@ def checkpoint_stall(r: dict[str, Any], heading: str) -> list[str]:
         heading,
         "",
         f"Machine: {r['machine']}; load average {r.get('load_average', '?')}. Method: "
-        f"{r['method']}.",
+        f"{r['method']}. {_why('the-checkpoint-stall')}",
         "",
         *rows,
         "",
-        *CHECKPOINT_NOTES,
     ]
-
-
-CHECKPOINT_NOTES = [
-    "What the stall is now: a copy of the state into host memory, the only thing training",
-    "waits for. On a CPU with a local disk, writing the file is itself little more than a",
-    "memory copy into the page cache (the CPU columns), so moving it behind the step saves",
-    "little, and the write then competes with the steps for the same cores (the last column).",
-    "The gain is where the write is slower than the copy: a network share, whose flushes come",
-    "back later (the held-fsync row: the in-line stall grows by the hold, the background one",
-    "does not), and a GPU, where the copy is a device-to-host transfer at tens of GB/s and the",
-    "steps run on the device beside the write. Azure's Nebula promises checkpoints '1,000",
-    "times faster' by the same means: training waits for a copy into memory, and persisting to",
-    "storage happens behind it; its figure is this page's 'in line / now' ratio for large",
-    "models written to remote storage, where an in-line write takes minutes. What Nebula adds",
-    "beyond it is a tier of node-local memory and disk shared across ranks; here a checkpoint",
-    "is rank 0's file in the shared checkpoint folder, and a job killed mid-write resumes from",
-    "the one before (`tests/training/test_checkpoint.py`).",
-    "",
-]
 
 
 def sharded_state(r: dict[str, Any]) -> list[str]:
@@ -167,61 +168,25 @@ def sharded_state(r: dict[str, Any]) -> list[str]:
             f"{v['peak_added_mib']:,.0f} MiB |"
         )
     ratios = r.get("ratios", {})
-    zero = ratios.get("ddp_zero1")
-    said = []
-    if zero:
-        said.append(
-            f"`--shard-optimizer-state` holds {zero['optimizer_state_over_ddp']}x the optimizer "
-            f"state per rank of plain DDP, at {zero['images_per_sec_over_ddp']}x its images/s."
+    figures = [
+        (
+            f"{labels.get(name, name)} against plain DDP: optimizer state / memory added / "
+            "images/s",
+            f"{q['optimizer_state_over_ddp']}x / {q.get('rss_added_over_ddp', '-')}x / "
+            f"{q['images_per_sec_over_ddp']}x",
         )
-    for name in ("deepspeed_zero1", "deepspeed_zero2", "fsdp2"):
-        if name in ratios:
-            q = ratios[name]
-            said.append(
-                f"{labels[name]}: {q['optimizer_state_over_ddp']}x the state, "
-                f"{q['rss_added_over_ddp']}x the memory added, {q['images_per_sec_over_ddp']}x "
-                "the images/s of plain DDP."
-            )
+        for name, q in ratios.items()
+    ]
     return [
         "## Sharded optimizer state (`bench/sharded_state.py`)",
         "",
         f"Machine: {r['machine']}; load average {r.get('load_average', '?')}. Method: "
-        f"{r['method']}. DeepSpeed: {r['deepspeed']}.",
+        f"{r['method']}. DeepSpeed: {r['deepspeed']}. {_why('sharded-optimizer-state')}",
         "",
         *rows,
         "",
-        " ".join(said),
-        "",
-        *SHARDING_NOTES,
+        *(_figures(figures) if figures else []),
     ]
-
-
-SHARDING_NOTES = [
-    "How to read it. With SGD the optimizer state is one momentum buffer per weight (ResNet-50:",
-    "about 90 MiB), so ZeRO stage 1 holds 1/N of it per rank; stage 2 also shards the",
-    "gradients, stage 3 (FSDP2) the weights too. DeepSpeed's ZeRO keeps, beside the momentum of",
-    "its partition, an fp32 copy of the partition's weights (the master weights mixed precision",
-    "needs, carried in fp32 training too), counted in its state column. Its CPU accelerator",
-    "also replaces Gloo's allreduce with a shared-memory kernel of its own (compiled at first",
-    "use), so its images/s compare communication libraries as much as sharding; and the ways",
-    "ran one after another on a shared machine whose load moved meanwhile (load average at the",
-    "end above), so only large throughput differences mean anything here. Resident memory",
-    "includes activations and the allocator's cached blocks, so it moves less than the state.",
-    "",
-    "The choice. The trainer shards with PyTorch's own `ZeroRedundancyOptimizer` under DDP: it",
-    "holds as little optimizer state per rank as FSDP2 and less than DeepSpeed's stages 1 and",
-    "2, keeps DDP's gradient averaging, evaluation on the plain model and every other part of",
-    "the step as they were, and needs nothing beyond torch. FSDP2 shards the weights too, which",
-    "the trainer's evaluation (ranks see different numbers of batches), its BatchNorm averaging",
-    "and its engine-neutral checkpoints would each have to gather first, and it was the slowest",
-    "here (an all-gather per block over Gloo): its savings matter for models whose weights do",
-    "not fit one GPU, not ResNets. DeepSpeed installs and runs here on its CPU accelerator; it",
-    "brings its own launcher, engine and checkpoint format beside the two engines the trainer",
-    "already has. Checkpoints written sharded hold the whole state (gathered on rank 0) in a",
-    "plain optimizer's format, and resume under Horovod, plain DDP and sharded DDP alike",
-    "(`tests/training/test_sharded_state.py`).",
-    "",
-]
 
 
 def gpu_fed(r: dict[str, Any]) -> list[str]:

@@ -16,8 +16,7 @@ def _reached(run: dict[str, Any]) -> str:
 def _seed_table(s: dict[str, Any]) -> list[str]:
     rows = [
         f"Seed {s['seed']}: v1's model {s['v1_accuracy']:.3f} on v1's test split "
-        f"({s['v1_cpu_seconds']:.0f} CPU-s); scratch's final accuracy on v2, the target: "
-        f"{s['target']:.3f}.",
+        f"({s['v1_cpu_seconds']:.0f} CPU-s); the target: {s['target']:.3f}.",
         "",
         "| run | test accuracy after each epoch | reaches the target | CPU-s, whole run |",
         "|---|---|---|---:|",
@@ -54,13 +53,9 @@ def _cost(r: dict[str, Any]) -> list[str]:
     c = r["cost"]
     share = r["epoch_share"]
     lines = [
-        f"On paper, one nightly run of an ImageNet-sized data version ({c['images']:,} images, "
-        f"90 epochs from scratch) with a ResNet-50, at the project's measured "
-        f"{c['h100_images_per_sec']:,} images/s per H100 and an assumed {c['scaling']:.0%} "
-        f"scaling across a node's GPUs (not measured here); warm: {share:.2f} of scratch's "
-        f"epochs, the share the default variant needed on the least favourable seed above "
-        "(a share measured on digits and a small CNN, carried over to ImageNet as an "
-        f"estimate). Prices: {c['price_source']}.",
+        f"On paper: {c['images']:,} images, ResNet-50, {c['h100_images_per_sec']:,} images/s "
+        f"per H100, {c['scaling']:.0%} scaling across a node's GPUs, warm: {share:.2f} of "
+        f"scratch's epochs. Prices: {c['price_source']}.",
         "",
         "| node | $/hour | start | epochs | hours | cost per nightly run |",
         "|---|---:|---|---:|---:|---:|",
@@ -71,13 +66,7 @@ def _cost(r: dict[str, Any]) -> list[str]:
             f"{row['start']} | {row['epochs']:g} | {row['hours']:.2f} | "
             f"${row['cost']:,.0f} |"
         )
-    lines += [
-        "",
-        "The smaller size holds an H100 NVL, whose rate is taken to be the measured H100 "
-        "SXM's: optimistic for it.",
-        "",
-    ]
-    return lines
+    return [*lines, ""]
 
 
 def warm_start(r: dict[str, Any]) -> list[str]:
@@ -85,11 +74,9 @@ def warm_start(r: dict[str, Any]) -> list[str]:
         HEADING,
         "",
         f"Machine: {r['machine']}. Method: {r['method']}; seeds "
-        f"{', '.join(str(s['seed']) for s in r['seeds'])}. v1: the digits without digit_9 and "
-        "half of the training images; v2: all of them (one class and the other half added). "
-        "Every v2 run is evaluated on v2's test split after each epoch; CPU-seconds are the "
-        "trainer process's own, start-up included, read at the end of each epoch. The "
-        f"trainer's default when starting from weights is the `{r['default_variant']}` run.",
+        f"{', '.join(str(s['seed']) for s in r['seeds'])}. The trainer's default when starting "
+        f"from weights: the `{r['default_variant']}` run. How it measures and how to read it: "
+        "[benchmarks.md](benchmarks.md#warm-start-against-from-scratch).",
         "",
         *_summary(r),
         *(line for s in r["seeds"] for line in _seed_table(s)),

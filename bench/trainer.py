@@ -23,6 +23,7 @@ from typing import Any
 from bench import dataset
 from bench.output import ROOT, dataset_main
 from imagedata.shards import pack_shards
+from training.architectures import MODEL_NAMES
 from training.args import default_input_size
 
 
@@ -105,18 +106,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.trainer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="cnn", choices=["cnn", "resnet18", "resnet50"])
+    p.add_argument("--model", default="cnn", choices=MODEL_NAMES)
     p.add_argument("--images", type=int, default=20_000)
     p.add_argument("--kb", type=float, default=20)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
-    return dataset_main(p, "trainer", run, argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return dataset_main(parser(), "trainer", run, argv)
 
 
 if __name__ == "__main__":

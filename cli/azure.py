@@ -53,6 +53,24 @@ DATA_TYPES = (
 )
 # GPUs per node of the sizes docs/azure.md lists (processes per node = GPUs).
 GPUS = {"standard_nc24ads_a100_v4": 1, "standard_nd96asr_v4": 8, "standard_nd96isr_h100_v5": 8}
+# Template parameter -> Key Vault secret, for what `up` generates once and keeps: the database
+# password (in the URLs), the relay's key, Prefect Cloud's key (a placeholder when self-hosted),
+# and the credentials the public endpoints ask for (Prefect API and UI, MLflow, the gateway).
+CREDENTIALS = (
+    ("databasePassword", "database-url"),
+    ("relayKey", "relay-key"),
+    ("prefectApiKey", "prefect-api-key"),
+    ("prefectAuth", "prefect-auth"),
+    ("mlflowPassword", "mlflow-password"),
+    ("mlflowFlaskKey", "mlflow-flask-key"),
+    ("gatewayAuth", "gateway-auth"),
+)
+# What --rotate-credentials makes anew. MLflow's admin password is not among them: its
+# basic-auth app stores it when it first creates the user, and reads the variable never again.
+ROTATED = ("prefectAuth", "gatewayAuth")
+USER_PASSWORD = ("prefectAuth", "gatewayAuth")  # user:password, as their servers compare them
+CREDENTIAL_USER = "retrain"
+MLFLOW_USER = "admin"
 SERVICE_DOCKERFILE = "infra/service.Dockerfile"
 SERVICE_REPOSITORY = "retrain/service"
 POLL_SECONDS = 5.0  # between reads of an ACR Tasks run
@@ -121,6 +139,17 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--overwrite-config", action="store_true", help="replace a hand-edited config")
     up.add_argument("--no-images", action="store_true", help="skip building the images")
     up.add_argument("--no-register", action="store_true", help="skip registering deployments")
+    up.add_argument(
+        "--rotate-credentials",
+        action="store_true",
+        help="make new Prefect API and gateway credentials (kept across runs otherwise)",
+    )
+    up.add_argument(
+        "--prune",
+        action="store_true",
+        help="also delete what the resource group holds and infra/main.json does not declare "
+        "(stops, deleting nothing, if any of it holds data)",
+    )
     down.add_argument(
         "--delete-data",
         action="store_true",
@@ -170,6 +199,16 @@ class Azure:
             return None
         response.raise_for_status()
         return response.json() if response.content else {}
+
+    def vault_secret(self, vault: str, name: str) -> str:
+        """A secret's value from the Key Vault's data plane (Entra ID; the caller's role on it)."""
+        from azure.core.rest import HttpRequest
+
+        base = f"https://{vault}.vault.azure.net"
+        client = self._pipeline(base, "https://vault.azure.net/.default")
+        response = client.send_request(HttpRequest("GET", f"{base}/secrets/{name}?api-version=7.5"))
+        response.raise_for_status()
+        return str(response.json()["value"])
 
     def batch_principal(self) -> str:
         from azure.core.rest import HttpRequest
@@ -332,9 +371,9 @@ def pipeline_config(
             "container": "retrain-outputs",
         },
         "share": {
+            # A Blob container the nodes mount as their identity: no account key anywhere.
             "name": "retrain-scripts",
-            "account_url": f"https://{storage}.file.core.windows.net",
-            "account_key_secret": "retrain-files-key",
+            "account_url": f"https://{storage}.blob.core.windows.net",
         },
         "nfs": {
             "source": f"{names['nfsStorage']}.file.core.windows.net:/{names['nfsStorage']}/retrain",
@@ -389,6 +428,7 @@ def deployment_parameters(
     parsed = PipelineConfig.model_validate(config)
     pool = arm_pool(parsed, image_reference(parsed), str(parsed.azure.identity_resource_id))
     values = {
+        "groupMode": "Complete" if options.prune else "Incremental",
         "location": _region(options.location),
         "resourceGroupName": group,
         "names": names,
@@ -411,14 +451,14 @@ def _secrets_to_create(
     (their values are never read back). Prefect Cloud's key is stored whenever it is given."""
     vault = f"{_group_path(azure, group)}/providers/Microsoft.KeyVault/vaults/{names['keyVault']}"
     fresh = {}
-    for parameter, secret in (
-        ("databasePassword", "database-url"),
-        ("relayKey", "relay-key"),
-        ("prefectApiKey", "prefect-api-key"),
-    ):
-        if azure.arm("GET", f"{vault}/secrets/{secret}", "2024-11-01") is None:
+    for parameter, secret in CREDENTIALS:
+        if parameter == "prefectAuth" and options.prefect != "self-hosted":
+            continue  # Prefect Cloud takes its API key; a basic-auth string would replace it
+        rotate = options.rotate_credentials and parameter in ROTATED
+        if rotate or azure.arm("GET", f"{vault}/secrets/{secret}", "2024-11-01") is None:
             # A self-hosted server takes no key: the apps' variable holds a placeholder.
-            fresh[parameter] = secrets.token_urlsafe(32)
+            value = secrets.token_urlsafe(32)
+            fresh[parameter] = f"{CREDENTIAL_USER}:{value}" if parameter in USER_PASSWORD else value
     if options.prefect_cloud_api_key_env:
         key = os.environ.get(options.prefect_cloud_api_key_env)
         if not key:
@@ -463,12 +503,43 @@ def write_config(path: Path, config: dict[str, Any], overwrite: bool) -> str:
     return f"{path}: written"
 
 
-def register(config_path: Path, api_url: str, api_key_env: str, say: Callable[[str], None]) -> None:
+def prefect_auth(azure: Azure, names: dict[str, str], fresh: dict[str, str]) -> str:
+    """The self-hosted Prefect API's auth string, for registering the deployments: made by this
+    run, or read from the Key Vault (the setup gives whoever runs ``up`` Key Vault Secrets User
+    on that one secret). It goes to ``prefect`` through its environment, never an argument."""
+    if "prefectAuth" in fresh:
+        return fresh["prefectAuth"]
+    from azure.core.exceptions import HttpResponseError
+
+    try:
+        return azure.vault_secret(names["keyVault"], "prefect-auth")
+    except HttpResponseError as exc:
+        raise SetupError(
+            f"reading the Prefect API's credential from the Key Vault {names['keyVault']} was "
+            f"refused ({exc.status_code}): the setup gives Key Vault Secrets User on the secret "
+            "prefect-auth to whoever ran `make azure-up`; ask them to run it once, or run again "
+            "with --no-register"
+        ) from exc
+
+
+def read_hint(vault: str, secret: str) -> str:
+    return f"az keyvault secret show --vault-name {vault} --name {secret} --query value -o tsv"
+
+
+def register(
+    config_path: Path,
+    api_url: str,
+    api_key_env: str,
+    say: Callable[[str], None],
+    auth: str | None = None,
+) -> None:
     """The work pool and the deployments, on the setup's Prefect server, registered with this
     config (deployments/registration.py)."""
     env = {**os.environ, "PREFECT_API_URL": api_url, "RETRAIN_FORM_CONFIG": str(config_path)}
     if api_key_env:
         env["PREFECT_API_KEY"] = os.environ[api_key_env]
+    if auth:
+        env["PREFECT_API_AUTH_STRING"] = auth
     env["PWD"] = "/app"  # where the worker's image holds the project (infra/service.Dockerfile)
     prefect = str(Path(sys.executable).parent / "prefect")
     for args in (
@@ -664,7 +735,9 @@ def up(
     ]
     if lost:
         raise SetupError(
-            f"the deployment would delete resources holding data ({', '.join(lost)}): stopped"
+            f"the deployment would delete resources holding data ({', '.join(lost)}): stopped, "
+            "nothing changed. Move what they hold and delete them yourself, or run without "
+            "--prune (which leaves what the template does not declare alone)"
         )
     if not pending:
         say(f"nothing to change: the setup in {group} matches infra/main.json")
@@ -686,20 +759,33 @@ def up(
     )
     value = {k: v["value"] for k, v in outputs.items()}
     say(write_config(ROOT / options.config_out, value["pipelineConfig"], options.overwrite_config))
+    self_hosted = options.prefect == "self-hosted"
     if not options.no_register:
         register(
             ROOT / options.config_out,
             value["prefectApiUrl"],
             options.prefect_cloud_api_key_env,
             say,
+            prefect_auth(azure, names, fresh) if self_hosted else None,
         )
-    for label, key in (
-        ("Prefect UI", "prefectUiUrl"),
-        ("MLflow", "mlflowUrl"),
-        ("outputs gateway", "gatewayUrl"),
-        ("Event Grid relay", "relayUrl"),
+    vault = names["keyVault"]
+    for label, key, secret, who in (
+        ("Prefect UI", "prefectUiUrl", "prefect-auth" if self_hosted else "", "its password"),
+        ("MLflow", "mlflowUrl", "mlflow-password", f"user {MLFLOW_USER}, password"),
+        ("outputs gateway", "gatewayUrl", "gateway-auth", "user:password"),
+        ("Event Grid relay", "relayUrl", "", ""),
     ):
         say(f"{label}: {value.get(key)}")
+        if secret:  # where to read it: the value itself is never printed
+            say(f"  {who}: `{read_hint(vault, secret)}`")
+    if options.rotate_credentials:
+        apps = ", ".join(
+            f"{names['prefix']}-{a}" for a in ("prefect", "worker", "relay", "gateway")
+        )
+        say(
+            f"credentials rotated: the apps read them as they start; restart {apps} "
+            "(docs/azure.md, 'Credentials', has the command)"
+        )
     say(
         "idle cost: docs/azure.md, 'What make azure-up creates' (per resource; the GPU pool "
         "costs nothing at zero nodes between runs)"
@@ -728,7 +814,11 @@ def down(
         return 1
     if options.delete_data:
         azure.resources.resource_groups.begin_delete(group).result()
-        say(f"resource group {group} deleted")
+        say(
+            f"resource group {group} deleted. Its Key Vault stays soft-deleted for 90 days "
+            "(purge protection keeps its secrets recoverable): a new setup in that time needs "
+            "another --name-prefix"
+        )
         return 0
     # Children first: a pool before its account, apps before their environment.
     for r in sorted(delete, key=lambda r: -r.id.count("/")):

@@ -9,10 +9,14 @@ The folder is an image-folder dataset (``train/<class>/*.png|jpg|jpeg``, ``test/
 optional ``val/<class>/...``) or WebDataset tar shards (``train/000000.tar``, ...). Before a
 byte is sent, the data gate's checks that need no decode run here, with the gate's own rules
 (``gate.folder``): a folder the gate would refuse for its layout, splits, classes, file kinds,
-empty files or train/test duplicates fails, naming its files. Then every file is uploaded with
-its Content-MD5, many at once, and the version's ``_SUCCESS`` marker last
-(``backends.version_upload``); a run cut short is finished by the same command, which sends
-only what is missing or differs, and a complete version is never touched.
+empty files, train/test duplicates, or images too large in bytes or pixels (by their headers)
+fails, naming its files. Links are followed inside the folder; one leading out of it is
+refused by name (``backends.version_upload.local_files``). Then every file is uploaded with
+its Content-MD5, many at once (a file the newest complete version holds already is copied in
+storage, not sent), and the version's ``_SUCCESS`` marker last (``backends.version_upload``);
+a run cut short is finished by the same command, which sends only what is missing or differs,
+and a complete version is never touched, even by an upload of it that was running when
+another completed it.
 
 Storage is the config's, with the flow's credential rules (``backends.blob``: the connection
 string ``data.connection_string_env`` names, a credentials block, or DefaultAzureCredential for
@@ -77,8 +81,8 @@ def upload(args: argparse.Namespace, config: PipelineConfig) -> int:
         raise UploadError(f"--version: {exc}") from None
     files = local_files(source, args.workers)
     print(
-        f"checking {source} as the data gate will ({len(files)} files; images are decoded "
-        "by the run's gate)"
+        f"checking {source} as the data gate will ({len(files)} files; each image's header is "
+        "read here, its pixels decoded by the run's gate)"
     )
     check = check_folder(files, config.validation)
     if not check.success:
@@ -94,11 +98,25 @@ def upload(args: argparse.Namespace, config: PipelineConfig) -> int:
     done = upload_version(container, root, args.version, files, args.workers, args.delete_extra)
     for name in done.deleted:
         print(f"  deleted {name} (not in the folder)")
-    print(
-        f"  {len(done.sent)} files sent ({done.bytes_sent / 2**20:.1f} MB), {done.unchanged} "
-        f"there already, in {done.seconds:.1f} s"
+    copied = (
+        f"{len(done.copied)} copied in storage from version {done.copied_from} "
+        f"({done.bytes_copied / 2**20:.1f} MB not sent again), "
+        if done.copied_from
+        else ""
     )
-    print(f"data version {args.version} of {root.where} is complete: {done.marker} written last")
+    print(
+        f"  {len(done.sent)} files sent ({done.bytes_sent / 2**20:.1f} MB), {copied}"
+        f"{done.unchanged} there already, in {done.seconds:.1f} s"
+    )
+    if done.by_another:
+        print(
+            f"data version {args.version} of {root.where} is complete: another upload of the "
+            f"same files wrote {done.marker} while this one ran"
+        )
+    else:
+        print(
+            f"data version {args.version} of {root.where} is complete: {done.marker} written last"
+        )
     given = ["--config", str(args.config), *[a for s in args.set for a in ("--set", s)]]
     command = hide_credentials(shlex.join(["python", "-m", "flows.retrain", *given]))
     print(f"train it: {command}  (the newest complete version; --set data.version=... names one)")

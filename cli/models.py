@@ -25,7 +25,9 @@ starts a Prefect server or a pool.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import textwrap
 from typing import TYPE_CHECKING
 
 from backends.blob import StorageConfigError, container_client, unreachable
@@ -50,19 +52,51 @@ if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient
 
 
-def _table(entries: list[RunEntry]) -> str:
-    """One line per run: its id, the data root and version it trained, the accuracy of its
-    model, and the decision with its reason; the champion of each data root is marked."""
+# The fewest characters of a decision on one wrapped line; a terminal narrower than the columns
+# before it plus these gets the decision on lines of its own, below its run.
+MIN_DECISION_WIDTH = 30
+
+
+def _table(entries: list[RunEntry], width: int | None = None) -> str:
+    """One row per run: its id, the data root and version it trained, the accuracy of its
+    model, and the decision with its whole reason; the champion of each data root is marked.
+    ``width``: wrap each decision to lines of at most this many characters (a terminal's);
+    None: one line per run, however long (for a pipe, or ``--wide``). A decision is never
+    cut."""
     root = max([len("data root"), *(len(e.root) for e in entries)])
-    width = max([len("version"), *(len(e.data) for e in entries)])
-    lines = [f"{'run':<28} {'data root':<{root}} {'version':<{width}} {'accuracy':>8}  decision"]
+    version = max([len("version"), *(len(e.data) for e in entries)])
+    lines = [f"{'run':<28} {'data root':<{root}} {'version':<{version}} {'accuracy':>8}  decision"]
     for e in entries:
         accuracy = f"{e.accuracy:.4f}" if e.accuracy is not None else "-"
         mark = "  <- champion" if e.champion else ""
-        lines.append(
-            f"{e.run_id:<28} {e.root:<{root}} {e.data:<{width}} {accuracy:>8}  {e.decision}{mark}"
-        )
+        head = f"{e.run_id:<28} {e.root:<{root}} {e.data:<{version}} {accuracy:>8}  "
+        decision = f"{e.decision}{mark}"
+        if width is None:
+            lines.append(head + decision)
+            continue
+        room = width - len(head)
+        if room >= MIN_DECISION_WIDTH:
+            wrapped = textwrap.wrap(decision, room, break_on_hyphens=False)
+            lines.append(head + wrapped[0])
+            lines += [" " * len(head) + more for more in wrapped[1:]]
+        else:  # too narrow beside the columns: below them, indented
+            lines.append(head.rstrip())
+            lines += textwrap.wrap(
+                decision,
+                max(width, MIN_DECISION_WIDTH),
+                initial_indent="    ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            )
     return "\n".join(lines)
+
+
+def _list_width(wide: bool) -> int | None:
+    """The width ``list`` wraps decisions to: the terminal's; none with ``--wide`` or when the
+    output is not a terminal (a pipe or a file gets one line per run, whole, for grep)."""
+    if wide or not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
 
 
 def _serve(
@@ -92,10 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cli.models", description=__doc__.split("\n")[0])
     add_config_arguments(p, "the config the runs used")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser(
+    listing = sub.add_parser(
         "list",
         help="every run: its data root and version, accuracy, and decision (promoted, not "
-        "promoted, up to date, failed at a step) with why; each data root's champion marked",
+        "promoted, up to date, failed at a step) with why, whole; each data root's champion "
+        "marked",
+    )
+    listing.add_argument(
+        "--wide",
+        action="store_true",
+        help="one line per run, however long, instead of decisions wrapped to the terminal's "
+        "width (what a pipe or a file gets anyway)",
     )
     get = sub.add_parser(
         "download",
@@ -133,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         migrate_legacy_records(outputs, base, root, lambda line: print(line, file=sys.stderr))
         if args.command == "list":
             entries = list_runs(outputs, base, [root])
-            print(_table(entries) if entries else "no runs yet")
+            print(_table(entries, _list_width(args.wide)) if entries else "no runs yet")
             return 0
         if args.command == "lineage":
             start = args.run or champion_of(outputs, base, root).run_id

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(file_object)`` on a temp file beside ``path``, fsync, then rename over it."""
+def atomic_write(path: Path, write: Any, mode: int = 0o644) -> None:
+    """Call ``write(file_object)`` on a temp file beside ``path``, fsync, give it ``mode``, then
+    rename over it (so a script is executable from the moment it has its name)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -24,7 +25,7 @@ def atomic_write(path: Path, write: Any) -> None:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide outputs from a scorer run as another user
+        os.chmod(tmp, mode)  # mkstemp's 0600 would hide outputs from a scorer run as another user
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

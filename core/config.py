@@ -233,16 +233,21 @@ class OutputLocation(BlobLocation):
 
 
 class ShareConfig(_Section):
-    """Where the training scripts go: an Azure Files share, or a directory standing in for it."""
+    """Where the training scripts go: a Blob container or an Azure Files share the nodes
+    mount, or a directory standing in for it."""
 
     name: str = "retrain-scripts"
     account_url: str | None = Field(
-        None, description="https://<account>.file.core.windows.net (Entra ID, backup intent)"
+        None,
+        description="https://<account>.blob.core.windows.net: the container `name`, mounted "
+        "with blobfuse as the nodes' managed identity (no key); or "
+        "https://<account>.file.core.windows.net: the Azure Files share `name` (SMB)",
     )
     account_key_secret: str | None = Field(
         None,
-        description="name of a Prefect Secret block with the storage account key; Batch needs "
-        "it to mount the share on the nodes (an SMB mount cannot use an identity)",
+        description="an Azure Files share only: name of a Prefect Secret block with the storage "
+        "account key; Batch needs it to mount the share on the nodes (an SMB mount cannot use an "
+        "identity)",
     )
     local_dir: Path = Path(".work/share")
 
@@ -250,6 +255,13 @@ class ShareConfig(_Section):
     @classmethod
     def _account(cls, value: str | None) -> str | None:
         return _account_url(value)
+
+    @property
+    def on_blob(self) -> bool:
+        """Whether the scripts go to a Blob container (its endpoint's service label is
+        ``blob``) rather than an Azure Files share."""
+        host = urlsplit(self.account_url or "").hostname or ""
+        return host.split(".")[1:2] == ["blob"]
 
 
 class NfsConfig(_Section):
@@ -575,6 +587,30 @@ class RetryConfig(_Section):
     )
 
 
+class PromotionMinimum(_Section):
+    """What any model must reach to serve its data root, the first one included: a data root
+    with no champion yet would otherwise take any model, however broken."""
+
+    metric: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="the least value of promotion.metric (on the test split) a model must "
+        "reach to become the champion, the first one included; 0: no floor (no one number "
+        "suits every dataset: 0.5 accuracy is chance on 2 classes and good on 200)",
+    )
+    class_recall: float | None = Field(
+        0.1,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="the least recall every class must reach on the test split for a model "
+        "to become the champion, the first one included: a model that (almost) never "
+        "recognises a class is not served; null: not checked",
+    )
+
+
 class PromotionConfig(_Section):
     """When a run's model replaces its data root's champion (registry/promotion.py)."""
 
@@ -611,6 +647,10 @@ class PromotionConfig(_Section):
         description="the share of the test split the scorer must have read for a promotion "
         "to be decided; below it (images it could not decode) the champion stays, and the "
         "decision says why",
+    )
+    minimum: PromotionMinimum = Field(
+        default_factory=PromotionMinimum,
+        description="the floor any champion must reach, the first one included",
     )
 
 
@@ -834,11 +874,19 @@ class PipelineConfig(_Section):
             "azure.batch_account_url": self.azure.batch_account_url,
             "share.account_url": self.share.account_url,
             "nfs.source": self.nfs.source,
-            "share.account_key_secret": self.share.account_key_secret,  # for the SMB mount
             "image.registry": self.image.registry,
             "data.account_url": self.data.account_url or self.data.connection_string_env,
             "output.account_url": self.output.account_url or self.output.connection_string_env,
         }
+        if not self.share.on_blob:  # the SMB mount of an Azure Files share takes the key
+            needed["share.account_key_secret"] = self.share.account_key_secret
+        if self.share.on_blob and not self.azure.identity_resource_id:
+            raise ValueError(
+                "share.account_url is a Blob endpoint: the nodes mount its container with their "
+                "managed identity, so target azure needs azure.identity_resource_id (or an Azure "
+                "Files share, https://<account>.file.core.windows.net, with "
+                "share.account_key_secret)"
+            )
         if self.image.builder == "acr":
             needed["azure.subscription_id"] = self.azure.subscription_id
             needed["azure.resource_group"] = self.azure.resource_group

@@ -4,20 +4,25 @@ A model is only as good as the settings it was trained with: a champion trained 
 ``epochs=15``, ``image_size=64`` and ``--augment`` is not beaten by a nightly that trains the
 config's 32 px defaults. So a scheduled or triggered retrain of a data root that has a champion
 starts from the champion's weights **and its recipe**: the settings of the champion's own run
-(``metrics.json`` records the trainer's arguments). A setting the deployment's config states
-explicitly wins over the recipe; anything neither states keeps the config's default.
-:func:`training_settings` decides this, field by field, and says where each value came from and
-why, for the run's summary.
+(``metrics.json`` records the trainer's arguments). A setting the run states itself (``--set``,
+a deployment's ``overrides`` parameter, the form's fields) wins over the recipe; anything
+neither states keeps the config's value. :func:`training_settings` decides this, field by field,
+and says where each value really came from, for the run's summary; a recipe value no run could
+train with is refused by name (:class:`RecipeError`).
 
 No I/O here: the caller reads the champion's ``metrics.json`` and the deployment's config file.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from pydantic import TypeAdapter, ValidationError
+
+from core.config import hide_credentials
 from training.args import TrainerArgs, TrainingSettings, flag
 
 # The trainer's own settings that shape the model (TrainingSettings), without those that only
@@ -32,7 +37,7 @@ RECIPE_FIELDS = tuple(
 RECIPE_SWITCHES = ("augment",)
 RECIPE_OPTIONS = ("warmup_epochs", "momentum", "weight_decay")
 
-Source = Literal["deployment", "champion", "config"]
+Source = Literal["run", "champion", "config"]
 
 
 @dataclass(frozen=True)
@@ -67,15 +72,63 @@ class Recipe:
         return cls(run_id, settings, extra, trained)
 
 
-def explicit_training_fields(overrides: Iterable[str], fields: Iterable[str] = ()) -> set[str]:
-    """The training fields a deployment sets for itself: those its ``overrides`` parameter
-    (``section.field=value``) and its own run fields (``training.epochs``, ...) name. The
-    config file all deployments share is the defaults, which the recipe replaces."""
-    named: set[str] = set()
-    for key in [*(item.split("=", 1)[0] for item in overrides), *fields]:
+class RecipeError(ValueError):
+    """The champion's recipe holds a value no run may train with; the message names each."""
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def recipe_problems(recipe: Recipe, names: Iterable[str]) -> list[str]:
+    """Why the recipe's values of ``names`` cannot train a run, one phrase per value: each is
+    checked as the trainer's argument it is (``TrainerArgs``: its type and bounds, the same
+    metadata the config's training section and the trainer's command line read). Types are
+    checked strictly: a champion's ``metrics.json`` holds the values its trainer parsed, so
+    an epoch count of ``1e6`` (a float) is a record edited by hand, not a setting."""
+    values = {n: recipe.settings.get(n, recipe.extra.get(n)) for n in names}
+    # The trainer's two required paths, so that only the recipe's values are judged.
+    doc = {"data_dir": "-", "output_dir": "-", **values}
+    try:
+        TypeAdapter(TrainerArgs).validate_json(json.dumps(doc), strict=True)
+    except ValidationError as exc:
+        return [
+            f"{'.'.join(map(str, err['loc'])) or '?'} {_shown(values.get(str(err['loc'][0])))}: "
+            f"{err['msg']}"
+            for err in exc.errors()
+        ]
+    except (TypeError, ValueError) as exc:  # not even JSON (a value json cannot write)
+        return [f"its values cannot be read ({type(exc).__name__})"]
+    return []
+
+
+def explicit_training_fields(
+    overrides: Iterable[str], fields: Iterable[str] | Mapping[str, Any] = (), deployed: bool = False
+) -> dict[str, str]:
+    """The training fields a run sets for itself, each with where it set it, as the run's
+    summary says it: ``--set training.lr=0.1`` (``overrides``: the command line's ``--set``,
+    or, for a run of a deployment, its ``overrides`` parameter, which the deployment's
+    parameters and the run form fill in) or the run's own fields (``training.epochs``, ...:
+    the form's first fields, a trigger's). The config file every run starts from is not among
+    them: the recipe replaces its values."""
+    named: dict[str, str] = {}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        parts = key.split(".")
+        if parts[0] == "training" and len(parts) > 1:
+            shown = hide_credentials(item.strip())
+            named[parts[1]] = (
+                f"set by the run's overrides parameter ({shown})"
+                if deployed
+                else f"set with --set {shown}"
+            )
+    values = fields if isinstance(fields, Mapping) else dict.fromkeys(fields)
+    for key, value in values.items():
         parts = key.strip().split(".")
         if parts[0] == "training" and len(parts) > 1:
-            named.add(parts[1])
+            given = f" ({value!r})" if value is not None else ""
+            named[parts[1]] = f"set by the run's {parts[1]} parameter{given}"
     return named
 
 
@@ -83,44 +136,56 @@ def _extra_words(extra_args: list[str]) -> set[str]:
     return {w[2:].split("=", 1)[0].replace("-", "_") for w in extra_args if w.startswith("--")}
 
 
-def _clash(config: TrainingSettings, explicit: set[str], recipe: Recipe) -> str | None:
-    """Why the champion's weights do not fit the network the deployment sets, if they don't."""
+def _clash(config: TrainingSettings, explicit: Iterable[str], recipe: Recipe) -> str | None:
+    """Why the champion's weights do not fit the network the run sets, if they don't."""
     for name in ("model", "image_size"):
         mine, theirs = getattr(config, name), recipe.settings.get(name)
         if name in explicit and name in recipe.settings and mine != theirs:
             return (
-                f"the deployment sets training.{name} {mine!r}, the champion (run "
+                f"the run sets training.{name} {mine!r}, the champion (run "
                 f"{recipe.run_id}) was trained with {theirs!r}"
             )
     return None
 
 
 def training_settings(
-    config: TrainingSettings, explicit: set[str], recipe: Recipe | None
+    config: TrainingSettings,
+    explicit: Iterable[str] | Mapping[str, str],
+    recipe: Recipe | None,
+    config_source: str = "the config",
 ) -> tuple[TrainingSettings, list[Origin]]:
     """The run's training settings, and where each came from.
 
-    ``config``: the deployment's training section (its file and overrides applied);
-    ``explicit``: the fields it states itself (:func:`explicit_training_fields`); ``recipe``:
+    ``config``: the run's training section (its file and overrides applied); ``explicit``:
+    the fields the run states itself, each with where it stated it
+    (:func:`explicit_training_fields`); ``config_source``: where the rest of the config came
+    from, as the summary names it (the config file, the form's config); ``recipe``:
     the champion's, or None when the data root has none (then the config is used as it is, and
     the run starts from scratch unless it says otherwise). With a recipe the run starts from
     the champion's weights (``init_from: champion``) unless the deployment states
     ``init_from``; each recipe field the deployment does not state is the champion's; a recipe
     switch or option the deployment's ``extra_args`` does not name is added to them (an
-    ``extra_args`` the deployment states is its own, whole)."""
+    ``extra_args`` the deployment states is its own, whole). A recipe value applied that no
+    run could train with (out of its bounds, or not of its type) raises :class:`RecipeError`
+    naming each one, before anything is provisioned."""
+    stated = (
+        dict(explicit)
+        if isinstance(explicit, Mapping)
+        else dict.fromkeys(explicit, "set for this run")
+    )
     origins: list[Origin] = []
     updates: dict[str, Any] = {}
     names = [f.name for f in fields(config)]
     for name in names:
         value = getattr(config, name)
-        if name in explicit:
-            origins.append(Origin(name, value, "deployment", "set in the deployment's config"))
+        if name in stated:
+            origins.append(Origin(name, value, "run", stated[name]))
         elif recipe is not None and name in recipe.settings:
             updates[name] = recipe.settings[name]
             why = f"the champion's recipe (run {recipe.run_id})"
             origins.append(Origin(name, recipe.settings[name], "champion", why))
         elif name == "init_from" and recipe is not None:
-            clash = _clash(config, explicit, recipe)
+            clash = _clash(config, stated, recipe)
             if clash:
                 why = f"from scratch: {clash}, so its weights cannot be carried"
                 origins.append(Origin(name, value, "config", why))
@@ -130,13 +195,13 @@ def training_settings(
                 origins.append(Origin(name, "champion", "champion", why))
         else:
             why = (
-                "the config's default (no champion yet)"
+                f"{config_source} (no champion yet)"
                 if recipe is None
-                else "the config's default (not part of a recipe)"
+                else f"{config_source} (not part of a recipe)"
             )
             origins.append(Origin(name, value, "config", why))
     trained = recipe.trained_epochs if recipe is not None else None
-    if updates.get("init_from") == "champion" and "epochs" not in explicit and trained:
+    if updates.get("init_from") == "champion" and "epochs" not in stated and trained:
         # The champion's cap was for a training from scratch: a warm start's is fitted to the
         # data (tasks/fit_to_data.py), from the epochs the champion's training ran.
         updates["epochs"] = None
@@ -146,21 +211,29 @@ def training_settings(
             f"{trained} epochs (run {recipe.run_id if recipe else None})"
         )
         origins.append(Origin("epochs", None, "champion", why))
-    if recipe is not None and "extra_args" in names and "extra_args" not in explicit:
+    applied = [n for n in updates if recipe is not None and n in recipe.settings]
+    if recipe is not None and "extra_args" in names and "extra_args" not in stated:
         extra = list(getattr(config, "extra_args"))  # noqa: B009 - TrainingConfig's field
         given = _extra_words(extra)
         for name in RECIPE_SWITCHES:
             if recipe.extra.get(name) is True and name not in given:
                 extra.append(flag(name))
+                applied.append(name)
         defaults = {f.name: f.default for f in fields(TrainerArgs)}
         for name in RECIPE_OPTIONS:
             # Only a value other than the trainer's default: the task stays as it was.
             if name in recipe.extra and name not in given and recipe.extra[name] != defaults[name]:
                 extra += [flag(name), str(recipe.extra[name])]
+                applied.append(name)
         updates["extra_args"] = extra
         origins = [o for o in origins if o.field != "extra_args"]
-        why = f"the config's, with the champion's recipe (run {recipe.run_id}) added"
+        why = f"{config_source}, with the champion's recipe (run {recipe.run_id}) added"
         origins.append(Origin("extra_args", extra, "champion", why))
+    if recipe is not None and (problems := recipe_problems(recipe, applied)):
+        raise RecipeError(
+            f"the champion's recipe (run {recipe.run_id}) holds values no run may train with: "
+            + "; ".join(problems)
+        )
     return replace(config, **updates), origins
 
 

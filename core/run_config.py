@@ -75,6 +75,7 @@ class RunConfig:
     config: PipelineConfig
     source: str
     notes: tuple[str, ...] = field(default=())
+    base: str = "the config"  # where the values no override sets came from (the file, the form)
 
 
 def build_run_config(
@@ -132,4 +133,4 @@ def build_run_config(
                 "checked against the deployment's config file"
             )
         check_run_config(built, compared)
-    return RunConfig(built, "; ".join([source, *notes]), notes)
+    return RunConfig(built, "; ".join([source, *notes]), notes, source.split("; ", 1)[0])

@@ -9,8 +9,11 @@ the retrain flow (a crashed run's process is gone and emits nothing). The block 
 the server: a name that finds none, or a block that cannot notify, is an error that names it,
 never an automation that would send nothing. ``RETRAIN_ALERTS_WEBHOOK_URL`` makes (or updates)
 the block from a URL for the webhook types, so a fresh server can alert from its first run
-without anyone opening the UI; the URL is a secret (Slack's and Teams' carry their token) and
-is never printed.
+without anyone opening the UI (when no config names a block, it makes ``custom-webhook/
+retrain-alerts``: ``RETRAIN_ALERTS_WEBHOOK_URL=<url> make service`` is the whole set-up). The
+URL is a secret (Slack's and Teams' carry their token): it is never printed, and it is kept in
+the block's secret fields (a custom webhook's URL in its ``secrets``, which its ``url``
+refers to), which the API and the UI obfuscate.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from core.config import AlertEvent, PipelineConfig
 from core.run_events import FLOW_NAME, MODEL_PROMOTED, RESOURCE_PREFIX, RUN_FAILED
 
 WEBHOOK_URL_ENV = "RETRAIN_ALERTS_WEBHOOK_URL"
+DEFAULT_BLOCK = "custom-webhook/retrain-alerts"  # made from the URL when no config names one
+URL_SECRET = "webhook_url"  # the custom webhook's secret that holds its URL
 # The block types a URL alone makes, and how.
 WEBHOOK_TYPES = ("custom-webhook", "slack-webhook", "ms-teams-webhook")
 # The flow run's page, where the server knows its UI's address (an API-only server does not).
@@ -122,8 +127,9 @@ def _save_webhook_block(block: str, url: str) -> None:
     if kind == "custom-webhook":
         made = CustomWebhookNotificationBlock(
             name=name,
-            url=url,
+            url="{{" + URL_SECRET + "}}",  # filled in from the secret as the request is made
             json_data={"subject": "{{subject}}", "body": "{{body}}", "name": "{{name}}"},
+            secrets={URL_SECRET: url},
         )
     elif kind == "slack-webhook":
         made = SlackWebhook(url=url)
@@ -160,18 +166,46 @@ def _notification_block(client: Any, block: str) -> UUID:
     return UUID(str(document.id))
 
 
-def ensure_alerts(configs: Iterable[PipelineConfig]) -> list[str]:
-    """The automations the configs' ``alerts`` ask for, created or updated; what was done."""
-    from prefect.client.orchestration import get_client
-
+def _wanted(configs: Iterable[PipelineConfig], url: str) -> dict[str, set[AlertEvent]]:
+    """The blocks to tell, and what: the configs' own, else DEFAULT_BLOCK when ``url`` is
+    given."""
+    configs = list(configs)
     wanted: dict[str, set[AlertEvent]] = {}
     for config in configs:
         if config.alerts.notify_block:
             wanted.setdefault(config.alerts.notify_block, set()).update(config.alerts.on)
+    if not wanted and url:
+        for config in configs:
+            wanted.setdefault(DEFAULT_BLOCK, set()).update(config.alerts.on)
+    return wanted
+
+
+def alerts_status(config: PipelineConfig, config_path: str) -> str:
+    """Whether alerts are on for ``config``, and how to turn them on when they are not, in the
+    words of a status line."""
+    url = os.environ.get(WEBHOOK_URL_ENV, "").strip()
+    wanted = _wanted([config], url)
+    if not wanted:
+        return (
+            f"alerts off (alerts.notify_block is unset in {config_path}): "
+            f"{WEBHOOK_URL_ENV}=<webhook URL> make service turns them on (docs/alerts.md)"
+        )
+    ((block, kinds),) = wanted.items()
+    source = (
+        f" (made from {WEBHOOK_URL_ENV})" if url and block.split("/")[0] in WEBHOOK_TYPES else ""
+    )
+    return f"alerts on: {', '.join(sorted(kinds))} runs told to {block}{source}"
+
+
+def ensure_alerts(configs: Iterable[PipelineConfig]) -> list[str]:
+    """The automations the configs' ``alerts`` ask for, created or updated; what was done."""
+    from prefect.client.orchestration import get_client
+
+    url = os.environ.get(WEBHOOK_URL_ENV, "").strip()
+    wanted = _wanted(configs, url)
     if not wanted:
         return []
     done = []
-    url = os.environ.get(WEBHOOK_URL_ENV, "").strip()
     with get_client(sync_client=True) as client:
         for block, kinds in sorted(wanted.items()):
             if url:

@@ -11,12 +11,17 @@ PostgreSQL refuses to run as root: as root, the server and ``initdb`` run as the
 user the package creates. Where that user cannot reach the state folder (a checkout in a
 private folder, as ``/root`` is), the data folder goes below that user's home instead
 (``~postgres/retrain/<digest of the state folder>``, mode 0700, owned by it alone), the same one
-at every start of that state folder.
+at every start of that state folder. Such a folder outlives its state folder, so its owner is
+recorded beside it (``<digest>.owner.json``: the state folder and that folder's own id): a new
+state folder at the same path (a new checkout where an old one was) is refused it by name
+instead of silently given the old database, and ``remove`` (``make service
+SERVICE_ARGS=--clean``) deletes it with its record.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pwd
 import shutil
@@ -132,6 +137,68 @@ class Cluster:
                 "root): install Debian's postgresql package, which creates it"
             ) from None
         return {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+
+    @property
+    def owner_file(self) -> Path:
+        """Where the owner of a data folder below the server account's home is recorded."""
+        return self.data_dir.with_name(f"{self.data_dir.name}.owner.json")
+
+    def claim(self, state: Path, service_id: str, adopt: bool) -> str | None:
+        """Check that a data folder outside ``state`` is that state folder's (its recorded
+        owner is ``service_id``), recording it for a new folder, or for an old one that
+        predates the records when ``adopt`` (its state folder was used before); PostgresError
+        names the folder and its owner otherwise. A folder inside the state folder goes with
+        it: nothing to check. Returns a note for the status line."""
+        if not self.in_home:
+            return None
+        exists = (self.data_dir / "PG_VERSION").exists()
+        try:
+            owner = json.loads(self.owner_file.read_text())
+        except FileNotFoundError:
+            owner = None
+        except (OSError, ValueError):
+            owner = {}
+        if isinstance(owner, dict) and owner.get("service_id") == service_id:
+            return None
+        if exists and not (owner is None and adopt):
+            made_by = (
+                f"the service of state folder {owner.get('state', '?')} (id "
+                f"{owner.get('service_id', '?')}, {owner.get('created', '?')})"
+                if isinstance(owner, dict) and owner
+                else "an earlier service whose state folder is gone (no owner recorded)"
+            )
+            raise PostgresError(
+                f"the PostgreSQL data folder {self.data_dir} was made by {made_by}, not by this "
+                f"state folder ({state}): it is not reused. Remove it, with that service's "
+                f"database, by `python -m deployments.service --state {state} --clean` (make "
+                f'service SERVICE_ARGS="--clean" for the default state folder)'
+            )
+        from datetime import UTC, datetime
+
+        self.owner_file.parent.mkdir(parents=True, exist_ok=True)
+        self.owner_file.write_text(
+            json.dumps(
+                {
+                    "state": str(state),
+                    "service_id": service_id,
+                    "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                }
+            )
+        )
+        return (
+            f"data folder of an earlier start adopted ({self.owner_file.name})" if exists else None
+        )
+
+    def remove(self) -> str | None:
+        """Delete the data folder and its owner record (the server must be stopped); what was
+        removed, or None when there was nothing."""
+        found = [p for p in (self.data_dir, self.owner_file) if p.exists()]
+        for path in found:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        return f"PostgreSQL data folder {self.data_dir} removed" if found else None
 
     def environment(self) -> dict[str, str]:
         return {"PATH": f"{self.bin_dir}:/usr/bin:/bin", "LC_ALL": "C", "HOME": str(self.data_dir)}

@@ -19,47 +19,63 @@ PostgreSQL on a socket in its data folder only.
 Everything listens on loopback; the relay too unless ``--relay-host`` says otherwise (put it
 behind TLS: README, "Running it as a service"). The relay's shared secret is generated once into
 ``<state>/relay-secret`` (mode 0600) unless ``RETRAIN_RELAY_SECRET`` is set; it is never printed.
+
+Loopback is every local user's: the Prefect API (and its UI), MLflow and the outputs gateway ask
+for a credential, and the service's Azurite has a key of its own, all generated on the first
+start into ``<state>/credentials/`` (deployments/credentials.py; readable by the starting user
+alone), given to the components through their environment, never a command line; a request
+without it is answered 401. Started as root, the service runs its worker (and so every flow run:
+a deployment's pull step may run a shell command), the relay and the gateway as an unprivileged
+account (``--user``, else one of its own: deployments/account.py), as PostgreSQL runs as
+``postgres``. The checkout's commands find the service through the checkout's ``.env``
+(core/service_env.py) while it runs on the checkout's own state folder. A port already taken is
+refused, naming what holds it, never reused. ``--clean`` removes the state folder with what lies
+outside it (a PostgreSQL data folder below the ``postgres`` user's home, the account's access).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import signal
 import socket
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from core.service_env import ENV_FILE, written_by_service
+from deployments.account import Account
+from deployments.credentials import CLIENT_FILE, GATEWAY_USER, Credentials, mlflow_auth_config
+from deployments.service_runs import WORKERS_FILE, cancel_runs, start_worker, worker_online
+from deployments.service_state import (
+    DEFAULT_STATE,
+    ID_FILE,
+    Options,
+    clean,
+    client_files,
+    client_settings,
+    hold,
+    prepare,
+    service_id,
+)
 from deployments.setup import WORK_POOL
-from deployments.supervisor import Component, http_ok, port_in_use, shown, supervise
+from deployments.supervisor import (
+    STATE_VARIABLE,
+    Component,
+    http_ok,
+    port_in_use,
+    shown,
+    supervise,
+)
 
 if TYPE_CHECKING:
+    from core.config import PipelineConfig
     from deployments.postgres import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-WORKERS_FILE = "workers.json"  # in the state folder: the workers the last starts ran
-KEPT_WORKERS = 10
-
-
-@dataclass(frozen=True)
-class Options:
-    config: str
-    state: Path
-    azurite_port: int
-    prefect_port: int
-    relay_host: str
-    relay_port: int
-    gateway_port: int | None = None  # None: output.links_url's when loopback, else 4280
 
 
 def relay_secret(state: Path) -> str:
@@ -76,45 +92,44 @@ def relay_secret(state: Path) -> str:
     return path.read_text().strip()
 
 
-def components(options: Options) -> list[Component]:
-    """The service, in start order."""
-    from backends.local.azurite import connection_string
+def components(options: Options, account: Account | None = None) -> list[Component]:
+    """The service, in start order; the worker, relay and gateway as ``account`` when given."""
+    from backends.local.azurite import ACCOUNT, ACCOUNTS_ENV
     from core.config import load_config
     from core.links import listen_address
     from deployments.postgres import Cluster
 
     config = load_config(options.config)
     state = options.state
+    creds = Credentials.of(state)
     api = f"http://127.0.0.1:{options.prefect_port}/api"
-    storage = (
-        "UseDevelopmentStorage=true"
-        if options.azurite_port == 10000
-        else connection_string(options.azurite_port)
-    )
     env = {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONUNBUFFERED": "1",
         "PWD": str(ROOT),  # prefect.yaml's pull step: flows run from this checkout
         "PREFECT_HOME": str(state / "prefect"),  # not ~/.prefect: the command line's own
-        "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        STATE_VARIABLE: str(state),  # names the service to a second one on the same port
+        **client_settings(options, config, creds),
     }
-    for variable in {config.data.connection_string_env, config.output.connection_string_env}:
-        if variable:
-            env[variable] = storage
+    # The account's processes: its own home, caches and Prefect home, nothing of root's.
+    own = {**env, **account.environment()} if account else env
+    run_as = account.popen() if account else {}
     postgres = Cluster.at(state / "postgres")
     worker_name = f"service-{socket.gethostname()}-{os.getpid()}"
     gateway_host, gateway_port = listen_address(config.output.links_url, None, options.gateway_port)
     gateway_netloc = f"[{gateway_host}]" if ":" in gateway_host else gateway_host
     relay_env = {
-        **env,
+        **own,
         "RETRAIN_RELAY_WATCH": os.environ.get("RETRAIN_RELAY_WATCH")
         or f"{config.data.container}/{config.data.prefix}".rstrip("/"),
         "RETRAIN_RELAY_SECRET": relay_secret(state),
     }
     deploy = [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"]
     deploy += ["--prefect-file", str(deployments_file(options.config, state))]
+    creds_dir = shown(state / "credentials")
+    private = [state / "azurite", state / "prefect", state / "mlflow-artifacts"]
     return [
         Component(
             "azurite",
@@ -132,18 +147,21 @@ def components(options: Options) -> list[Component]:
                 port_in_use("127.0.0.1", options.azurite_port)
                 and _said(state, "azurite", "Azurite is serving")
             ),
-            where=f"Blob on 127.0.0.1:{options.azurite_port}, {_seeded(config)}",
-            env=env,
+            where=f"Blob on 127.0.0.1:{options.azurite_port}, {_seeded(config)}; its account's "
+            f"key is the service's own ({creds_dir}/storage-key), not the published one",
+            env={**env, ACCOUNTS_ENV: f"{ACCOUNT}:{creds.storage_key}"},
+            before=lambda: _private_folders(private),
             port=("127.0.0.1", options.azurite_port),
             timeout=300,
         ),
-        postgres_component(postgres),
-        prefect_component(options.prefect_port, postgres, env),
-        *tracking_components(config.tracking.mlflow_uri, postgres, state, env),
+        postgres_component(postgres, state),
+        prefect_component(options.prefect_port, postgres, env, creds, creds_dir),
+        *tracking_components(config.tracking.mlflow_uri, postgres, state, env, creds),
         Component(
             "pool",
             [sys.executable, "-m", "deployments.setup", "--config", options.config],
-            where=f"work pool {WORK_POOL}, the pool's concurrency limit",
+            where=f"work pool {WORK_POOL}, the pool's concurrency limit; "
+            + _alerts_status(config, options.config),
             env=env,
             once=True,
         ),
@@ -155,14 +173,16 @@ def components(options: Options) -> list[Component]:
             once=True,
             timeout=300,
         ),
+        *image_components(config, options.config, account, env),
         Component(
             "worker",
             [str(BIN / "prefect"), "worker", "start", "--pool", WORK_POOL, "--name", worker_name],
-            ready=lambda: _worker_online(api, worker_name),
-            before=lambda: start_worker(api, state, worker_name),
-            before_stop=lambda: cancel_runs(api),
-            where=f"{worker_name} on {WORK_POOL}",
-            env=env,
+            ready=lambda: worker_online(api, creds.prefect, worker_name),
+            before=lambda: start_worker(api, state, worker_name, auth=creds.prefect),
+            before_stop=lambda: cancel_runs(api, auth=creds.prefect),
+            where=f"{worker_name} on {WORK_POOL}, {_runs_as(account)}",
+            env=own,
+            popen=run_as,
         ),
         Component(
             "relay",
@@ -182,6 +202,7 @@ def components(options: Options) -> list[Component]:
             f"{relay_env['RETRAIN_RELAY_WATCH']} (its key: RETRAIN_RELAY_SECRET or "
             f"{shown(state / 'relay-secret')})",
             env=relay_env,
+            popen=run_as,
             port=(_loopback(options.relay_host), options.relay_port),
         ),
         Component(
@@ -198,17 +219,81 @@ def components(options: Options) -> list[Component]:
                 "--port",
                 str(gateway_port),
             ],
-            # Any answer but a server error: an empty output container is a 404, and healthy.
+            # Any answer but a server error: an empty output container is a 404, and a
+            # request without the credential a 401; both healthy.
             ready=lambda: http_ok(
                 f"http://{gateway_netloc}:{gateway_port}/",
                 f"{gateway_netloc}:{gateway_port}",
                 below=500,
             ),
-            where=_gateway_where(config.output.links_url, gateway_netloc, gateway_port),
-            env=env,
+            where=_gateway_where(config.output.links_url, gateway_netloc, gateway_port)
+            + f"; user {GATEWAY_USER}, its password after the colon in {creds_dir}/gateway",
+            env={**own, "RETRAIN_GATEWAY_AUTH_STRING": creds.gateway},
+            popen=run_as,
             port=(gateway_host, gateway_port),
         ),
     ]
+
+
+def _private_folders(folders: list[Path]) -> None:
+    """The state's data folders, the starting user's alone (mode 0700): blobs, artifacts."""
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o700)
+
+
+def _alerts_status(config: PipelineConfig, config_path: str) -> str:
+    from deployments.alerts import alerts_status
+
+    return alerts_status(config, config_path)
+
+
+def _runs_as(account: Account | None) -> str:
+    if account is None:
+        return "its flow runs as this user (not root)"
+    return f"its flow runs as {account.name} (uid {account.uid}), not root"
+
+
+def image_components(
+    config: PipelineConfig, config_path: str, account: Account | None, env: dict[str, str]
+) -> list[Component]:
+    """On the local target with image.builder buildah, when flow runs do not run as root: the
+    training image built as root before the worker starts (buildah's chroot isolation needs
+    root) and its registry kept up while the service runs, so a run's build step finds the
+    checkout's image there and builds nothing (a change of the code needs a restart)."""
+    if account is None or config.target != "local" or config.image.builder != "buildah":
+        return []
+    log = Path(env[STATE_VARIABLE]) / "logs" / "image.log"
+    began = [0]  # the log's length when this start began: earlier starts' lines do not count
+
+    def mark() -> str | None:
+        began[0] = log.stat().st_size if log.exists() else 0
+        return None
+
+    return [
+        Component(
+            "image",
+            [sys.executable, str(ROOT / "scripts" / "image.py"), "--config", config_path, "--hold"],
+            ready=lambda: _logged_since(log, began[0], HOLDING),
+            before=mark,
+            where=f"the training image in the registry at {config.image.registry}, built as "
+            "root for the runs (their account cannot run buildah)",
+            env=env,
+            timeout=3600,  # a first build of the base and the image: minutes
+        )
+    ]
+
+
+HOLDING = "holding the registry"  # what scripts/image.py --hold says once the image is there
+
+
+def _logged_since(log: Path, offset: int, text: str) -> bool:
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            return text.encode() in f.read()
+    except OSError:
+        return False
 
 
 def deployments_file(config: str, state: Path) -> Path:
@@ -232,23 +317,42 @@ def deployments_file(config: str, state: Path) -> Path:
 
 
 def tracking_components(
-    mlflow_uri: str | None, cluster: Cluster, state: Path, env: dict[str, str]
+    mlflow_uri: str | None,
+    cluster: Cluster,
+    state: Path,
+    env: dict[str, str],
+    creds: Credentials | None = None,
 ) -> list[Component]:
     """The MLflow server, where the config's ``tracking.mlflow_uri`` is this machine's (its
-    runs in the service's PostgreSQL, its artifacts in the state folder); none otherwise."""
-    from deployments.tracking_server import DATABASE, local_address, mlflow_component
+    runs in the service's PostgreSQL, its artifacts in the state folder), asking for the
+    service's credential when ``creds`` are given; none otherwise."""
+    from deployments.tracking_server import (
+        AUTH_DATABASE,
+        DATABASE,
+        local_address,
+        mlflow_component,
+    )
 
     address = local_address(mlflow_uri)
     if address is None:
         return []
+    databases = [DATABASE, *([AUTH_DATABASE] if creds else [])]
 
     def create() -> str | None:
-        return f"database {DATABASE} created" if cluster.create_database(DATABASE) else None
+        made = [name for name in databases if cluster.create_database(name)]
+        return f"database{'s' if len(made) > 1 else ''} {', '.join(made)} created" if made else None
 
     host, port = address
     artifacts = state / "mlflow-artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
-    return [mlflow_component(host, port, cluster.sync_url(DATABASE), artifacts, env, create)]
+    auth = (
+        mlflow_auth_config(state, cluster.sync_url(AUTH_DATABASE), creds.mlflow_password)
+        if creds
+        else None
+    )
+    key = creds.mlflow_flask_key if creds else None
+    backend = cluster.sync_url(DATABASE)
+    return [mlflow_component(host, port, backend, artifacts, env, create, auth, key)]
 
 
 DEMO_VERSION = "v1"  # the data version scripts/demo.py seeds the digits as (its SEED_VERSION)
@@ -276,8 +380,20 @@ def _seeded(config: Any) -> str:
     )
 
 
-def postgres_component(cluster: Cluster) -> Component:
-    """The PostgreSQL server of ``cluster``, its folder and database made on first use."""
+def postgres_component(cluster: Cluster, state: Path | None = None) -> Component:
+    """The PostgreSQL server of ``cluster``, its folder and database made on first use; with
+    ``state``, a data folder outside it is checked to be that state folder's own first (its
+    owner recorded: deployments/postgres.py)."""
+
+    def before() -> str | None:
+        notes = []
+        if state is not None:
+            adopt = (state / WORKERS_FILE).exists() and not (state / ID_FILE).exists()
+            notes.append(cluster.claim(state, service_id(state), adopt))
+        if cluster.initialise():
+            notes.append("new database folder")
+        return "; ".join(n for n in notes if n) or None
+
     return Component(
         "postgres",
         cluster.server_command(),
@@ -285,7 +401,7 @@ def postgres_component(cluster: Cluster) -> Component:
         where=_postgres_where(cluster),
         env=cluster.environment(),
         popen=cluster.popen_options(),
-        before=lambda: "new database folder" if cluster.initialise() else None,
+        before=before,
         after=lambda: "database prefect created" if cluster.create_database() else None,
         stop_signal=signal.SIGINT,  # a fast shutdown: sessions closed, data flushed
         signal_tree=False,
@@ -315,20 +431,32 @@ def _postgres_where(cluster: Cluster) -> str:
     return where
 
 
-def prefect_component(port: int, cluster: Cluster, env: dict[str, str]) -> Component:
+def prefect_component(
+    port: int,
+    cluster: Cluster,
+    env: dict[str, str],
+    creds: Credentials | None = None,
+    creds_dir: str = "",
+) -> Component:
     """A Prefect server (API and UI) on loopback:``port`` whose database is ``cluster``'s; it
-    creates or migrates its tables as it starts."""
+    creates or migrates its tables as it starts; with ``creds``, it asks every request but its
+    health check for their auth string (the UI asks for it as its password)."""
     api = f"http://127.0.0.1:{port}/api"
+    auth = {"PREFECT_SERVER_API_AUTH_STRING": creds.prefect} if creds else {}
     return Component(
         "prefect",
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         ready=lambda: http_ok(f"{api}/health"),
-        where=f"UI http://127.0.0.1:{port}, API {api}, on PostgreSQL",
+        where=f"UI http://127.0.0.1:{port}, API {api}, on PostgreSQL"
+        + (
+            f"; the UI's password and the API's auth string in {creds_dir}/prefect" if creds else ""
+        ),
         env={
             **env,
             "PREFECT_API_URL": api,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_API_DATABASE_CONNECTION_URL": cluster.url,
+            **auth,
         },
         port=("127.0.0.1", port),
         timeout=300,
@@ -347,111 +475,6 @@ def _said(state: Path, name: str, text: str) -> bool:
         return False
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        data = response.read()
-    return json.loads(data) if data else None
-
-
-_ACTIVE = {"any_": ["RUNNING", "PENDING", "CANCELLING"]}
-
-
-def _active_runs(api: str, pool: str) -> list[dict[str, Any]]:
-    query = {"flow_runs": {"state": {"type": _ACTIVE}}, "work_pools": {"name": {"any_": [pool]}}}
-    return list(_post(f"{api}/flow_runs/filter", query) or [])
-
-
-def cancel_runs(api: str, pool: str = WORK_POOL, seconds: float = 90.0) -> str | None:
-    """Cancel the flow runs in progress on ``pool`` and wait for them to end: a run cancelled
-    through the API stops its tasks and releases its pool (its cancellation hook), where a
-    signal would leave the pool held and the run marked running for good (and its deployment,
-    one run at a time, blocked). What it did, for the status line; None when nothing ran."""
-    runs = _active_runs(api, pool)
-    if not runs:
-        return None
-    for flow_run in runs:
-        if flow_run["state"]["type"] != "CANCELLING":
-            _post(
-                f"{api}/flow_runs/{flow_run['id']}/set_state",
-                {"state": {"type": "CANCELLING", "message": "the service is stopping"}},
-            )
-    deadline = time.monotonic() + seconds
-    left = runs
-    while left and time.monotonic() < deadline:
-        time.sleep(1)
-        left = _active_runs(api, pool)
-    still = f", {len(left)} still running after {seconds:.0f} s" if left else ""
-    return f"cancelled {len(runs)} run{'s' if len(runs) > 1 else ''} in progress{still}"
-
-
-def crash_orphans(api: str, pool: str = WORK_POOL, ours: Collection[str] = ()) -> str | None:
-    """Before the service's worker starts: runs still marked in progress on ``pool`` were left
-    by a service that did not stop cleanly (killed, power lost); their processes are gone, and
-    each holds its deployment's only slot. They are marked crashed (which frees the slot),
-    unless a worker other than the service's earlier ones (``ours``, by name) is online on the
-    pool: then they may be its. An earlier worker of this service is dead whatever its last
-    heartbeat says (the server calls a worker online for 90 s after it)."""
-    workers = _post(f"{api}/work_pools/{pool}/workers/filter", {}) or []
-    if any(w.get("status") == "ONLINE" and w.get("name") not in ours for w in workers):
-        return None
-    runs = _active_runs(api, pool)
-    for flow_run in runs:
-        _post(
-            f"{api}/flow_runs/{flow_run['id']}/set_state",
-            {
-                "state": {
-                    "type": "CRASHED",
-                    "message": "left in progress by a service that did not stop cleanly",
-                },
-                "force": True,
-            },
-        )
-    return (
-        f"{len(runs)} run{'s' if len(runs) > 1 else ''} left by an earlier stop marked crashed"
-        if runs
-        else None
-    )
-
-
-def earlier_workers(state: Path) -> list[str]:
-    """The names of the workers earlier starts of this service (this state folder) ran."""
-    try:
-        names = json.loads((state / WORKERS_FILE).read_text())
-    except (OSError, ValueError):
-        return []
-    return [str(n) for n in names] if isinstance(names, list) else []
-
-
-def start_worker(api: str, state: Path, name: str, pool: str = WORK_POOL) -> str | None:
-    """Before the worker starts: the runs the earlier workers left are crashed, and this one is
-    recorded as the service's. Only one service runs on a state folder (its PostgreSQL data),
-    so every worker recorded there is dead when the next one starts; the last few are kept
-    (a start that crashed nothing, another worker being online, tries again next time)."""
-    earlier = earlier_workers(state)
-    note = crash_orphans(api, pool, ours=earlier)
-    state.mkdir(parents=True, exist_ok=True)
-    partial = state / f"{WORKERS_FILE}.partial"  # replaced whole: never a half-written list
-    partial.write_text(json.dumps([*earlier, name][-KEPT_WORKERS:]))
-    os.replace(partial, state / WORKERS_FILE)
-    return note
-
-
-def _worker_online(api: str, name: str) -> bool:
-    """Whether the worker named ``name`` has sent its heartbeat to the server."""
-
-    try:
-        workers = _post(f"{api}/work_pools/{WORK_POOL}/workers/filter", {})
-    except (OSError, ValueError):
-        return False
-    return any(w.get("name") == name and w.get("status") == "ONLINE" for w in workers)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m deployments.service",
@@ -459,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default="configs/local.yaml", help="the pipeline config")
-    p.add_argument("--state", type=Path, default=ROOT / ".service", help="data and logs")
+    p.add_argument("--state", type=Path, default=DEFAULT_STATE, help="data and logs")
     p.add_argument("--azurite-port", type=int, default=10000)
     p.add_argument("--prefect-port", type=int, default=4200)
     p.add_argument(
@@ -475,6 +498,18 @@ def main(argv: list[str] | None = None) -> int:
         "else 4280); the runs' links follow output.links_url, so set it to the same port",
     )
     p.add_argument(
+        "--user",
+        help="started as root: the existing unprivileged account the worker (and so every flow "
+        "run), the relay and the gateway run as (default: retrain-<digest of the state "
+        "folder>, made as a system account)",
+    )
+    p.add_argument(
+        "--clean",
+        action="store_true",
+        help="start nothing: remove the service of --state (its database, below the postgres "
+        "user's home too, the access its account was given, the state folder)",
+    )
+    p.add_argument(
         "--cancel-runs",
         action="store_true",
         help="start nothing: cancel the runs in progress on the retrain-workers pool of the "
@@ -482,35 +517,67 @@ def main(argv: list[str] | None = None) -> int:
         "worker's service unit to run before it is stopped (README)",
     )
     args = p.parse_args(argv)
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     if args.cancel_runs:
         from prefect.settings import PREFECT_API_URL
 
-        api = PREFECT_API_URL.value()
-        if not api:
+        if not PREFECT_API_URL.value():
             p.error("--cancel-runs needs PREFECT_API_URL: the server the worker serves")
-        print(cancel_runs(str(api).rstrip("/")) or "no run in progress", flush=True)
+        print(cancel_runs(None) or "no run in progress", flush=True)
         return 0
+    state = args.state.resolve()
+    if args.clean:
+        return clean(state, say)
     options = Options(
         args.config,
-        args.state.resolve(),
+        state,
         args.azurite_port,
         args.prefect_port,
         args.relay_host,
         args.relay_port,
         args.gateway_port,
+        args.user,
     )
-    logs = options.state / "logs"
+    logs = state / "logs"
+    from deployments.supervisor import ServiceError
 
-    def say(line: str) -> None:
-        print(line, flush=True)
+    say(f"starting the service; data in {shown(state)}, logs in {shown(logs)}")
+    try:
+        lock = hold(state)
+    except ServiceError as exc:
+        say(f"error: {exc}")
+        return 1
+    logs.mkdir(parents=True, exist_ok=True)
+    logs.chmod(0o700)
+    written: list[Path] = []
 
-    say(f"starting the service; data in {shown(options.state)}, logs in {shown(logs)}")
+    def make() -> list[Component]:
+        account = prepare(options, say)
+        built = components(options, account)
+        written.extend(client_files(options, account, say))
+        return built
+
+    where = (
+        f"this checkout's commands reach it through {ENV_FILE}"
+        if state == DEFAULT_STATE
+        else f"to reach it from a shell: set -a; . {shown(state / CLIENT_FILE)}; set +a"
+    )
     running = (
-        f"the service is running: UI http://127.0.0.1:{options.prefect_port}; in another "
-        f"terminal, export PREFECT_API_URL=http://127.0.0.1:{options.prefect_port}/api to use "
-        "it from the command line. Ctrl-C stops everything."
+        f"the service is running: UI http://127.0.0.1:{options.prefect_port} (its password in "
+        f"{shown(state / 'credentials' / 'prefect')}; every credential in "
+        f"{shown(state / 'credentials')}, readable by this user alone); {where}. Ctrl-C stops "
+        "everything."
     )
-    return supervise(lambda: components(options), logs, running, say)
+    try:
+        return supervise(make, logs, running, say)
+    finally:
+        for path in written:
+            if written_by_service(path):
+                path.unlink(missing_ok=True)
+        lock.release()
 
 
 if __name__ == "__main__":

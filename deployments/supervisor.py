@@ -27,6 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_SECONDS = 30.0  # a flow run the worker started gets this long to release its pool
 MARK_VARIABLE = "RETRAIN_SERVICE_MARK"
+STATE_VARIABLE = "RETRAIN_SERVICE_STATE"  # a service's state folder, in its processes' environment
 
 
 class ServiceError(RuntimeError):
@@ -97,8 +98,9 @@ class Supervisor:
         if component.port and port_in_use(*component.port):
             host, port = component.port
             raise ServiceError(
-                f"{component.name}: {host}:{port} is already in use (another {component.name}?)"
-                ": stop it, or choose another port (python -m deployments.service --help)"
+                f"{component.name}: {host}:{port} is already in use by {holder(host, port)}: "
+                "it is not reused; stop it, or choose another port (python -m "
+                "deployments.service --help)"
             )
         began = time.monotonic()
         notes = [n for n in [component.before() if component.before else None] if n]
@@ -195,6 +197,33 @@ def _stop_tree(started: Started, grace: float) -> str:
     psutil.wait_procs(alive, timeout=10)
     proc.wait()
     return f" (killed {len(alive)} left after {grace:.0f} s)" if alive else ""
+
+
+def holder(host: str, port: int) -> str:
+    """Who listens on ``host:port``, by name: the process (its pid and command) and, when it
+    is a component of a service, that service's state folder. Another user's process is seen
+    by root only; otherwise "another process"."""
+    import psutil
+
+    try:
+        found = [
+            c.pid
+            for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
+        ]
+    except psutil.Error:
+        found = []
+    for pid in found:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            command = " ".join(process.cmdline())
+            said = f"pid {pid} ({command[:120]}{'...' if len(command) > 120 else ''})"
+            with contextlib.suppress(psutil.Error):
+                state = process.environ().get(STATE_VARIABLE)
+                if state:
+                    return f"the service of {state}: {said}"
+            return said
+    return "another process (one this user cannot see)"
 
 
 def marked(mark: str) -> list[Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect import Flow, State, flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
@@ -28,6 +28,7 @@ from core.run_config import RunRequest, build_run_config
 from flows.config_args import add_config_arguments
 from flows.form import FormConfig, run_form_signature
 from flows.pool_lock import hold_pool, local_pool_lock
+from training.architectures import ModelName
 
 if TYPE_CHECKING:
     from tasks.outcome import RunLog
@@ -52,7 +53,7 @@ def _release_after_abort(flow: Flow[..., Any], flow_run: FlowRun, state: State[A
 @flow(name="retrain", on_cancellation=[_release_after_abort], on_crashed=[_release_after_abort])
 def retrain(
     epochs: int | None = None,
-    model: Literal["cnn", "resnet18", "resnet50"] | None = None,
+    model: ModelName | None = None,
     data_container: str | None = None,
     data_prefix: str | None = None,
     data_version: str | None = None,
@@ -70,8 +71,8 @@ def retrain(
         epochs: The most training epochs (training stops earlier at its best epoch).
             Empty: the config's training.epochs (the file at config_path below, which the
             deployment sets), or, unset there too, a cap fitted to the data.
-        model: The network to train: cnn (small, fast), resnet18 or resnet50. Empty: the
-            config's.
+        model: The network to train (cnn is the small, fast one; training/architectures.py
+            lists them). Empty: the config's.
         data_container: The Blob container with the training data. Empty: the config's
             data.container. The new-data trigger fills it in from its event.
         data_prefix: The data root in that container, e.g. images: its data versions are
@@ -126,8 +127,12 @@ def retrain(
         raise
     tracker = Tracker(run_config, logger.warning)
     try:
-        explicit = explicit_training_fields(request.overrides, request.run_fields())
-        return _retrain(run_config, effective.source, run, record, force, tracker, explicit)
+        explicit = explicit_training_fields(
+            request.overrides, request.run_fields(), deployed=bool(deployment.id)
+        )
+        return _retrain(
+            run_config, effective.source, run, record, force, tracker, explicit, effective.base
+        )
     except REFUSALS as exc:
         # The data gate refused the data, naming why in its artifact and its step's log: the
         # run ends failed with that message, not as an error in the code (no traceback).
@@ -160,12 +165,13 @@ def _retrain(
     record: RunLog,
     force: bool,
     tracker: Tracker,
-    explicit: set[str],
+    explicit: dict[str, str],
+    base: str,
 ) -> dict[str, Any]:
     """The flow's body once the run has its config, id and record."""
     from backends.target import target_for
+    from core.links import output_link
     from core.run_events import model_promoted
-    from servers.gateway import output_link
     from tasks.cost import PoolMeter
     from tasks.fit_to_data import fit_to_data
     from tasks.follow_champion import follow_champion
@@ -200,7 +206,7 @@ def _retrain(
             warm_from = None  # the epochs the followed champion's training ran
             if run_config.training.follow_champion:
                 # The champion's recipe and weights, but what this run sets itself.
-                followed = follow_champion(run_config, explicit, run)
+                followed = follow_champion(run_config, explicit, run, base)
                 steps.append(followed.record)
                 run_config = followed.value.config
                 target = target_for(run_config)
@@ -264,7 +270,6 @@ def _retrain(
                 retry_delay_seconds=run_config.retries.backoff_seconds,
             )
             steps.append(trainer(run_config, cluster, run, key, tracker.epoch).record)
-            steps.insert(image_at, (image or image_f.result()).record)
             scored = collect_and_score(cluster, run)
             steps.append(scored.record)
             tracker.trained(scored.value.metrics, scored.value.score)
@@ -284,6 +289,9 @@ def _retrain(
             if not fresh:
                 meter.before_release()
                 steps.append(release_pool(cluster).record)
+        # Scoring, promotion and the pool's release need no image (the local cluster trains on
+        # this machine's files); only the report does, for the build step's record.
+        steps.insert(image_at, (image or image_f.result()).record)
         # Still holding the pool (released above, the lock kept): a run of the same inputs
         # waiting for it decides whether it is up to date only once this run's record is there.
         cost = meter.report()
@@ -300,7 +308,7 @@ def _retrain(
             source,
             cost,
             data,
-            tracker.link,
+            tracker.summary(),
         )
         tracker.reported(run)
         # Last: the record makes the next run of the same inputs end as up to date, so it is
@@ -322,6 +330,7 @@ def _retrain(
         "data": data.as_record(),
         "steps": [s.as_dict() for s in steps],
         "cost": cost,
+        "tracking": tracking.runs_link if (tracking := tracker.summary()) else None,
     }
 
 
@@ -417,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {result['run_id']}: test accuracy {result['accuracy']:.4f}")
     print(f"promotion: {'promoted' if result['promoted'] else 'not promoted'} ({result['reason']})")
     print(f"outputs: {result['outputs']}")
+    if result.get("tracking"):
+        print(f"tracked in MLflow: {result['tracking']} (the experiment's runs)")
     if serve:
         print(serve)
     for s in result["steps"]:

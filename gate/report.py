@@ -29,7 +29,15 @@ def examples(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[str]:
     if column == "problem":  # the sentence itself names the shard or the split
         return [f"{r['path']}: {r['problem']}" for r in rows if r.get("problem")][:5]
     bad = set(record["examples"])
-    return [r["path"] for r in rows if str(r.get(column)) in bad][:5]
+    return [r["path"] for r in rows if _shown(r.get(column)) & bad][:5]
+
+
+def _shown(value: Any) -> set[str]:
+    """How Great Expectations may write ``value`` among a result's examples: a number of a
+    column that also holds None is a float there (13000 is "13000.0")."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return {str(value), str(float(value))}
+    return {str(value)}
 
 
 def gate_markdown(

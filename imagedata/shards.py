@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
-import fcntl
 import hashlib
 import multiprocessing as mp
 import os
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from filelock import FileLock
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -256,20 +256,21 @@ def _pack_lock(directory: Path) -> Iterator[bool]:
 
     Two packs at once (two runs staging one NFS folder) would each delete the other's files
     as leftovers; with the lock the second waits, then finds the first one's pack current. A
-    filesystem without locks (ENOLCK) packs unlocked, and then leaves temp files alone.
+    filesystem without locks (ENOLCK: an NFS mount without its lock daemon) packs unlocked, and
+    then leaves temp files alone.
     """
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(directory / LOCK)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            locked = True
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            locked = False
-        yield locked
+        lock.acquire()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        yield False
+        return
+    try:
+        yield True
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 def _pack(

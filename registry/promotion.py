@@ -19,6 +19,11 @@ data root that adds or removes a class is compared on the classes both know, and
 the champion does not know must reach ``new_class_min_recall`` (null: a change of classes is
 never promoted); the decision names that rule and the classes.
 
+Any champion, the first one of a data root included, must reach ``promotion.minimum``: the
+metric's floor and every class's recall floor. A model below it is not promoted whatever it is
+compared with, and the decision names the rule and the classes; without it, the first model of
+a data root was always promoted, one class at recall 0.0 or not.
+
 A score is a measurement on the test split only if the scorer read most of it: the scorer skips
 images it cannot decode, and a promotion was once decided on 3 of 28 test images. When the
 scorer read less than ``promotion.min_scored_fraction`` of the split, nothing is decided: the
@@ -301,6 +306,34 @@ def _judge(
     return True, reason
 
 
+def below_minimum(whole: Scores, rules: PromotionConfig) -> str:
+    """Why a model scored ``whole`` on its test split is below ``promotion.minimum`` (and so
+    cannot be a champion, not even the first), or ""."""
+    floor, metric = rules.minimum, rules.metric
+    value = whole.metric(metric)
+    if round(value, PRECISION) < floor.metric:
+        return (
+            f"{metric} {value:.4f} is less than the {floor.metric:g} "
+            "promotion.minimum.metric asks for"
+        )
+    if floor.class_recall is None:
+        return ""
+    low = sorted(
+        (recall, name)
+        for name, recall in whole.recall.items()
+        if round(recall, PRECISION) < floor.class_recall
+    )
+    if not low:
+        return ""
+    floor_text = f"less than the {floor.class_recall:g} promotion.minimum.class_recall asks for"
+    if len(low) == 1:
+        recall, name = low[0]
+        return f"class {name!r} has recall {recall:.4f}, {floor_text}"
+    named = ", ".join(f"{name!r} ({recall:.4f})" for recall, name in low[:5])
+    more = f" and {len(low) - 5} more" if len(low) > 5 else ""
+    return f"classes {named}{more} have recall {floor_text}"
+
+
 def _champion_of(challenger: Challenger, ours: Scores, metric: str) -> Champion:
     """The record the challenger becomes when promoted: its scores on its whole test split."""
     return Champion(
@@ -338,13 +371,24 @@ def challenge(
     where = challenger.root.where
     read: ChampionRead = champion_for(container, base, challenger.root)
     unmeasured = too_little_scored(challenger, rules.min_scored_fraction)
+    floor = below_minimum(whole, rules)
     comparison: Comparison | None = None
     note = ""
     promoted, reason = False, ""
+    stays = (
+        "the champion stays"
+        if read.champion
+        else "the damaged champion record stays"
+        if read.damaged
+        else "there is still no champion"
+    )
     if unmeasured:
-        stays = "the champion stays" if read.champion else "there is still no champion"
         promoted, reason = False, f"{unmeasured}: not promoted, {stays}"
         note = unmeasured
+    elif floor:
+        # Before any comparison: a model below the floor serves nobody, first or not.
+        first = "" if read.champion or read.damaged else f"no champion of {where} yet, but "
+        promoted, reason = False, f"{first}{floor}: not promoted, {stays}"
     elif read.damaged:
         note = f"the champion record of {where} ({read.blob}) is damaged ({read.damaged})"
     elif read.champion is None:
@@ -410,6 +454,8 @@ def challenge(
         record["per_class"] = comparison.drops
     elif note and not unmeasured and "cannot be scored" in note:
         record["champion_on_this_test_split"] = {"error": note}
+    if floor:
+        record["below_minimum"] = floor
     if read.damaged:
         record["damaged_record"] = {"why": read.damaged, "kept_as": kept}
     container.upload_blob(record_blob, json.dumps(record, indent=2), overwrite=True)

@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 
 MAX_DECISION_BYTES = 1 << 20  # a promotion record is a few KB
 MAX_METRICS_BYTES = 64 << 20  # metrics.json lists the skipped images, at most a few MB
-MAX_TEXT = 300  # characters of stored text a listing shows
+# Characters of stored text a listing shows: far more than any decision the pipeline writes (a
+# few hundred), so a decision is always shown whole; only a record edited to megabytes is cut,
+# and the listing then says how much it left out.
+MAX_TEXT = 4000
 
 
 class ModelStoreError(RuntimeError):
@@ -71,9 +74,12 @@ def _decision(container: ContainerClient, blob: str) -> dict[str, Any] | None:
 
 def _text(value: Any) -> str:
     """Stored text as a terminal line shows it: control characters escaped (an escape sequence
-    in a record would move the cursor and forge other lines), at most 300 characters."""
+    in a record would move the cursor and forge other lines), at most ``MAX_TEXT``
+    characters."""
     line = printable(str(value))
-    return line if len(line) <= MAX_TEXT else f"{line[: MAX_TEXT - 3]}..."
+    if len(line) <= MAX_TEXT:
+        return line
+    return f"{line[:MAX_TEXT]} [{len(line) - MAX_TEXT} more characters not shown]"
 
 
 def data_label(data: dict[str, Any]) -> str:

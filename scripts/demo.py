@@ -36,7 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backends.blob import container_client, upload_directory  # noqa: E402
-from backends.local.azurite import DEFAULT_PORT, FolderInUseError, running_azurite  # noqa: E402
+from backends.local.azurite import (  # noqa: E402
+    ACCOUNTS_ENV,
+    DEFAULT_PORT,
+    FolderInUseError,
+    running_azurite,
+)
 from core.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 from core.data_versions import DataRoot  # noqa: E402
 from flows.config_args import add_config_arguments  # noqa: E402
@@ -120,7 +125,10 @@ def serve_storage(demo: Path, port: int, config: PipelineConfig) -> int:
             seed(config, source, conn)
             env = config.data.connection_string_env
             use = (
-                f"export {env}=UseDevelopmentStorage=true"
+                f"its account's key is the one {ACCOUNTS_ENV} gave it (not the published one): "
+                f"set {env} to the connection string with that key"
+                if os.environ.get(ACCOUNTS_ENV)
+                else f"export {env}=UseDevelopmentStorage=true"
                 if port == DEFAULT_PORT
                 else f"point {env} at Azurite's development account with "
                 f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1"
@@ -210,8 +218,9 @@ def demo_run(demo: Path, config_path: Path, overrides: list[str], keep: Keep | N
     if reason:  # the local cluster runs the trainer on this machine's files either way
         print(f"the training image is not built: {reason}")
         flow_args += ["--set", "image.builder=none"]
-    if config.tracking.mlflow_uri and not _answers(config.tracking.mlflow_uri):
-        print(f"no MLflow server at {config.tracking.mlflow_uri}: this run is not tracked")
+    untracked = _not_tracked(config.tracking.mlflow_uri) if config.tracking.mlflow_uri else None
+    if untracked:
+        print(untracked)
         flow_args += ["--set", "tracking.mlflow_uri=null"]
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -248,18 +257,43 @@ def demo_run(demo: Path, config_path: Path, overrides: list[str], keep: Keep | N
     return code
 
 
-def _answers(url: str) -> bool:
-    """Whether a tracking server answers at ``url`` (``make service`` starts one; the demo
-    alone does not, and its run then says one line instead of a warning per request)."""
+def _not_tracked(url: str) -> str | None:
+    """Why the run is not tracked at ``url``, or None when a tracking server there takes this
+    checkout's requests (``make service`` starts one; the demo alone does not, and its run then
+    says one line instead of a warning per request). A server that asks for a credential this
+    checkout does not have (the service of another checkout, on the same default port) is
+    named and left alone: the demo's run never lands in someone else's MLflow."""
+    import base64
+    import urllib.error
     import urllib.request
 
     if not url.startswith(("http://", "https://")):
-        return True  # an Azure ML workspace: the run's own tracking reports what it finds
+        return None  # an Azure ML workspace: the run's own tracking reports what it finds
+    base = url.rstrip("/")
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=3):
-            return True
+        with urllib.request.urlopen(f"{base}/health", timeout=3):
+            pass
     except OSError:
-        return False
+        return f"no MLflow server at {url}: this run is not tracked"
+    user, password = (os.environ.get(f"MLFLOW_TRACKING_{k}") for k in ("USERNAME", "PASSWORD"))
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request = urllib.request.Request(
+        f"{base}/api/2.0/mlflow/experiments/search?max_results=1",
+        headers={"Authorization": f"Basic {token}"} if user and password else {},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10):
+            return None
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            return (
+                f"the MLflow server at {url} refuses this checkout ({exc.code}: it asks for a "
+                "credential this checkout's service did not give; another checkout's make "
+                "service?): this run is not tracked, and logs nothing there"
+            )
+        return None  # any other answer: the run's own tracking reports what it finds
+    except OSError:
+        return f"no MLflow server at {url}: this run is not tracked"
 
 
 def _run_page(api_url: str | None, flow_run: str | None) -> str:

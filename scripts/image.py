@@ -4,12 +4,15 @@ The same builder the local target's build-image step runs (backends/local/builda
 flow: the registry at the config's image.registry is used when one listens there, else one is
 run on the shared storage for as long as the build and push take. Prints the reference and
 whether it was built or already there (the tag names the content: an unchanged image is not
-built twice).
+built twice). ``--hold`` then keeps the registry up until Ctrl-C or SIGTERM: ``make service``
+runs it so, as root, for flow runs that run unprivileged and cannot build (buildah needs root),
+whose build step then finds the image in the registry.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,9 +38,15 @@ def main() -> int:
         "the local base, to run its build-time checks here; it is kept in buildah's storage, "
         "not pushed",
     )
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="then keep the registry up, with the image, until Ctrl-C or SIGTERM",
+    )
     args = parser.parse_args()
     config = load_config(args.config)
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop, as Ctrl-C is
     try:
         with local_registry(config.image.registry) as registry:
             builder = LocalImageBuilder(registry, variant=args.variant)
@@ -47,11 +56,17 @@ def main() -> int:
                 (lambda _: None) if args.quiet else print,
                 push=args.variant == "cpu",
             )
+            took = time.monotonic() - started
+            print(f"image {result.reference}: {result.reason} ({took:.0f} s)", flush=True)
+            if args.hold:
+                print(f"holding the registry at {registry.address} (Ctrl-C stops)", flush=True)
+                while True:
+                    time.sleep(3600)
     except (BuildError, RegistryError) as exc:  # what failed and what to do, without a trace
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    took = time.monotonic() - started
-    print(f"image {result.reference}: {result.reason} ({took:.0f} s)")
+    except KeyboardInterrupt:  # --hold's end: the registry is let go on the way out
+        pass
     return 0
 
 

@@ -10,6 +10,10 @@ connection fails the script) and, when the
 
     python scripts/ui_screenshots.py --api-url http://127.0.0.1:4200/api
 
+(its API's auth string from ``PREFECT_API_AUTH_STRING``, which the checkout's ``.env`` sets
+while the service runs; the gateway's from ``RETRAIN_GATEWAY_AUTH_STRING``:
+``RETRAIN_GATEWAY_AUTH_STRING=$(cat .service/credentials/gateway)``)
+
 (``make setup`` installs Chromium as root; elsewhere ``apt-get install -y chromium``). The test
 suite drives the same browser through :class:`DevTools` (tests/deployments/test_service.py).
 
@@ -53,13 +57,21 @@ class Page:
     picture: str | None = None  # the address of an image the page must show, decoded
 
 
-def api(base: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    """One Prefect REST call (POST with ``body``, else GET); None for a 404."""
+def api(base: str, path: str, body: dict[str, Any] | None = None, auth: str | None = None) -> Any:
+    """One Prefect REST call (POST with ``body``, else GET); None for a 404. ``auth``: the
+    server's auth string (default: Prefect's ``PREFECT_API_AUTH_STRING`` setting, when set)."""
+    if auth is None:
+        from prefect.settings import PREFECT_API_AUTH_STRING
+
+        auth = PREFECT_API_AUTH_STRING.value()
     data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
     request = urllib.request.Request(
         f"{base.rstrip('/')}/{path.lstrip('/')}",
         data=data,
-        headers={"Content-Type": "application/json"},
+        headers=headers,
         method="GET" if body is None else "POST",
     )
     try:
@@ -173,6 +185,7 @@ class DevTools:
                 chromium,
                 "--headless=new",
                 "--disable-gpu",
+                "--disable-dev-shm-usage",  # a container's small /dev/shm crashes the tab
                 "--no-sandbox",  # running as root, e.g. in a container
                 "--hide-scrollbars",
                 "--remote-debugging-port=0",  # any free port: Chromium writes it in the profile
@@ -233,7 +246,10 @@ class DevTools:
         deadline = time.monotonic() + seconds
         while not (value := self.evaluate(expression)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}")
+                shown = self.evaluate(
+                    "location.href + ' | ' + (document.body ? document.body.innerText : '')"
+                )
+                raise TimeoutError(f"timed out waiting for {what}; the page: {str(shown)[:400]!r}")
             time.sleep(0.25)
         return value
 
@@ -331,6 +347,16 @@ class DevTools:
             self.proc.wait()
 
 
+def sign_in(chrome: DevTools, shots: list[Page], credential: str | None) -> None:
+    """Give the browser the gateway's ``user:password`` once, as a person answers its prompt:
+    it then sends them with the gateway's links and pictures."""
+    from urllib.parse import urlsplit
+
+    gateways = {urlsplit(u).netloc for p in shots for u in (p.follow, p.picture) if u}
+    for netloc in sorted(gateways) if credential else []:
+        chrome.navigate(f"http://{credential}@{netloc}/")
+
+
 def small_png(png: bytes) -> bytes:
     """An 8-bit palette PNG at most 1000 px wide: screenshots that stay small in the repo."""
     from PIL import Image
@@ -362,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ui-shots-", ignore_cleanup_errors=True) as profile:
         chrome = DevTools(chromium, Path(profile))
         try:
+            sign_in(chrome, shots, os.environ.get("RETRAIN_GATEWAY_AUTH_STRING"))
             for page in shots:
                 path = args.out / f"{page.name}.png"
                 path.write_bytes(small_png(chrome.shoot(page, args.width, args.settle)))

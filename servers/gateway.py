@@ -11,21 +11,28 @@ a web page cannot reach it through DNS rebinding.
 It serves the output container below ``output.prefix`` only: files (the model, metrics, logs,
 the gate's Data Docs, whose relative links keep working because a folder is served as a
 folder) and folder listings. GET and HEAD only; every answer is sandboxed (a stored page or
-SVG cannot read the other outputs through the gateway).
+SVG cannot read the other outputs through the gateway). Given a credential (``user:password``,
+``RETRAIN_GATEWAY_AUTH_STRING``: ``make service`` sets one), it answers only requests that carry
+it (HTTP basic auth: a browser asks for it once), 401 otherwise; loopback alone does not keep
+the other users of the machine out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hmac
 import html
 import logging
 import mimetypes
+import os
 import socket
 import threading
 import unicodedata
 from collections.abc import Iterator
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
 import uvicorn
@@ -35,16 +42,17 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response, Strea
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from backends.blob import blob_link, join
+from backends.blob import join
 from core.links import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient, ContentSettings
 
-    from core.config import OutputLocation
 
 # The most of a request's line and headers buffered before they are complete.
 MAX_REQUEST_HEAD = 65536
+AUTH_ENV = "RETRAIN_GATEWAY_AUTH_STRING"  # user:password the gateway asks for, when set
+REALM = "retrain outputs"
 LOG = logging.getLogger(__name__)
 _HTML = "text/html; charset=utf-8"
 # On every answer. Whatever a stored file is (a page, an SVG, a type set by whoever wrote the
@@ -55,21 +63,6 @@ SAFETY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Content-Security-Policy": "sandbox allow-scripts allow-popups",
 }
-
-
-def output_link(location: OutputLocation, container: ContainerClient, name: str) -> str:
-    """The address people open for the blob ``name`` (a folder when it ends with ``/``): the
-    gateway's when ``links_url`` is set and the blob is below ``prefix`` (all the gateway
-    serves), else the blob's own (which needs a sign-in)."""
-    relative = name.strip("/")
-    base = location.prefix.strip("/")
-    below = not base or relative == base or relative.startswith(f"{base}/")
-    if not location.links_url or not below:
-        # A gateway link to a blob outside the prefix would open prefix/<name>: another file.
-        return blob_link(container, name)
-    relative = relative[len(base) :].lstrip("/")
-    folder = name.endswith("/") and relative
-    return f"{location.links_url}/{quote(relative)}{'/' if folder else ''}"
 
 
 class BadPath(ValueError):
@@ -339,53 +332,151 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-def create_app(container: ContainerClient, prefix: str, hosts: set[str]) -> ASGIApp:
+# Files below a Data Docs folder's static/ (the gate writes there copies of public packages'
+# styles, scripts and fonts, and Great Expectations' images: nothing of a run) are served
+# without the credential. Every page is sandboxed (an opaque origin), and a browser sends the
+# basic-auth credentials it keeps for the gateway with navigations only, not with an opaque
+# origin's subresource requests: with them refused, a run's Data Docs lost their styles and
+# the scripts that draw their tables.
+PUBLIC_ASSETS = "/data_docs/static/"
+
+
+def public_asset(request_target: str) -> bool:
+    """Whether the request names a file of a Data Docs folder's static assets (never a
+    folder: no listing). Only the path's spelling is read here: the application still refuses
+    any path that leaves the served prefix (``..``, empty segments) whatever this says."""
+    path = unquote(target_path(request_target))
+    return PUBLIC_ASSETS in f"/{path.lstrip('/')}" and not path.endswith("/")
+
+
+class BasicAuth:
+    """Only requests carrying ``user:password`` (HTTP basic auth) reach the gateway: 401, with
+    the challenge a browser answers by asking the person once, otherwise; Data Docs' static
+    assets excepted (``public_asset``). Compared in constant time; the header never reaches
+    the log (the request line alone is logged)."""
+
+    def __init__(self, app: ASGIApp, credential: str) -> None:
+        self.app, self.credential = app, credential.encode()
+
+    def _allowed(self, header: str) -> bool:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            given = base64.b64decode(token.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return False
+        return hmac.compare_digest(given, self.credential)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and not public_asset(_request_target(scope))
+            and not self._allowed(Headers(scope=scope).get("authorization", ""))
+        ):
+            response = PlainTextResponse(
+                "this gateway asks for its user and password (make service says where they are)\n",
+                401,
+                headers={"WWW-Authenticate": f'Basic realm="{REALM}", charset="UTF-8"'},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    container: ContainerClient, prefix: str, hosts: set[str], credential: str | None = None
+) -> ASGIApp:
     """The gateway as an ASGI application: ``container`` below ``prefix``, to requests whose
-    Host header is one of ``hosts`` (lower-case ``host:port``)."""
-    return RequestLog(ReadOnly(HostCheck(OutputsApp(container, prefix), hosts)))
+    Host header is one of ``hosts`` (lower-case ``host:port``) and, when ``credential`` is
+    given, that carry it."""
+    app: ASGIApp = OutputsApp(container, prefix)
+    if credential:
+        app = BasicAuth(app, credential)
+    return RequestLog(ReadOnly(HostCheck(app, hosts)))
 
 
-class _Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol (h11) with two things uvicorn lacks: a deadline for a
-    request to arrive (a client that sends half a request line, or opens a connection and
-    waits, would hold it for good), and the safety headers on the answer uvicorn writes itself
-    to a malformed request (every other answer gets them from its ``headers`` setting)."""
+class RequestDeadline:
+    """A deadline for each request to arrive, which uvicorn lacks: a client that opens a
+    connection and sends nothing, or half a request line, would hold it for good (uvicorn's
+    keep-alive timeout only runs between requests it has parsed, and from the first only).
+    Each connection is closed unless a request has begun on it within ``seconds`` of its
+    opening or of its last answer's end.
 
-    request_timeout = 30.0
+    Built on public interfaces only: the protocol's asyncio callbacks (``connection_made``,
+    ``connection_lost``) register each connection's transport by its peer address, and this
+    application, the outermost, sees each request begin and its answer end by the ASGI
+    scope's ``client``, the same address. uvicorn takes the protocol class through its
+    ``http`` setting."""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[arg-type]
-        self._deadline()
+    def __init__(self, app: ASGIApp, seconds: float) -> None:
+        self.app, self.seconds = app, seconds
+        self.connections: dict[tuple[str, int], list[Any]] = {}  # peer: [transport, requests]
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._deadline()
+    def protocol(self) -> type[asyncio.Protocol]:
+        """uvicorn's HTTP/1.1 protocol, telling this deadline of each connection."""
+        deadline = self
 
-    def _deadline(self) -> None:
-        """Close the connection unless another request has begun by then."""
-        waiting_since = self.cycle
+        class DeadlineProtocol(H11Protocol):
+            deadline_peer: tuple[str, int] | None = None
+
+            def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+                super().connection_made(transport)
+                self.deadline_peer = deadline.opened(transport)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                deadline.closed(self.deadline_peer)
+                super().connection_lost(exc)
+
+        return DeadlineProtocol
+
+    def opened(self, transport: asyncio.BaseTransport) -> tuple[str, int] | None:
+        """A new connection: its deadline armed; its peer address."""
+        peer = _peer(transport.get_extra_info("peername"))
+        if peer is not None:
+            self.connections[peer] = [transport, 0]
+            self._arm(peer)
+        return peer
+
+    def closed(self, peer: tuple[str, int] | None) -> None:
+        if peer is not None:
+            self.connections.pop(peer, None)
+
+    def _arm(self, peer: tuple[str, int]) -> None:
+        entry = self.connections.get(peer)
+        if entry is None:
+            return
+        transport, requests = entry
 
         def drop() -> None:
-            if self.cycle is waiting_since and not self.transport.is_closing():
-                self.transport.close()
+            now = self.connections.get(peer)
+            if now is not None and now[0] is transport and now[1] == requests:
+                transport.close()  # closing twice is a no-op
 
-        self.loop.call_later(self.request_timeout, drop)
+        asyncio.get_running_loop().call_later(self.seconds, drop)
 
-    def send_400_response(self, msg: str) -> None:
-        import h11
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        peer = _peer(scope.get("client")) if scope["type"] == "http" else None
+        entry = self.connections.get(peer) if peer else None
+        if entry is None or peer is None:
+            await self.app(scope, receive, send)
+            return
+        entry[1] += 1
+        begun = peer
 
-        headers = [
-            (b"content-type", b"text/plain; charset=utf-8"),
-            (b"connection", b"close"),
-            *((k.lower().encode(), v.encode()) for k, v in SAFETY_HEADERS.items()),
-        ]
-        for event in (
-            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-            h11.Data(data=msg.encode("ascii")),
-            h11.EndOfMessage(),
-        ):
-            self.transport.write(self.conn.send(event) or b"")
-        self.transport.close()
+        async def watched(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self._arm(begun)
+
+        await self.app(scope, receive, watched)
+
+
+def _peer(address: Any) -> tuple[str, int] | None:
+    """A peer address as (host, port): an IPv6 peername has two more fields."""
+    if isinstance(address, (tuple, list)) and len(address) >= 2:
+        return str(address[0]), int(address[1])
+    return None
 
 
 def _host_headers(hostname: str, port: int, default: int) -> set[str]:
@@ -416,24 +507,33 @@ def serve(
     port: int = DEFAULT_PORT,
     links_url: str | None = None,
     request_timeout: float = 30.0,
+    credential: str | None = None,
 ) -> Gateway:
     """A started-on-demand server (call ``serve_forever``); port 0 picks a free port, which
-    ``server_address`` then tells."""
+    ``server_address`` then tells. ``credential`` (``user:password``; default
+    ``RETRAIN_GATEWAY_AUTH_STRING``, when set) is asked of every request."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
     bound = int(sock.getsockname()[1])
-    app = create_app(container, prefix, host_names(host, bound, links_url))
-    protocol = type("GatewayProtocol", (_Protocol,), {"request_timeout": request_timeout})
+    credential = credential or os.environ.get(AUTH_ENV) or None
+    app = create_app(container, prefix, host_names(host, bound, links_url), credential)
+    deadline = RequestDeadline(app, request_timeout)
     config = uvicorn.Config(
-        app,
-        http=protocol,
+        deadline,
+        http=deadline.protocol(),
         ws="none",
         lifespan="off",
         loop="asyncio",
         log_config=None,  # the process's own logging stays as it is
         access_log=False,  # each request is logged by the app, escaped
         server_header=False,
-        headers=list(SAFETY_HEADERS.items()),  # on every answer, errors included
+        # The client's address is the connection's (RequestDeadline finds each connection by
+        # it): a header of the client's own never replaces it, behind a proxy or not.
+        proxy_headers=False,
+        # On every answer of the application, errors included. uvicorn's own 400 to a request
+        # it cannot parse goes without them: a fixed text of its own, declared text/plain,
+        # carrying nothing of the client's for a browser to run.
+        headers=list(SAFETY_HEADERS.items()),
         h11_max_incomplete_event_size=MAX_REQUEST_HEAD,
         timeout_graceful_shutdown=5,
     )

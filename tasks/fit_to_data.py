@@ -25,7 +25,8 @@ from prefect import get_run_logger
 from core.config import PipelineConfig
 from core.run import Run
 from tasks.steps import Done, step
-from training.args import DEFAULT_EPOCH_CAP, MODEL_INPUT_SIZES, TrainingSettings
+from training.architectures import architecture
+from training.args import DEFAULT_EPOCH_CAP, TrainingSettings
 from training.stopping import HOLDOUT_FRACTION
 
 # The input size: the photographs' own detail, in steps of 16 px, between these bounds per
@@ -100,7 +101,7 @@ def fit_training(
     what was chosen and why."""
     updates: dict[str, Any] = {}
     lines: list[str] = []
-    native = MODEL_INPUT_SIZES[training.model]
+    native = architecture(training.model).input_size
     if training.image_size is None:
         if getattr(training, "init_from", None) is not None:
             lines.append(

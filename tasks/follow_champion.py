@@ -4,18 +4,22 @@ With ``training.follow_champion`` (the nightly and on-new-data deployments set i
 data root has a champion trains from the champion's weights with the settings the champion was
 trained with, except those the run sets itself (``core/recipe.py`` decides, field by field).
 Without it, a champion trained by hand with a better recipe is never beaten by the config's
-defaults, and nothing would say why.
+defaults, and nothing would say why. The recipe is read from a blob anyone with write access to
+the output container may edit: every value it gives is checked as a run's own would be, and one
+out of bounds stops the run here, before a pool is provisioned or data staged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prefect import get_run_logger
+from pydantic import ValidationError
 
 from backends.blob import container_client
 from core.config import PipelineConfig
-from core.recipe import Origin, Recipe, describe, training_settings
+from core.recipe import Origin, Recipe, RecipeError, describe, training_settings
 from core.run import Run
 from registry.champion import champion_for
 from tasks.init_from import InitFromConfigError, champion_metrics
@@ -32,9 +36,13 @@ class Followed:
     champion_epochs: int | None = None  # the epochs the champion's own training ran
 
 
-def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
+def follow(
+    config: PipelineConfig, explicit: Mapping[str, str], config_source: str = "the config"
+) -> Followed:
     """The recipe of the champion of the run's data root applied to ``config`` (unchanged
-    settings and a from-scratch start while the root has no champion)."""
+    settings and a from-scratch start while the root has no champion); ``explicit``: the
+    training fields the run sets itself, each with where it set it
+    (``core.recipe.explicit_training_fields``)."""
     outputs = container_client(config.output, config.retries.storage_retries)
     read = champion_for(outputs, config.output.prefix, config.data.root)
     if read.damaged:
@@ -45,17 +53,34 @@ def follow(config: PipelineConfig, explicit: set[str]) -> Followed:
     recipe = None
     if read.champion is not None:
         recipe = Recipe.from_metrics(read.champion.run_id, champion_metrics(outputs, read.champion))
-    training, origins = training_settings(config.training, explicit, recipe)
+    try:
+        training, origins = training_settings(config.training, explicit, recipe, config_source)
+    except RecipeError as exc:
+        raise InitFromConfigError(f"follow_champion: {exc}") from None
     run_id = read.champion.run_id if read.champion else None
+    followed = config.model_copy(update={"training": training})
+    # The config a run of these settings would have been given, checked as any run's is.
+    try:
+        checked = PipelineConfig.model_validate(followed.model_dump())
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_input=False)
+        )
+        raise InitFromConfigError(
+            f"follow_champion: the champion's recipe (run {run_id}) makes a config no run may "
+            f"have: {problems}"
+        ) from None
     trained = recipe.trained_epochs if recipe is not None else None
-    return Followed(config.model_copy(update={"training": training}), origins, run_id, trained)
+    return Followed(checked, origins, run_id, trained)
 
 
 @step("follow-champion")
-def follow_champion(config: PipelineConfig, explicit: set[str], run: Run) -> Done[Followed]:
+def follow_champion(
+    config: PipelineConfig, explicit: Mapping[str, str], run: Run, config_source: str
+) -> Done[Followed]:
     """The training settings of a retrain of the champion, each with where it came from (the
     step's details, in the run's summary)."""
-    followed = follow(config, explicit)
+    followed = follow(config, explicit, config_source)
     lines = describe(followed.origins)
     logger = get_run_logger()
     for line in lines:

@@ -22,12 +22,12 @@ from prefect.cache_policies import NONE
 
 from backends.blob import container_client
 from core.config import BlobLocation, PipelineConfig
+from core.links import output_link
 from core.text import markdown_text
 from imagedata.images import is_image_name
 from registry.layout import labels_blob
 from registry.migrate import migrate_legacy_records
 from registry.store import champion_of, download, recorded_model_md5, run_file
-from servers.gateway import output_link
 
 if TYPE_CHECKING:
     from azure.storage.blob import ContainerClient

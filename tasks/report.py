@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import (
@@ -21,15 +21,18 @@ from prefect.cache_policies import NONE
 from backends.blob import container_client
 from core.config import PipelineConfig, hide_credentials
 from core.data_versions import DataVersion
+from core.links import output_link
 from core.run import output_prefix
 from core.text import code_fence, markdown_text
 from registry.promotion import Decision
-from servers.gateway import output_link
 from tasks.charts import confusion_png, curves_png
 from tasks.cost import cost_markdown
 from tasks.provision import StagedData
 from tasks.steps import StepRecord
 from tasks.train_and_score import Scored
+
+if TYPE_CHECKING:
+    from tasks.tracking import TrackingSummary
 
 
 def config_markdown(config: PipelineConfig, source: str) -> list[str]:
@@ -45,6 +48,23 @@ def config_markdown(config: PipelineConfig, source: str) -> list[str]:
     return ["## Config", "", f"From {shown}.", "", *code_fence(text.rstrip(), "yaml")]
 
 
+def tracking_lines(tracking: TrackingSummary | None) -> list[str]:
+    """The summary's lines on MLflow: where the run and its experiment's runs are, and each
+    repair of the registry (a stale ``champion`` alias moved, ...)."""
+    if tracking is None:
+        return []
+    lines = []
+    if tracking.run_link:
+        runs = (
+            f", among [the experiment's runs]({tracking.runs_link})" if tracking.runs_link else ""
+        )
+        lines += [f"Tracked in MLflow: [the run's page]({tracking.run_link}){runs}.", ""]
+    if tracking.notes:
+        lines += ["MLflow put back in line with the champion record:", ""]
+        lines += [f"- {markdown_text(note)}" for note in tracking.notes] + [""]
+    return lines
+
+
 def summary_markdown(
     run_id: str,
     steps: list[StepRecord],
@@ -56,10 +76,11 @@ def summary_markdown(
     cost: dict[str, Any] | None = None,
     charts: Charts | None = None,
     version: DataVersion | None = None,
-    tracking_url: str | None = None,
+    tracking: TrackingSummary | None = None,
 ) -> str:
-    """``tracking_url``: the run's page on the MLflow server (a tracking URI never carries a
-    credential: the config refuses one)."""
+    """``tracking``: the run's page on the MLflow server and the experiment's runs (a tracking
+    URI never carries a credential: the config refuses one), and what the run put back in line
+    with the champion record there."""
     metrics, score = scored.metrics, scored.score
     lines = [
         f"# Retrain {run_id}",
@@ -68,7 +89,7 @@ def summary_markdown(
         f"{'**promoted**' if decision.promoted else 'not promoted'}: "
         f"{markdown_text(decision.reason)}.",
         "",
-        *([f"Tracked in MLflow: [the run's page]({tracking_url}).", ""] if tracking_url else []),
+        *tracking_lines(tracking),
         *charts_markdown(charts or Charts()),
         "",
         "## Data",
@@ -324,9 +345,10 @@ def report(
     config_source: str,
     cost: dict[str, Any] | None = None,
     version: DataVersion | None = None,
-    tracking_url: str | None = None,
+    tracking: TrackingSummary | None = None,
 ) -> str:
-    """``tracking_url``: the run's page on the MLflow server, linked from the summary."""
+    """``tracking``: the run's MLflow page and the experiment's runs, linked from the summary,
+    and what the run repaired in MLflow's registry."""
     score = scored.score
     charts = draw_charts(scored, steps)
     for name, why in charts.left_out.items():
@@ -348,7 +370,7 @@ def report(
             cost,
             charts,
             version,
-            tracking_url,
+            tracking,
         ),
         key="retrain-summary",
         description=f"retrain {run_id}",

@@ -35,13 +35,13 @@ from backends.target import PROJECT_ROOT
 from backends.taskspec import NOT_SHAPING_THE_MODEL, training_task_digest
 from core.config import PipelineConfig
 from core.data_versions import DataVersion
+from core.links import output_link
 from core.run import Run
 from core.text import markdown_text
 from registry.champion import champion_for
 from registry.last_run import LastRun, blob_exists, read_last_run, read_trained, write_last_run
 from registry.layout import LAST_RUN
 from registry.migrate import migrate_legacy_records
-from servers.gateway import output_link
 from tasks.provision import SCRIPT_PACKAGES
 from tasks.steps import Done, StepRecord, step
 from tasks.validate import Validated

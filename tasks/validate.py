@@ -20,13 +20,13 @@ from backends.blob import container_client, upload_directory
 from backends.data_root import resolve
 from core.config import PipelineConfig
 from core.data_versions import DataVersion, DataVersionError
+from core.links import output_link
 from core.run import Run
 from gate.deadline import GateTimeoutError
 from gate.docs_assets import DocsAssetError, localize
 from gate.manifest import BlobChangedError, build_manifest, list_dataset
 from gate.report import DataValidationError, failure, gate_markdown
 from gate.verdicts import judge
-from servers.gateway import output_link
 from staging.listing import listing_blob, listing_json, listing_version
 from tasks.fit_to_data import DataFacts
 from tasks.steps import Done, step

@@ -53,14 +53,28 @@ class Result:
 
 
 ENGINES = ("horovod", "ddp")
+# Both engines, the second one's run a repeat marked slow (`make reliability`): for a test of
+# what does not depend on the engine beyond the primitives (broadcast, allreduce, checkpoint
+# format) every DDP run of `make test` exercises (tests/training/test_train.py's two-rank runs).
+ENGINES_REPEATED = ("horovod", pytest.param("ddp", marks=pytest.mark.slow))
 
 
 def trainer_command(
-    np: int, data_dir: str | Path, output_dir: Path, *extra: str, engine: str = "horovod"
+    np: int,
+    data_dir: str | Path,
+    output_dir: Path,
+    *extra: str,
+    engine: str = "horovod",
+    onnx: bool = False,
 ) -> list[str]:
     """The trainer's documented command line for ``engine``: under horovodrun (horovod) or
-    torchrun (ddp) when np > 1, a plain process otherwise."""
+    torchrun (ddp) when np > 1, a plain process otherwise. Without model.onnx unless ``onnx``:
+    its export and check are about 5 of a tiny run's 9 CPU-seconds, and only the tests of the
+    ONNX file read it (tests/training/test_train.py's two-rank runs, test_predict.py's model,
+    tests/training/test_onnx_export.py; every flow run writes one)."""
     args = ["--data-dir", str(data_dir), "--output-dir", str(output_dir), *extra]
+    if not onnx:
+        args.append("--no-onnx")
     if engine != "horovod":
         args += ["--engine", engine]
     train = [sys.executable, "-m", "training.train", *args]
@@ -109,9 +123,10 @@ def run_trainer(
     *extra: str,
     timeout: float = 600,
     engine: str = "horovod",
+    onnx: bool = False,
 ) -> Result:
     proc = subprocess.run(
-        trainer_command(np, data_dir, output_dir, *extra, engine=engine),
+        trainer_command(np, data_dir, output_dir, *extra, engine=engine, onnx=onnx),
         cwd=ROOT,
         env=child_env(),
         stdout=subprocess.PIPE,
@@ -214,7 +229,10 @@ def prefect_api_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PWD": str(ROOT)}
 
 
-PREFECT_DATABASES = ("sqlite", "postgresql")
+# The session's server, then the same scenario on PostgreSQL: a repeat under a second database,
+# run by `make reliability` (the PostgreSQL server of `make service` itself is in `make test`:
+# tests/deployments/test_service.py).
+PREFECT_DATABASES = ("sqlite", pytest.param("postgresql", marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="session")
@@ -256,7 +274,7 @@ def postgres_prefect_api() -> Iterator[str]:
 @pytest.fixture(params=PREFECT_DATABASES)
 def prefect_database(request: pytest.FixtureRequest, prefect_api: None) -> Iterator[str]:
     """The test runs twice: on the session's server (SQLite), then on one on PostgreSQL, with
-    every client, thread and subprocess of the test pointed at it."""
+    every client, thread and subprocess of the test pointed at it (that one is marked slow)."""
     if request.param == "sqlite":
         yield request.param
         return
@@ -410,7 +428,10 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reliability = ROOT / "tests" / "reliability"
     for item in items:
+        if item.path.is_relative_to(reliability):
+            item.add_marker(pytest.mark.reliability)
         fixtures = set(getattr(item, "fixturenames", ()))
         # A GPU test needs a device, not a unit test's nothing: never quick.
         system = item.get_closest_marker("processes") or item.get_closest_marker("gpu")

@@ -26,15 +26,12 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from training.architectures import ModelName, architecture, input_sizes
 from training.stopping import MetricName
 
-ModelName = Literal["cnn", "resnet18", "resnet50"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 OptimizerKernel = Literal["auto", "fused", "foreach"]
 EngineName = Literal["horovod", "ddp"]
-# The side in pixels each network was designed for: CIFAR's 32 for the small CNN, ImageNet's
-# 224 for the ResNets.
-MODEL_INPUT_SIZES: dict[str, int] = {"cnn": 32, "resnet18": 224, "resnet50": 224}
 
 BOUNDS = ("ge", "gt", "le")
 # Fine-tuning when starting from weights, as measured by bench/warm_start.py (docs/trainer.md).
@@ -57,9 +54,7 @@ def field_metadata(cls: type, name: str) -> Any:
 
 def default_input_size(model: str) -> int:
     """The side in pixels ``model`` reads when no ``--image-size`` is given."""
-    if model not in MODEL_INPUT_SIZES:
-        raise ValueError(f"--model {model!r} is unknown; choose one of {sorted(MODEL_INPUT_SIZES)}")
-    return MODEL_INPUT_SIZES[model]
+    return architecture(model).input_size
 
 
 @dataclass
@@ -117,8 +112,8 @@ class TrainingSettings:
     image_size: int | None = field(
         default=None,
         metadata=about(
-            "input size in pixels; default the model's own (32 or 224); at most 1024, where one "
-            "image is 3 MB in the shards and 12 MB as the model's float32 input",
+            f"input size in pixels; default the model's own ({input_sizes()}); at most 1024, "
+            "where one image is 3 MB in the shards and 12 MB as the model's float32 input",
             ge=8,
             le=1024,
         ),
@@ -248,6 +243,14 @@ class TrainerArgs(TrainingSettings):
         metadata=about("batch-norm statistics over all ranks' batches (the ddp engine on GPU)"),
     )
     no_amp: bool = field(default=False, metadata=about("disable mixed precision on GPU"))
+    no_onnx: bool = field(
+        default=False,
+        metadata=about(
+            "write no model.onnx: its export and its check against PyTorch cost about 5 "
+            "CPU-seconds whatever the model (torch.export and onnxscript load), most of a small "
+            "run's; for runs whose model is not served through ONNX"
+        ),
+    )
     precision: Precision = field(
         default="auto",
         metadata=about("autocast type; auto: bf16 on GPUs with it, fp16 on older, fp32 on CPU"),

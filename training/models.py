@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from training.architectures import architecture
+
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 # A model.pt's layout: 1 (no version written) named the ResNets' layers this project's own way;
@@ -154,28 +156,30 @@ class ResNet(nn.Module):
 
 RESNET_DEPTHS = {"resnet18": (2, 2, 2, 2), "resnet50": (3, 4, 6, 3)}
 
-# Keyed by the names the trainer's arguments offer (training.args.ModelName), whose input sizes
-# are defined there too: the orchestrator reads them without importing torch.
-MODELS: dict[str, Callable[[int], nn.Module]] = {
-    "cnn": SmallCNN,
-    "resnet18": lambda n: ResNet(BasicBlock, RESNET_DEPTHS["resnet18"], n),
-    "resnet50": lambda n: ResNet(Bottleneck, RESNET_DEPTHS["resnet50"], n),
-}
-# Each network's last layer, the one with a row per class, below the network.
-CLASSIFIERS = {"cnn": "head.3", "resnet18": "fc", "resnet50": "fc"}
+
+# The builders training/architectures.py names, one per row of its table.
+def small_cnn(num_classes: int) -> nn.Module:
+    return SmallCNN(num_classes)
+
+
+def resnet18(num_classes: int) -> nn.Module:
+    return ResNet(BasicBlock, RESNET_DEPTHS["resnet18"], num_classes)
+
+
+def resnet50(num_classes: int) -> nn.Module:
+    return ResNet(Bottleneck, RESNET_DEPTHS["resnet50"], num_classes)
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
     """The named network behind a normalisation layer."""
-    if name not in MODELS:
-        raise ValueError(f"--model {name!r} is unknown; choose one of {sorted(MODELS)}")
-    return nn.Sequential(Normalize(), MODELS[name](num_classes))
+    builder: Callable[[int], nn.Module] = globals()[architecture(name).builder]
+    return nn.Sequential(Normalize(), builder(num_classes))
 
 
 def classifier_prefix(name: str) -> str:
     """Where the classifier's ``weight`` and ``bias`` are in ``build_model(name, n)``'s state
     dict (``1.fc`` for a ResNet)."""
-    return f"{NETWORK}.{CLASSIFIERS[name]}"
+    return f"{NETWORK}.{architecture(name).classifier}"
 
 
 # The ResNets' names in model files written before they took torchvision's: a stem Sequential,

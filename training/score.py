@@ -21,8 +21,9 @@ from common.atomic import atomic_write_json
 from imagedata.data import open_dataset
 from imagedata.dataset import DatasetError
 from imagedata.images import SPLITS
+from training.architectures import ARCHITECTURES
 from training.model_file import ModelFileError, check_class_names, check_input_size
-from training.models import MODEL_FORMAT_VERSION, MODELS, build_model, upgrade_state_dict
+from training.models import MODEL_FORMAT_VERSION, build_model, upgrade_state_dict
 
 
 def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -47,9 +48,9 @@ def load_model(path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
         )
     names, model_name = check_class_names(path, saved["class_names"]), saved["model_name"]
     check_input_size(path, saved["input_size"])
-    if model_name not in MODELS:
+    if model_name not in ARCHITECTURES:
         raise ModelFileError(
-            f"model file {path}: model_name {model_name!r} is not one of {sorted(MODELS)}"
+            f"model file {path}: model_name {model_name!r} is not one of {sorted(ARCHITECTURES)}"
         )
     if not isinstance(saved["state_dict"], dict):
         raise ModelFileError(f"model file {path}: state_dict is not a dict of tensors")

@@ -150,12 +150,17 @@ def keep_grads_contiguous(params: Iterable[nn.Parameter]) -> None:
 
 
 def zero_grads(optimizer: torch.optim.Optimizer, keep: bool) -> None:
-    """Clear the gradients: in place when their buffers must keep their layout, else freed."""
+    """Clear the gradients: in place when their buffers must keep their layout, else freed.
+
+    Horovod's wrapper takes no ``set_to_none`` (it frees them), so the in-place zeroing calls
+    torch's own ``Optimizer.zero_grad``, which zeroes them with one multi-tensor kernel per
+    device and dtype under the foreach and fused optimizers :func:`sgd` makes. It is called
+    after the step, where Horovod's check for gradients still being reduced has nothing to
+    find."""
     if not keep:
-        optimizer.zero_grad()  # frees them (Horovod's wrapper takes no set_to_none)
+        optimizer.zero_grad()
         return
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-    torch._foreach_zero_([g for g in grads if g is not None])  # one launch, not one per tensor
+    torch.optim.Optimizer.zero_grad(optimizer, set_to_none=False)
 
 
 def sgd(params: Iterable[nn.Parameter], speed: Speed, **hyper: float) -> torch.optim.SGD:

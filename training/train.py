@@ -1151,19 +1151,21 @@ def _write_outputs(job: Job, metrics: dict[str, Any], writer: Any) -> None:
     ckpt.atomic_save(saved, args.output_dir / "model.pt")
     onnx_path = args.output_dir / "model.onnx"
     onnx_path.unlink(missing_ok=True)  # an earlier attempt's is not this model's
-    check = write_onnx(saved, check_images(job.data.splits["test"].dataset), onnx_path)
-    log.info(
-        "model.onnx: top class agrees with PyTorch on %d of %d test images, probabilities "
-        "within %.2g",
-        round(check.top1_agreement * check.images),
-        check.images,
-        check.max_prob_diff,
-    )
-    metrics["onnx"] = check.as_metrics()
+    metrics["onnx"] = metrics["onnx_md5"] = None
+    if not args.no_onnx:
+        check = write_onnx(saved, check_images(job.data.splits["test"].dataset), onnx_path)
+        log.info(
+            "model.onnx: top class agrees with PyTorch on %d of %d test images, probabilities "
+            "within %.2g",
+            round(check.top1_agreement * check.images),
+            check.images,
+            check.max_prob_diff,
+        )
+        metrics["onnx"] = check.as_metrics()
+        metrics["onnx_md5"] = file_md5(onnx_path)
     # Blob storage keeps no MD5 of a model uploaded in blocks (over 64 MB, or by Batch's output
     # files): the ones recorded here are what a download of either file is checked against.
     metrics["model_md5"] = file_md5(args.output_dir / "model.pt")
-    metrics["onnx_md5"] = file_md5(onnx_path)
     atomic_write_json(metrics, args.output_dir / "metrics.json")
     if writer is not None:
         writer.add_scalar("test/accuracy", metrics["test_accuracy"], len(job.history))

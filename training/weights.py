@@ -14,11 +14,17 @@ Everything is checked before a weight is applied, so a file that cannot start th
 (not a state dict, truncated, NaNs, another network, another input size, other shapes, a later
 format, not the bytes the pipeline checked) stops the trainer at its start with
 :class:`InitFromError`, naming the file and what is wrong, before any step is trained. The file is
-loaded with ``weights_only``: a weights file from anywhere must not be able to run code.
+loaded with ``weights_only``: a weights file from anywhere must not be able to run code. Nor may
+it take the node's memory: torch reads each member of its zip archive into memory at the size
+the archive declares, inflating compressed ones, so a file of 1 MB could declare 1 GB. The
+archive's directory is read first, and a file whose members declare more than the file itself
+holds (torch.save stores every member as it is, so its members never do), or more than any
+weights file of these networks, is refused before anything is loaded.
 """
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,15 +33,18 @@ import torch
 from torch import nn
 
 from common.atomic import file_md5
+from training.architectures import ARCHITECTURES
 from training.models import (
     MODEL_FORMAT_VERSION,
-    MODELS,
     NETWORK,
     classifier_prefix,
     upgrade_state_dict,
 )
 
 MODEL_FILE_KEYS = {"state_dict", "class_names", "model_name", "input_size"}
+# The largest weights file a training starts from: resnet50's model.pt is about 95 MB, so this is
+# ten times the largest network's, and far less than a node's memory.
+MAX_WEIGHTS_BYTES = 1 << 30
 
 
 class InitFromError(ValueError):
@@ -80,9 +89,65 @@ class Carried:
         }
 
 
-def _load(path: Path) -> Any:
+def _unreadable(path: Path, why: str) -> InitFromError:
+    return InitFromError(
+        f"--init-from {path} cannot be read as PyTorch weights: truncated, or not a file "
+        f"torch.save wrote ({why})"
+    )
+
+
+def check_archive(path: Path) -> None:
+    """Refuse, before torch reads a byte of it, a weights file that would take more memory than
+    it holds: larger than ``MAX_WEIGHTS_BYTES``, not the zip archive torch.save writes (the
+    legacy format, older than torch 1.6, declares its storages' sizes in its pickle, unbounded
+    until read), or with members that declare more bytes than the file holds or are
+    compressed (a deflated member inflates when read; torch.save never writes one)."""
+    size = path.stat().st_size
+    if size > MAX_WEIGHTS_BYTES:
+        raise InitFromError(
+            f"--init-from {path} is {size} bytes, more than the {MAX_WEIGHTS_BYTES} a weights "
+            "file of these networks may be (resnet50's model.pt is about 95 MB)"
+        )
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise _unreadable(
+            path, f"not the zip archive torch.save writes: {type(exc).__name__}: {first}"
+        ) from None
+    declared = sum(m.file_size for m in members)
+    packed = [m for m in members if m.compress_type != zipfile.ZIP_STORED]
+    if declared > size or packed:
+        largest = max(members, key=lambda m: m.file_size)
+        how = (
+            f"{len(packed)} of its members compressed (torch.save stores them as they are), "
+            if packed
+            else ""
+        )
+        raise InitFromError(
+            f"--init-from {path}: its members declare {declared} bytes in a file of {size} "
+            f"({how}the largest, {largest.filename!r}, {largest.file_size} bytes): reading it "
+            "would take that much memory; refused before loading"
+        )
+
+
+def _check(path: Path) -> None:
+    """What is checked of the file before a byte of it is read: that it is one, and its
+    archive's declared sizes."""
     if path.is_dir():
         raise InitFromError(f"--init-from {path} is a folder, not a weights file")
+    if not path.is_file():
+        raise InitFromError(f"--init-from {path} is not a regular file (a device, a pipe)")
+    try:
+        check_archive(path)
+    except FileNotFoundError:
+        raise InitFromError(f"--init-from {path} does not exist") from None
+    except PermissionError:
+        raise InitFromError(f"--init-from {path} cannot be read (permission denied)") from None
+
+
+def _load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -91,10 +156,7 @@ def _load(path: Path) -> Any:
         raise InitFromError(f"--init-from {path} cannot be read (permission denied)") from None
     except Exception as exc:  # torch raises many types for a cut or foreign file
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise InitFromError(
-            f"--init-from {path} cannot be read as PyTorch weights: truncated, or not a file "
-            f"torch.save wrote ({type(exc).__name__}: {first})"
-        ) from None
+        raise _unreadable(path, f"{type(exc).__name__}: {first}") from None
 
 
 def _model_file(path: Path, saved: dict[str, Any]) -> tuple[dict[str, Any], list[str], str, int]:
@@ -109,9 +171,9 @@ def _model_file(path: Path, saved: dict[str, Any]) -> tuple[dict[str, Any], list
         raise InitFromError(f"--init-from {path}: class_names is not a list of class names")
     if len(set(names)) != len(names):
         raise InitFromError(f"--init-from {path}: class_names names a class twice")
-    if name not in MODELS:
+    if name not in ARCHITECTURES:
         raise InitFromError(
-            f"--init-from {path}: model_name {name!r} is not one of {sorted(MODELS)}"
+            f"--init-from {path}: model_name {name!r} is not one of {sorted(ARCHITECTURES)}"
         )
     if type(size) is not int or size < 1:
         raise InitFromError(f"--init-from {path}: input_size {size!r} is not a size in pixels")
@@ -125,7 +187,8 @@ def read_weights(path: Path) -> StartingWeights:
     """The weights in ``path``, checked to be whole and finite; InitFromError says why not."""
     if not path.exists():
         raise InitFromError(f"--init-from {path} does not exist")
-    md5 = file_md5(path) if path.is_file() else ""
+    _check(path)
+    md5 = file_md5(path)
     saved = _load(path)
     if isinstance(saved, dict) and saved.keys() >= MODEL_FILE_KEYS:
         state, names, name, size = _model_file(path, saved)

@@ -111,16 +111,19 @@ def _immutable(pool: Any) -> dict[str, Any]:
         else None,
         "container_registries": _registries(container) if container else None,
         "os_disk_gb": vm.os_disk.disk_size_gb if vm and vm.os_disk else None,
-        "mounts": sorted(
-            (mc.nfs_mount_configuration.source if mc.nfs_mount_configuration else "")
-            + (
-                mc.azure_file_share_configuration.azure_file_url
-                if mc.azure_file_share_configuration
-                else ""
-            )
-            for mc in (pool.mount_configuration or [])
-        ),
+        "mounts": sorted(_mount(mc) for mc in (pool.mount_configuration or [])),
     }
+
+
+def _mount(mc: Any) -> str:
+    """What a mount configuration mounts: the NFS export, the share's URL, or the account and
+    container that blobfuse mounts."""
+    if mc.nfs_mount_configuration:
+        return str(mc.nfs_mount_configuration.source)
+    if mc.azure_file_share_configuration:
+        return str(mc.azure_file_share_configuration.azure_file_url)
+    blob = mc.azure_blob_file_system_configuration
+    return f"blob:{blob.account_name}/{blob.container_name}" if blob else ""
 
 
 def _metadata(pool: Any) -> dict[str, str]:
@@ -409,11 +412,13 @@ class BatchCluster:
 
         An attempt the ``deadline`` finds hung is terminated through the API; Batch does not
         retry a terminated task, so the attempts left go to a new task of the same command
-        (``<id>-<attempt>``, in a job of its own), which resumes from the checkpoint."""
+        (``<id>-<attempt>``, in a job of its own), which resumes from the checkpoint. A re-run
+        of the step (after the orchestrator crashed) follows the newest of those tasks."""
         started = time.perf_counter()
         if self.spot is None and self.config.pool.low_priority_nodes > 0:
             self.spot = SpotWatch(self.config.pool, self.clock())
-        used, stalls, current = 0, [], spec
+        used, current = self._newest_attempt(spec, on_line)
+        stalls: list[str] = []
         while True:
             result = self._run_one(current, on_line, deadline)
             used += result.attempts
@@ -438,6 +443,39 @@ class BatchCluster:
                 f"task {spec.id}: attempt {used + 1} of {spec.max_retries + 1} as task "
                 f"{current.id}, from the last checkpoint"
             )
+
+    def _newest_attempt(
+        self, spec: TaskSpec, on_line: Callable[[str], None]
+    ) -> tuple[int, TaskSpec]:
+        """The task of ``spec`` to follow, and the attempts used before it: ``spec``'s own, or,
+        when an attempt of it was ended as hung and the attempts left went to a task of their
+        own, the newest of those. Following the first task instead would report the ended
+        attempt as the step's end and leave the newest task's job running, followed by nobody."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        used, current = 0, spec
+        while True:
+            try:
+                task = self.client.get_task(self.job_id(current), current.id)
+            except ResourceNotFoundError:
+                return used, current  # not submitted yet: this run submits it
+            info = task.execution_info
+            retries = (info.retry_count or 0) if info is not None else 0
+            total = used + retries + 1
+            later = dataclasses.replace(
+                spec, id=f"{spec.id}-{total + 1}", max_retries=spec.max_retries - total
+            )
+            if total > spec.max_retries or self.job_id(later) == self.job_id(current):
+                return used, current
+            try:
+                self.client.get_task(self.job_id(later), later.id)
+            except ResourceNotFoundError:
+                return used, current
+            on_line(
+                f"task {current.id} was ended as hung; its attempts left run as task "
+                f"{later.id}: following it"
+            )
+            used, current = total, later
 
     def _run_one(
         self, spec: TaskSpec, on_line: Callable[[str], None], deadline: ProgressDeadline | None

@@ -33,6 +33,9 @@ _TOPOLOGY = (
     (re.compile(r"^Standard_ND\d+\w*_H(100|200)_v5$", re.I), "/opt/microsoft/ndv5-topo.xml"),
 )
 CREDENTIALS_KEY = "credentials-sha256"  # pool metadata: which secrets the pool was created with
+# blobfuse's mount of the scripts container: names, attributes and misses not cached (a script
+# the orchestrator replaces is seen by the next task), readable by the task's container.
+BLOBFUSE_OPTIONS = "-o attr_timeout=0 -o entry_timeout=0 -o negative_timeout=0 -o allow_other"
 
 
 def has_infiniband(config: PipelineConfig) -> bool:
@@ -82,6 +85,38 @@ def credentials_digest(share_key: str, registry_password: str | None) -> str:
     return hashlib.sha256(material).hexdigest()[:32]
 
 
+def _scripts_mount(
+    config: PipelineConfig, access: HasIdentity, share_key: str
+) -> batch_models.MountConfiguration:
+    """The scripts: a Blob container through blobfuse as the nodes' identity (no key), or an
+    Azure Files share over SMB, which takes the account key (Batch's AzureFileShareConfiguration
+    has no identity: its accountKey is required)."""
+    from azure.batch import models as m
+
+    share = config.share
+    url = str(share.account_url).rstrip("/")
+    account = url.split("//", 1)[1].split(".", 1)[0]
+    if share.on_blob:
+        return m.MountConfiguration(
+            azure_blob_file_system_configuration=m.AzureBlobFileSystemConfiguration(
+                account_name=account,
+                container_name=share.name,
+                identity_reference=_identity(access),
+                relative_mount_path=SHARE_MOUNT,
+                blobfuse_options=BLOBFUSE_OPTIONS,
+            )
+        )
+    return m.MountConfiguration(
+        azure_file_share_configuration=m.AzureFileShareConfiguration(
+            account_name=account,
+            azure_file_url=f"{url}/{share.name}",
+            account_key=share_key,
+            relative_mount_path=SHARE_MOUNT,
+            mount_options="-o vers=3.0,dir_mode=0755,file_mode=0755,serverino",
+        )
+    )
+
+
 def pool_body(
     config: PipelineConfig,
     image: str,
@@ -99,7 +134,6 @@ def pool_body(
         password=registry_password,
         identity_reference=None if registry_password else _identity(access),
     )
-    share_url = f"{str(config.share.account_url).rstrip('/')}/{config.share.name}"
     autoscale = bool(pool.autoscale_formula)
     return m.BatchPoolCreateOptions(
         id=pool.id,
@@ -138,15 +172,7 @@ def pool_body(
                     mount_options=config.nfs.mount_options,
                 )
             ),
-            m.MountConfiguration(
-                azure_file_share_configuration=m.AzureFileShareConfiguration(
-                    account_name=share_url.split("//", 1)[1].split(".", 1)[0],
-                    azure_file_url=share_url,
-                    account_key=share_key,
-                    relative_mount_path=SHARE_MOUNT,
-                    mount_options="-o vers=3.0,dir_mode=0755,file_mode=0755,serverino",
-                )
-            ),
+            _scripts_mount(config, access, share_key),
         ],
         metadata=[
             m.BatchMetadataItem(name="created-by", value="retrain-pipeline"),
@@ -291,9 +317,15 @@ def arm_pool(config: PipelineConfig, image: str, identity: str) -> dict[str, Any
     """The pool as Azure Resource Manager creates it (``Microsoft.Batch/batchAccounts/pools``),
     from the same :func:`pool_body` that ensure-pool sends and ``--plan`` prints: only the
     shape differs (ARM nests the image under ``deploymentConfiguration`` and the node counts
-    under ``scaleSettings``). The nodes' identity is attached beside these properties, and the
-    scripts share's key is not here: the template reads it from the storage account, so it
-    reaches Batch and no file, parameter or secret block."""
+    under ``scaleSettings``). The nodes' identity is attached beside these properties and is
+    the only credential the pool has: the scripts container is mounted with it, so no account
+    key reaches ARM, Batch or a node."""
+    if not config.share.on_blob:
+        raise ValueError(
+            "the pool through ARM mounts the scripts from a Blob container with the nodes' "
+            "identity: share.account_url must be https://<account>.blob.core.windows.net (an "
+            "Azure Files share needs the account key on the pool)"
+        )
 
     class _Identity:
         def __init__(self, resource_id: str) -> None:
@@ -330,21 +362,14 @@ def arm_pool(config: PipelineConfig, image: str, identity: str) -> dict[str, Any
     }
     if "osDisk" in vm:
         machine["osDisk"] = vm["osDisk"]
-    mounts = []
-    for mount in body["mountConfiguration"]:
-        share = mount.get("azureFileShareConfiguration")
-        if share is not None:
-            share = {k: v for k, v in share.items() if k != "accountKey"}
-            mount = {"azureFileShareConfiguration": share}
-        mounts.append(mount)
     properties: dict[str, Any] = {
         "vmSize": body["vmSize"],
         "deploymentConfiguration": {"virtualMachineConfiguration": machine},
         "scaleSettings": scale,
         "interNodeCommunication": "Enabled" if body["enableInterNodeCommunication"] else "Disabled",
         "taskSlotsPerNode": body["taskSlotsPerNode"],
-        "mountConfiguration": mounts,
-        # The credentials digest is left out: ARM reads the key itself, the pipeline never does.
+        "mountConfiguration": body["mountConfiguration"],
+        # The credentials digest is left out: the pool holds no secret.
         "metadata": [m for m in body["metadata"] if m["name"] != CREDENTIALS_KEY],
     }
     if "networkConfiguration" in body:

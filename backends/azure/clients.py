@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from azure.containerregistry import ContainerRegistryClient
     from azure.core.credentials import TokenCredential
     from azure.mgmt.containerregistrytasks import ContainerRegistryTasksMgmtClient
+    from azure.storage.blob import ContainerClient
     from azure.storage.fileshare import ShareServiceClient
 
 ARM_URL = "https://management.azure.com"
@@ -102,6 +103,16 @@ def share_service(share: ShareConfig) -> ShareServiceClient:
     # Entra ID on the Files REST API requires the backup intent (RBAC: Storage File Data
     # Privileged Contributor).
     return ShareServiceClient(url, credential=credential(), token_intent="backup", **_transport())
+
+
+def scripts_container(share: ShareConfig) -> ContainerClient:
+    """The scripts' Blob container, as the orchestrator's identity (Storage Blob Data
+    Contributor on that container)."""
+    from azure.storage.blob import ContainerClient
+
+    return ContainerClient(
+        str(share.account_url), share.name, credential=credential(), **_transport()
+    )
 
 
 def acr_tasks_client(azure: AzureConfig) -> ContainerRegistryTasksMgmtClient:

@@ -1,11 +1,12 @@
-"""The scripts share on Azure Files: the same contract as ``LocalShare``.
+"""The scripts share on Azure: a Blob container or an Azure Files share, each with the same
+contract as ``LocalShare``.
 
 Each file's SHA-256 is kept in its own metadata, so an unchanged file costs one properties
 request and no upload, and the share itself is the record of what it holds (nothing to lose on
-the orchestrator). A changed file is uploaded under a temporary name and renamed over the old
-one, so a node that mounts the share never reads half a script. Azure Files paths are
-case-insensitive: two local files whose paths differ only in case would land on one file of the
-share, so such a tree is refused before anything is uploaded.
+the orchestrator). A node never reads half a script: a blob is replaced whole when its upload
+commits; on Azure Files a changed file is uploaded under a temporary name and renamed over the
+old one. Azure Files paths are case-insensitive: two local files whose paths differ only in case
+would land on one file of the share, so such a tree is refused before anything is uploaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from backends.share import UploadReport, file_sha256, tree_digest
 
 if TYPE_CHECKING:
+    from azure.storage.blob import ContainerClient
     from azure.storage.fileshare import ShareClient, ShareServiceClient
 
 HASH_KEY = "contentsha256"
@@ -91,6 +93,44 @@ class AzureFilesShare:
             with open(source, "rb") as fh:
                 temp.upload_file(fh, metadata={HASH_KEY: digest})
             temp.rename_file(rel, overwrite=True)
+            report.uploaded.append(rel)
+        report.digest = tree_digest(current)
+        return report
+
+
+class BlobContainerShare:
+    """The scripts in a Blob container, which the nodes mount with blobfuse as their managed
+    identity. The container is the setup's (``make azure-up`` creates it; the orchestrator's
+    role is on the container alone, so it cannot create one)."""
+
+    def __init__(self, container: ContainerClient) -> None:
+        self.container = container
+
+    def _stored_hash(self, name: str) -> str | None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            props = self.container.get_blob_client(name).get_blob_properties()
+        except ResourceNotFoundError as exc:
+            if getattr(exc, "error_code", None) == "ContainerNotFound":
+                raise ShareError(
+                    f"the scripts container {self.container.container_name} does not exist in "
+                    f"{self.container.account_name}: `make azure-up` creates it (share.name)"
+                ) from exc
+            return None
+        return (props.metadata or {}).get(HASH_KEY)
+
+    def upload(self, files: dict[str, Path]) -> UploadReport:
+        report = UploadReport()
+        current: dict[str, str] = {}
+        for rel, source in files.items():
+            digest = file_sha256(source)
+            current[rel] = digest
+            if self._stored_hash(rel) == digest:
+                report.unchanged += 1
+                continue
+            with open(source, "rb") as fh:
+                self.container.upload_blob(rel, fh, overwrite=True, metadata={HASH_KEY: digest})
             report.uploaded.append(rel)
         report.digest = tree_digest(current)
         return report

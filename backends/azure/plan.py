@@ -48,7 +48,11 @@ def build_plan(config: PipelineConfig, root: Any) -> dict[str, Any]:
     image = image_reference(config)
     access = AccessIssuer(config)
     data_url, output_url = _container_url(config.data), _container_url(config.output)
-    share_key = f"<secret from Prefect Secret block {config.share.account_key_secret!r}>"
+    share_key = (
+        ""  # a Blob container is mounted with the nodes' identity: no key
+        if config.share.on_blob
+        else f"<secret from Prefect Secret block {config.share.account_key_secret!r}>"
+    )
     password = (
         f"<secret from Prefect Secret block {config.image.registry_password_secret!r}>"
         if config.image.registry_password_secret

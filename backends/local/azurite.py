@@ -2,7 +2,10 @@
 
 Started from the copy `make setup` installs into node_modules, on a free loopback port, with
 the API-version check off (the SDK speaks a newer version than Azurite knows). The account key
-below is Azurite's published development key, not a secret of anyone's.
+below is Azurite's published development key, not a secret of anyone's: anyone on the machine
+can write with it. ``AZURITE_ACCOUNTS`` (``devstoreaccount1:<base64 key>``, Azurite's own
+setting, read from the environment, never a command line) gives the account a key of its own
+instead, and Azurite then refuses the published one: ``make service`` does so.
 
 One Azurite per data folder. Azurite keeps its blob index in memory and writes it back to the
 folder as a whole: two of them on one folder (``make azurite`` and ``make demo`` both use
@@ -43,11 +46,26 @@ class FolderInUseError(RuntimeError):
     """Another Azurite runs on the data folder; the message names the folder and the holder."""
 
 
-def connection_string(port: int) -> str:
+ACCOUNTS_ENV = "AZURITE_ACCOUNTS"
+
+
+def connection_string(port: int, key: str | None = None) -> str:
+    """The account's connection string; its key ``key``, else the one ``AZURITE_ACCOUNTS``
+    gives it, else the published development key."""
+    key = key or account_key()
     return (
-        f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={DEV_KEY};"
+        f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={key};"
         f"BlobEndpoint=http://127.0.0.1:{port}/{ACCOUNT};"
     )
+
+
+def account_key() -> str:
+    """The key ``AZURITE_ACCOUNTS`` gives the account (its first), else the published one."""
+    for entry in os.environ.get(ACCOUNTS_ENV, "").split(";"):
+        name, _, keys = entry.strip().partition(":")
+        if name == ACCOUNT and keys:
+            return keys.split(":")[0]
+    return DEV_KEY
 
 
 def _port_free(port: int) -> bool:

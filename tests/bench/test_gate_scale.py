@@ -71,11 +71,14 @@ def test_report_section_shows_each_measured_step_and_what_was_not_run() -> None:
     assert "(1,331,167 from the cache)" in text
     assert "`class_counts` alone: 40.0 s" in text
     assert "not run: 1,234 s predicted" in text
-    assert "(150 reads/s)" in text and "8,874 s (148 min)" in text
-    assert "took 25 s together (0.08x the goal)" in text
-    assert "at the full 1,331,167 rows, linearly, about 166 s" in text
+    assert "(150 reads/s)" in text and "| 8,874 s (148 min) |" in text
+    assert (
+        "| listing and the cached manifest, against the 5-minute goal | 25 s (0.08x the goal) |"
+        in text
+    )
+    assert "at the full 1,331,167 rows, linearly from 100,000 | 166 s |" in text
     # 25 s of listing and manifest plus 166 s of expectations, against 300 s.
-    assert "the nightly gate as a whole about 191 s (0.64x the goal)" in text
+    assert "| the nightly gate as a whole | 191 s (0.64x the goal) |" in text
 
 
 @pytest.mark.processes
@@ -95,5 +98,5 @@ def test_the_listings_choices_are_measured_against_their_alternatives() -> None:
     assert measured["tracked_objects"] > 100_000  # Prefect's modules and more
     text = "\n".join(paragraph(measured))
     assert "12,001 blobs (3 pages) answered 5 ms after each request" in text
-    assert "the collector running took" in text
+    assert "| the collector running while a page is read (" in text
     assert paragraph(None) == []

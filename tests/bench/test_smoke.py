@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.pipeline import DAG, critical_path
-from tests.conftest import BIN, ROOT, child_env
+from bench.pipeline import critical_path
+from flows.steps import ALWAYS
+from tests.conftest import BIN, ENGINES_REPEATED, ROOT, child_env
 
 
-@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+@pytest.mark.parametrize("engine", ENGINES_REPEATED)
 def test_gpu_mode_runs_under_either_launcher(engine: str, tmp_path: Path, horovodrun: Path) -> None:
     report = tmp_path / "report.json"
     if engine == "ddp":
@@ -59,7 +60,7 @@ def test_gpu_mode_runs_under_either_launcher(engine: str, tmp_path: Path, horovo
 
 
 def test_critical_path_takes_the_longest_branch() -> None:
-    durations = dict.fromkeys(DAG, 1.0)
+    durations = dict.fromkeys(ALWAYS, 1.0)
     durations["stage-data"] = 5.0
     seconds, path = critical_path(durations)
     assert path == [
@@ -165,14 +166,17 @@ def test_nodes_section_renders_what_was_measured() -> None:
     }
     text = "\n".join(nodes(report))
     assert "| 2 nodes x 1 process | 600 | 4.25 s | 1.50 s | 9.0 s | 0.900 |" in text
-    assert "at 0.75x the images/s" in text and "4.25 s on 1 node, 5.50 s on 2" in text
+    assert "| 2 nodes x 1 process against 1 node x 2 processes, images/s | 0.75x |" in text
+    assert "| launch overhead, 1 node / 2 nodes | 4.25 s / 5.50 s |" in text
     assert "Not measured on this machine: needs root" in "\n".join(nodes({"not_run": "needs root"}))
     ddp = {
         **report,
         "ddp_two_nodes_over_one_images_per_sec": 0.7,
         "ddp_over_horovod_two_nodes_images_per_sec": 1.1,
     }
-    assert "2 nodes at 0.7x the images/s of 1 node, and at 1.1x Horovod's" in "\n".join(nodes(ddp))
+    ddp_text = "\n".join(nodes(ddp))
+    assert "| DDP: 2 nodes against 1, images/s | 0.7x |" in ddp_text
+    assert "| DDP against Horovod on 2 nodes, images/s | 1.1x |" in ddp_text
 
 
 def test_throughput_section_renders_both_engines() -> None:
@@ -214,7 +218,7 @@ def test_image_section_renders_what_was_measured() -> None:
     text = "\n".join(image(report, "## The training image"))
     assert "| from nothing, in all | 362 |" in text
     assert "| again after a change to the training code | 3 |" in text
-    assert "Image size (cpu variant, layers unpacked): 1.69 GB." in text
+    assert "| image size (cpu variant, layers unpacked) | 1.69 GB |" in text
     assert "    check_image: cpu image ok" in text
     skipped = "\n".join(image({"skipped": "needs root"}, "## The training image"))
     assert "Not measured on this machine: needs root." in skipped

@@ -49,6 +49,8 @@ def _sets(tmp_path: Path, prefix: str = "my-photos") -> list[str]:
         f"pool.id=pool-{suffix}",
         "training.epochs=2",
         "training.batch_size=16",
+        # Two epochs are near chance: no floor, or whether there is a champion is chance too.
+        "promotion.minimum.class_recall=null",
         "pool.processes_per_node=1",
         "image.builder=none",
     ]

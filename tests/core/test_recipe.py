@@ -3,8 +3,16 @@ champion trained by hand at 64 px with --augment, retrained by a nightly that st
 
 from __future__ import annotations
 
+import pytest
+
 from core.config import TrainingConfig, load_config
-from core.recipe import Recipe, describe, explicit_training_fields, training_settings
+from core.recipe import (
+    Recipe,
+    RecipeError,
+    describe,
+    explicit_training_fields,
+    training_settings,
+)
 from tests.conftest import ROOT
 from training.args import parse_trainer_args
 
@@ -45,12 +53,12 @@ def test_a_nightly_that_states_nothing_retrains_the_champions_recipe() -> None:
 
 def test_what_the_deployment_sets_wins_over_the_recipe() -> None:
     explicit = explicit_training_fields(["training.epochs=3", "data.version=v2"], ["training.lr"])
-    assert explicit == {"epochs", "lr"}
+    assert set(explicit) == {"epochs", "lr"}
     config = load_config(LOCAL, ["training.epochs=3", "training.lr=0.02"]).training
     assert RECIPE is not None
     settings, origins = training_settings(config, explicit, RECIPE)
     assert (settings.epochs, settings.lr, settings.image_size) == (3, 0.02, 64)
-    assert _origins(origins)["epochs"] == (3, "deployment")
+    assert _origins(origins)["epochs"] == (3, "run")
 
 
 def test_a_network_the_deployment_sets_otherwise_trains_from_scratch_and_says_why() -> None:
@@ -59,7 +67,7 @@ def test_a_network_the_deployment_sets_otherwise_trains_from_scratch_and_says_wh
     settings, origins = training_settings(config, {"image_size"}, RECIPE)
     assert settings.init_from is None and settings.image_size == 32
     why = next(o.why for o in origins if o.field == "init_from")
-    assert "from scratch: the deployment sets training.image_size 32" in why and "64" in why
+    assert "from scratch: the run sets training.image_size 32" in why and "64" in why
 
 
 def test_without_a_champion_the_config_is_used_as_it_is() -> None:
@@ -98,3 +106,34 @@ def test_a_warm_start_from_the_champion_leaves_its_cap_to_be_fitted() -> None:
 
 def _origins_why(origins: list) -> dict[str, str]:  # type: ignore[type-arg]
     return {o.field: o.why for o in origins}
+
+
+def test_a_tampered_recipe_is_refused_naming_every_value() -> None:
+    """A champion's metrics.json edited by hand: before, its values were applied as they were
+    (no bound is checked on a dataclass replaced in place) and the run provisioned its pool and
+    staged its data before the trainer on the node refused them."""
+    tampered = {
+        **CHAMPION_ARGS,
+        "batch_size": 100000,
+        "lr": -5,
+        "epochs": 1e6,  # a float: no trainer writes one for a count
+        "momentum": float("nan"),
+    }
+    recipe = Recipe.from_metrics("run-t", {"args": tampered})
+    assert recipe is not None
+    config = load_config(LOCAL).training
+    with pytest.raises(RecipeError) as refused:
+        training_settings(config, set(), recipe)
+    message = str(refused.value)
+    assert message.startswith("the champion's recipe (run run-t) holds values no run may train")
+    for part in (
+        "epochs 1000000.0: Input should be a valid integer",
+        "batch_size 100000: Input should be less than or equal to 8192",
+        "lr -5: Input should be greater than 0",
+        "momentum nan: Input should be greater than or equal to 0",
+    ):
+        assert part in message, message
+    # What the deployment sets itself is not the recipe's: a value it replaces is not judged.
+    explicit = {"batch_size", "lr", "epochs", "extra_args"}
+    settings, _ = training_settings(config, explicit, recipe)
+    assert (settings.batch_size, settings.epochs) == (config.batch_size, config.epochs)

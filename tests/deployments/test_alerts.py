@@ -143,6 +143,13 @@ def test_a_failed_run_a_crash_and_a_promotion_each_send_one_notification(
             out = capsys.readouterr().out
             assert f"notification block {block} saved from {WEBHOOK_URL_ENV}" in out
             assert out.count("created") >= 3 and hook.url not in out
+            # The URL is kept in the block's secrets: a read without them (the API's default,
+            # the UI's) shows a placeholder for it, and nothing of the URL.
+            kind, name = block.split("/")
+            with get_client(sync_client=True) as client:
+                stored = client.read_block_document_by_name(name, kind, include_secrets=False)
+            assert stored.data["url"] == "{{webhook_url}}"
+            assert hook.url not in json.dumps(stored.data, default=str)
             monkeypatch.delenv(WEBHOOK_URL_ENV)
             assert main(["--config", str(path)]) == 0
             assert capsys.readouterr().out.count("updated") == 3

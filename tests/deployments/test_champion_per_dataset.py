@@ -45,6 +45,12 @@ def _final_state(run_id: Any, seconds: float) -> Any:
     return state
 
 
+# In `make test`, each part has its own test: a champion per data root, tests/registry/
+# test_promotion.py::test_another_data_root_has_a_champion_of_its_own; a form run executed by a
+# worker, tests/flows/test_adversarial_params.py::test_deployment_run_from_the_form_trains_with_
+# the_form_values; runs over other data_prefix values by a worker, tests/deployments/
+# test_new_data_path.py. The two worker runs here together: `make reliability`.
+@pytest.mark.slow
 def test_a_form_run_over_another_data_root_leaves_the_first_champion_in_place(
     deployed: dict[str, Any],
     azurite: str,

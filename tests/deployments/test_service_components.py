@@ -16,6 +16,7 @@ from deployments.postgres import Cluster
 from deployments.service import DEMO_VERSION, Options, components, main
 from deployments.supervisor import Component
 from tests.conftest import ROOT, child_env
+from tests.reliability import report
 
 
 def _options(tmp_path: Path, config: str, **ports: int) -> Options:
@@ -92,7 +93,7 @@ def test_the_gateway_line_says_where_the_runs_links_point(tmp_path: Path) -> Non
     assert moved.where.startswith("http://127.0.0.1:4931/")
     assert "the runs' links point at output.links_url, http://127.0.0.1:4280" in moved.where
     same = _by_name(_options(tmp_path, "configs/local.yaml", gateway=4280))["gateway"]
-    assert same.where == "the runs' links: http://127.0.0.1:4280/"
+    assert same.where.startswith("the runs' links: http://127.0.0.1:4280/; user retrain, its ")
 
 
 def test_the_postgres_line_says_where_its_data_is(tmp_path: Path) -> None:
@@ -180,3 +181,85 @@ def test_mlflow_listens_where_the_config_tracks_runs(
         main(["--help"])
     help_text = capsys.readouterr().out
     assert "tracking.mlflow_uri" in help_text and "--gateway-port" in help_text
+
+
+def test_credentials_are_generated_once_into_files_of_the_owner_alone(tmp_path: Path) -> None:
+    from deployments.credentials import Credentials
+
+    state = tmp_path / "state"
+    first = Credentials.of(state)
+    assert Credentials.of(state) == first  # the same at every start
+    values = [first.prefect, first.mlflow_password, first.mlflow_flask_key, first.gateway]
+    assert len(set(values)) == 4 and all(len(v) >= 32 for v in values)
+    assert first.gateway.startswith("retrain:")
+    folder = state / "credentials"
+    assert folder.stat().st_mode & 0o777 == 0o700
+    for path in folder.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o600, path
+
+
+def test_no_credential_on_a_command_line_and_each_only_where_it_is_checked(
+    tmp_path: Path,
+) -> None:
+    """Command lines are world-readable (/proc/<pid>/cmdline): the credentials go through the
+    environment; the server's auth string to the server alone; the worker, relay and gateway
+    run as the given account, with its own home, and the gateway alone gets its password."""
+    from deployments.account import Account
+    from deployments.credentials import Credentials
+
+    home = tmp_path / "home"
+    account = Account("retrain-test", 54321, 54321, home)
+    options = _options(tmp_path, "configs/local.yaml")
+    found = {c.name: c for c in components(options, account)}
+    creds = Credentials.of(options.state)
+    secrets = [creds.prefect, creds.mlflow_password, creds.gateway, creds.storage_key]
+    for component in found.values():
+        assert not any(s in " ".join(component.command) for s in secrets), component.name
+    assert found["prefect"].env is not None
+    assert found["prefect"].env["PREFECT_SERVER_API_AUTH_STRING"] == creds.prefect
+    assert found["azurite"].env is not None
+    assert found["azurite"].env["AZURITE_ACCOUNTS"] == f"devstoreaccount1:{creds.storage_key}"
+    for name in ("worker", "relay", "gateway"):
+        component = found[name]
+        assert component.popen["user"] == 54321 and component.popen["extra_groups"] == []
+        assert component.env is not None and component.env["HOME"] == str(home)
+        assert component.env["PREFECT_API_AUTH_STRING"] == creds.prefect
+        assert "PREFECT_SERVER_API_AUTH_STRING" not in component.env
+        assert ("RETRAIN_GATEWAY_AUTH_STRING" in component.env) == (name == "gateway")
+    for name in ("azurite", "prefect", "mlflow", "pool", "deploy"):
+        assert "user" not in found[name].popen, name  # as the service was started
+    assert "retrain-test (uid 54321), not root" in found["worker"].where
+    assert found["mlflow"].env is not None
+    assert "basic-auth" in found["mlflow"].command
+    assert Path(found["mlflow"].env["MLFLOW_AUTH_CONFIG_PATH"]).stat().st_mode & 0o777 == 0o600
+    # Without an account (not root): every component as this user, as before.
+    plain = {c.name: c for c in components(options)}
+    assert all("user" not in c.popen for c in plain.values() if c.name != "postgres")
+
+
+def test_the_pool_line_says_whether_alerts_are_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off by default, with the one line that turns them on; that line makes the webhook block
+    of its own when the config names none."""
+    from core.config import load_config
+    from deployments.alerts import DEFAULT_BLOCK, WEBHOOK_URL_ENV, _wanted
+
+    monkeypatch.delenv(WEBHOOK_URL_ENV, raising=False)
+    off = _by_name(_options(tmp_path, "configs/local.yaml"))["pool"].where
+    assert "alerts off (alerts.notify_block is unset in configs/local.yaml)" in off
+    assert f"{WEBHOOK_URL_ENV}=<webhook URL> make service turns them on" in off
+    monkeypatch.setenv(WEBHOOK_URL_ENV, "https://hooks.example.com/T0/B0/secret")
+    on = _by_name(_options(tmp_path, "configs/local.yaml"))["pool"].where
+    assert f"alerts on: crashed, failed, promoted runs told to {DEFAULT_BLOCK}" in on
+    assert "secret" not in on
+    config = load_config(ROOT / "configs" / "local.yaml")
+    assert set(_wanted([config], "https://hooks.example.com/x")) == {DEFAULT_BLOCK}
+    named = load_config(ROOT / "configs" / "local.yaml", ["alerts.notify_block=slack-webhook/ml"])
+    assert set(_wanted([named], "https://hooks.example.com/x")) == {"slack-webhook/ml"}
+    report.record(
+        "orchestrator",
+        "make service with the shipped config (no alerts.notify_block)",
+        "its pool line says alerts are off and names the one line that turns them on",
+        before_fix="nothing said; alerts silently off",
+    )

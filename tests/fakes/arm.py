@@ -10,19 +10,22 @@ the vendored Resources spec, every role assignment the template declares against
 Authorization spec, and the template itself is evaluated (tests/fakes/arm_template.py), so an
 unknown function, parameter, variable, property path or dependency fails the deployment with
 ARM's error codes. A deployment creates its resources one by one in dependency order; a test
-can make one resource type fail, which leaves those before it in place, as on Azure.
+can make one resource type fail: as on Azure, the deployment goes on with every resource that
+does not depend on the failure (by ``dependsOn`` or by reading it) and fails at the end, naming
+each failed operation.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
 import threading
 import uuid
 from typing import Any
 
 from tests.fakes.arm_template import Scope, TemplateError, bind_parameters, evaluate
-from tests.fakes.schema import Schema
+from tests.fakes.schema import SPEC_DIR, Schema
 from tests.fakes.transport import Recorder, Request, Response
 
 ARM_HOST = "management.azure.com"
@@ -30,13 +33,51 @@ GRAPH_HOST = "graph.microsoft.com"
 DEPLOYMENTS = Schema.load("resources-deployments-2025-04-01.json")
 ROLE_ASSIGNMENTS = Schema.load("authorization-roleassignments-2022-04-01.json")
 BATCH_APP_ID = "ddbf3205-c6bd-46ae-8127-60eb93363864"
+
+
+def _provider_specs() -> dict[str, tuple[str, Schema, str]]:
+    """Resource type (lower case) -> (API version, its provider's vendored REST spec, the PUT
+    body's definition), from tests/fakes/spec/arm/ (each file's ``x-put-bodies``)."""
+    found = {}
+    for path in sorted((SPEC_DIR / "arm").glob("*.json")):
+        doc = json.loads(path.read_text())
+        schema = Schema(doc)
+        for kind, (api, definition) in doc["x-put-bodies"].items():
+            found[kind.lower()] = (api, schema, definition)
+    return found
+
+
+PROVIDER_SPECS = _provider_specs()
+# Resource types the template declares whose provider's REST spec is not vendored, and why.
+_LATER = "its provider's spec is not vendored yet (tests/fakes/spec/arm/README.md, 'Not vendored')"
+UNCHECKED = {
+    "microsoft.resources/resourcegroups": "the Resources spec is vendored for deployments only",
+    "microsoft.operationalinsights/workspaces": "outside the providers this check covers",
+    "microsoft.insights/diagnosticsettings": "outside the providers this check covers",
+    "microsoft.app/managedenvironments": _LATER,
+    "microsoft.storage/storageaccounts": _LATER,
+    "microsoft.storage/storageaccounts/blobservices": _LATER,
+    "microsoft.storage/storageaccounts/blobservices/containers": _LATER,
+    "microsoft.storage/storageaccounts/fileservices/shares": _LATER,
+    "microsoft.containerregistry/registries": _LATER,
+    "microsoft.network/networksecuritygroups": _LATER,
+    "microsoft.network/virtualnetworks": _LATER,
+    "microsoft.network/privateendpoints": _LATER,
+    "microsoft.network/privateendpoints/privatednszonegroups": _LATER,
+    "microsoft.network/privatednszones": _LATER,
+    "microsoft.network/privatednszones/virtualnetworklinks": _LATER,
+    "microsoft.eventgrid/systemtopics": _LATER,
+    "microsoft.eventgrid/systemtopics/eventsubscriptions": _LATER,
+    "microsoft.dbforpostgresql/flexibleservers": _LATER,
+    "microsoft.dbforpostgresql/flexibleservers/databases": _LATER,
+}
+
 # Properties a resource provider takes but never returns (secrets): a GET, and so what-if,
 # does not show them.
 WRITE_ONLY = {"administratorLoginPassword", "value", "endpointUrl", "accountKey", "sharedKey"}
 DATA_TYPES = (  # resources that hold data: azure-down keeps them unless told otherwise
     "microsoft.storage/storageaccounts",
     "microsoft.dbforpostgresql/flexibleservers",
-    "microsoft.keyvault/vaults",
 )
 
 
@@ -66,11 +107,14 @@ class FakeArm:
             "standardNDASv4_A100Family": (0, 0),
         }
         self.taken_names: set[str] = set()  # global names someone else owns
+        self.deployer_object_id = "5d7e1f00-0000-4000-8000-00000000dee9"  # who signs in
         self.fail_type: str | None = None  # a resource type whose creation fails
         self.polls_before_done = 1
         self.refused: list[Any] = []
         self.acr: Any = None  # a FakeAcr: ACR Tasks' ARM actions go to it
         self._ids = itertools.count(1)
+        self._failed: set[str] = set()  # lower-cased ids of this deployment's failures
+        self._failures: list[_Failed] = []
         self._lock = threading.Lock()
 
     # -- routing ------------------------------------------------------------------------------
@@ -79,6 +123,51 @@ class FakeArm:
         if req.path == f"/v1.0/servicePrincipals(appId='{BATCH_APP_ID}')":
             return Response(200, {"id": "batch-sp-object-id", "appId": BATCH_APP_ID})
         return _error(404, "Request_ResourceNotFound", req.path)
+
+    def vault(self, req: Request) -> Response:
+        """Key Vault's data plane (``GET /secrets/{name}``), as Azure RBAC guards it: the caller
+        (the deployer) needs Key Vault Secrets User or Officer on the vault or on the secret."""
+        self.requests.add(req)
+        if req.headers.get("Authorization", "") != "Bearer fake-entra-token":
+            return _error(401, "Unauthorized", "no bearer token")
+        vault = req.host.split(".", 1)[0].lower()
+        parts = req.path.strip("/").split("/")
+        if req.method != "GET" or len(parts) != 2 or parts[0] != "secrets":
+            return _error(400, "BadParameter", req.path)
+        secret = next(
+            (
+                r
+                for k, r in self.resources.items()
+                if k.endswith(f"/vaults/{vault}/secrets/{parts[1].lower()}")
+            ),
+            None,
+        )
+        if secret is None:
+            return _error(
+                404, "SecretNotFound", f"A secret with (name/id) {parts[1]} was not found"
+            )
+        vault_id = secret["id"].rsplit("/secrets/", 1)[0].lower()
+        readers = ("4633458b-17de-408a-b874-0445c86b69e6", "b86a8fe4-44ce-4948-aee5-eccb2c155cd7")
+        allowed = any(
+            r["type"] == "Microsoft.Authorization/roleAssignments"
+            and r["properties"]["principalId"] == self.deployer_object_id
+            and r["properties"]["roleDefinitionId"].rsplit("/", 1)[1] in readers
+            and r["id"].lower().split("/providers/microsoft.authorization/")[0]
+            in (vault_id, secret["id"].lower())
+            for r in self.resources.values()
+        )
+        if not allowed:
+            return Response(
+                403,
+                {
+                    "error": {
+                        "code": "Forbidden",
+                        "message": "Caller is not authorized to perform action on resource.",
+                        "innererror": {"code": "ForbiddenByRbac"},
+                    }
+                },
+            )
+        return Response(200, {"value": secret["properties"]["value"], "id": req.path})
 
     def __call__(self, req: Request) -> Response:
         self.requests.add(req)
@@ -243,6 +332,11 @@ class FakeArm:
             location=location,
             reference=self._reference,
             list_keys=self._list_keys,
+            deployer={
+                "objectId": self.deployer_object_id,
+                "tenantId": self.tenant_id,
+                "userPrincipalName": "dev@example.com",
+            },
         )
 
     def _plan(
@@ -279,6 +373,9 @@ class FakeArm:
             visit(i)
         return [(resources[i], scope, ids[i]) for i in order]
 
+    def _depends(self, resource: dict[str, Any], scope: Scope) -> set[str]:
+        return {str(evaluate(d, scope)).lower() for d in resource.get("dependsOn", [])}
+
     def _id(self, resource: dict[str, Any], scope: Scope) -> str:
         kind = resource["type"]
         name = str(evaluate(resource["name"], scope))
@@ -312,75 +409,152 @@ class FakeArm:
         out: list[dict[str, Any]],
     ) -> None:
         for resource, scope, rid in self._plan(template, given, group, location):
-            if "condition" in resource and not evaluate(resource["condition"], scope):
+            if apply and self._depends(resource, scope) & self._failed:
+                self._failed.add(rid.lower())  # ARM never starts what depends on a failure
                 continue
-            kind = resource["type"]
-            if kind == "Microsoft.Resources/deployments":
-                props = resource["properties"]
-                if (
-                    str((props.get("expressionEvaluationOptions") or {}).get("scope")).lower()
-                    != "inner"
-                ):
-                    raise TemplateError("nested templates here use inner scope")
-                params = evaluate(props.get("parameters", {}), scope)
-                inner_group = str(evaluate(resource.get("resourceGroup", ""), scope)) or group
-                if not apply and self.resources.get(_group_id(self, inner_group)) is None:
-                    # What-if of a group that does not exist yet: everything in it is new.
-                    for inner, inner_scope, inner_id in self._plan(
-                        props["template"], params, inner_group, location
-                    ):
-                        if "condition" in inner and not evaluate(inner["condition"], inner_scope):
-                            continue
-                        if inner["type"] != "Microsoft.Resources/deployments":
-                            out.append(_change(inner_id, "Create", None, None))
+            try:
+                self._walk_one(resource, scope, rid, group, location, apply, out)
+            except _Unavailable:
+                self._failed.add(rid.lower())  # reads a resource that failed: not started
+            except _Failed as exc:
+                self._failed.add(rid.lower())
+                self._failures.append(exc)
+
+    def _walk_one(
+        self,
+        resource: dict[str, Any],
+        scope: Scope,
+        rid: str,
+        group: str | None,
+        location: str,
+        apply: bool,
+        out: list[dict[str, Any]],
+    ) -> None:
+        if "condition" in resource and not evaluate(resource["condition"], scope):
+            return
+        kind = resource["type"]
+        if kind == "Microsoft.Resources/deployments":
+            self._nested(resource, scope, rid, group, location, apply, out)
+            return
+        existing = self.resources.get(rid.lower())
+        if not apply:
+            if existing is None:
+                out.append(_change(rid, "Create", None, None))
+                return
+            after = _visible(self._body(resource, scope))
+            before = _visible({k: existing[k] for k in after if k in existing})
+            out.append(_change(rid, "NoChange" if before == after else "Modify", before, after))
+            return
+        body = self._body(resource, scope)
+        if kind == "Microsoft.Authorization/roleAssignments":
+            problems = ROLE_ASSIGNMENTS.check(
+                {"properties": body["properties"]}, "RoleAssignmentCreateParameters"
+            )
+            if problems:
+                self.refused.extend(problems)
+                raise _Failed(rid, "InvalidRequestContent", str(problems[0]))
+        self._check_body(resource, rid, body)
+        if self.fail_type and kind.lower() == self.fail_type.lower():
+            raise _Failed(rid, "ResourceDeploymentFailure", f"{kind} could not be created")
+        self.resources[rid.lower()] = {
+            "id": rid,
+            "name": rid.rsplit("/", 1)[1],
+            "type": kind,
+            **body,
+            "_runtime": _runtime(kind, rid, body),
+        }
+        out.append(_change(rid, "Create" if existing is None else "Modify", None, None))
+
+    def _check_body(self, resource: dict[str, Any], rid: str, body: dict[str, Any]) -> None:
+        """The resource's body against its provider's PUT body schema, at the API version the
+        template names (role assignments: above, against the Authorization spec)."""
+        kind = resource["type"].lower()
+        spec = PROVIDER_SPECS.get(kind)
+        if spec is None:
+            if kind not in UNCHECKED and kind != "microsoft.authorization/roleassignments":
+                raise _Failed(rid, "NoRegisteredProviderFound", f"no vendored spec for {kind}")
+            return
+        api, schema, definition = spec
+        if resource["apiVersion"] != api:
+            raise _Failed(
+                rid,
+                "NoRegisteredProviderFound",
+                f"{resource['type']} at {resource['apiVersion']}: the vendored spec is {api}",
+            )
+        problems = schema.check(body, definition)
+        if problems:
+            self.refused.extend(problems)
+            raise _Failed(rid, "InvalidRequestContent", f"{resource['type']}: {problems[0]}")
+
+    def _nested(
+        self,
+        resource: dict[str, Any],
+        scope: Scope,
+        rid: str,
+        group: str | None,
+        location: str,
+        apply: bool,
+        out: list[dict[str, Any]],
+    ) -> None:
+        """A nested deployment into a resource group: its resources in its own order; in
+        ``Complete`` mode, what the group holds and the template does not declare is deleted
+        (what-if: ``Delete``), in ``Incremental`` mode left alone (what-if: ``Ignore``), as
+        "Azure Resource Manager deployment modes" says."""
+        props = resource["properties"]
+        if str((props.get("expressionEvaluationOptions") or {}).get("scope")).lower() != "inner":
+            raise TemplateError("nested templates here use inner scope")
+        params = evaluate(props.get("parameters", {}), scope)
+        mode = str(evaluate(props.get("mode", "Incremental"), scope))
+        if mode not in ("Incremental", "Complete"):
+            raise TemplateError(f"the deployment mode '{mode}' is not Incremental or Complete")
+        inner_group = str(evaluate(resource.get("resourceGroup", ""), scope)) or group
+        template = props["template"]
+        planned = self._plan(template, params, inner_group, location)
+        if not apply and self.resources.get(_group_id(self, inner_group)) is None:
+            # What-if of a group that does not exist yet: everything in it is new.
+            for inner, inner_scope, inner_id in planned:
+                if "condition" in inner and not evaluate(inner["condition"], inner_scope):
                     continue
-                nested: list[dict[str, Any]] = []
-                self._walk(props["template"], params, inner_group, location, apply, nested)
-                out.extend(nested)
-                if apply:
-                    inner_scope = self._scope(props["template"], inner_group, location)
-                    bind_parameters(props["template"], params, inner_scope)
-                    outputs = {
-                        k: {"type": v["type"], "value": evaluate(v["value"], inner_scope)}
-                        for k, v in props["template"].get("outputs", {}).items()
-                    }
-                    self.resources[rid.lower()] = {
-                        "id": rid,
-                        "name": rid.rsplit("/", 1)[1],
-                        "type": kind,
-                        "properties": {"outputs": outputs, "provisioningState": "Succeeded"},
-                    }
-                continue
-            existing = self.resources.get(rid.lower())
+                if inner["type"] != "Microsoft.Resources/deployments":
+                    out.append(_change(inner_id, "Create", None, None))
+            return
+        failures = len(self._failures) + len(self._failed)
+        nested: list[dict[str, Any]] = []
+        self._walk(template, params, inner_group, location, apply, nested)
+        out.extend(nested)
+        # Declared resources (with a false condition too: ARM keeps those) and their children.
+        declared = {i.lower() for _, _, i in planned}
+        undeclared = [
+            r["id"]
+            for r in self._tracked(inner_group)
+            if r["id"].lower() not in declared
+            and not any(r["id"].lower().startswith(d + "/") for d in declared)
+        ]
+        for other in undeclared:
             if not apply:
-                if existing is None:
-                    out.append(_change(rid, "Create", None, None))
-                    continue
-                after = _visible(self._body(resource, scope))
-                before = _visible({k: existing[k] for k in after if k in existing})
-                out.append(_change(rid, "NoChange" if before == after else "Modify", before, after))
-                continue
-            body = self._body(resource, scope)
-            if kind == "Microsoft.Authorization/roleAssignments":
-                problems = ROLE_ASSIGNMENTS.check(
-                    {"properties": body["properties"]}, "RoleAssignmentCreateParameters"
-                )
-                if problems:
-                    self.refused.extend(problems)
-                    raise _Failed(rid, "InvalidRequestContent", str(problems[0]))
-            if self.fail_type and kind.lower() == self.fail_type.lower():
-                raise _Failed(rid, "ResourceDeploymentFailure", f"{kind} could not be created")
-            self.resources[rid.lower()] = {
-                "id": rid,
-                "name": rid.rsplit("/", 1)[1],
-                "type": kind,
-                **body,
-                "_runtime": _runtime(kind, rid, body),
-            }
-            out.append(_change(rid, "Create" if existing is None else "Modify", None, None))
+                out.append(_change(other, "Delete" if mode == "Complete" else "Ignore", None, None))
+            elif mode == "Complete":
+                self._delete(other)
+        if not apply or len(self._failures) + len(self._failed) > failures:
+            if apply:
+                self._failed.add(rid.lower())  # a failed resource fails its deployment
+            return
+        inner_scope = self._scope(template, inner_group, location)
+        bind_parameters(template, params, inner_scope)
+        outputs = {
+            k: {"type": v["type"], "value": evaluate(v["value"], inner_scope)}
+            for k, v in template.get("outputs", {}).items()
+        }
+        self.resources[rid.lower()] = {
+            "id": rid,
+            "name": rid.rsplit("/", 1)[1],
+            "type": resource["type"],
+            "properties": {"outputs": outputs, "provisioningState": "Succeeded"},
+        }
 
     def _what_if(self, body: dict[str, Any]) -> dict[str, Any]:
         changes: list[dict[str, Any]] = []
+        self._failed, self._failures = set(), []
         props = body["properties"]
         self._walk(
             props["template"], props.get("parameters", {}), None, body["location"], False, changes
@@ -401,9 +575,12 @@ class FakeArm:
         }
         self.deployments[name] = record
         done: list[dict[str, Any]] = []
+        self._failed, self._failures = set(), []
         try:
             template = props["template"]
             self._walk(template, props.get("parameters", {}), None, body["location"], True, done)
+            if self._failures:
+                raise self._failures[0]
             scope = self._scope(template, None, body["location"])
             bind_parameters(template, props.get("parameters", {}), scope)
             outputs = {
@@ -411,16 +588,21 @@ class FakeArm:
                 for k, v in template.get("outputs", {}).items()
             }
             record["properties"].update(provisioningState="Succeeded", outputs=outputs)
-            status = {"status": "Succeeded"}
+            status: dict[str, Any] = {"status": "Succeeded"}
         except (_Failed, TemplateError) as exc:
-            code = exc.code if isinstance(exc, _Failed) else "InvalidTemplate"
+            # ARM goes on with what does not depend on a failure, then fails the deployment
+            # naming every failed operation.
+            failures = self._failures if isinstance(exc, _Failed) else []
+            details = [{"code": f.code, "message": str(f)} for f in failures] or [
+                {"code": "InvalidTemplate", "message": str(exc)}
+            ]
             error = {
                 "code": "DeploymentFailed",
                 "message": "At least one resource deployment operation failed.",
-                "details": [{"code": code, "message": str(exc)}],
+                "details": details,
             }
             record["properties"].update(provisioningState="Failed", error=error)
-            if isinstance(exc, _Failed):
+            for failure in failures:
                 record["_operations"].append(
                     {
                         "id": f"{deployment_id}/operations/{next(self._ids)}",
@@ -431,9 +613,9 @@ class FakeArm:
                             "statusCode": "BadRequest",
                             "statusMessage": {
                                 "status": "Failed",
-                                "error": {"code": code, "message": str(exc)},
+                                "error": {"code": failure.code, "message": str(failure)},
                             },
-                            "targetResource": {"id": exc.resource_id},
+                            "targetResource": {"id": failure.resource_id},
                         },
                     }
                 )
@@ -449,6 +631,8 @@ class FakeArm:
     # -- what templates read --------------------------------------------------------------------
     def _reference(self, rid: str, api: str | None) -> Any:
         found = self.resources.get(rid.lower())
+        if found is None and rid.lower() in self._failed:
+            raise _Unavailable(rid)
         if found is None:
             raise TemplateError(f"ResourceNotFound: the resource '{rid}' is not found")
         if found["type"] == "Microsoft.Resources/deployments":
@@ -457,6 +641,8 @@ class FakeArm:
 
     def _list_keys(self, rid: str) -> Any:
         found = self.resources.get(rid.lower())
+        if found is None and rid.lower() in self._failed:
+            raise _Unavailable(rid)
         if found is None:
             raise TemplateError(f"ResourceNotFound: listKeys of '{rid}'")
         return {
@@ -465,14 +651,21 @@ class FakeArm:
         }
 
     # -- resource groups ------------------------------------------------------------------------
-    def _list_group(self, group: str) -> Response:
-        prefix = f"/subscriptions/{self.subscription_id}/resourcegroups/{group.lower()}/"
-        items = [
-            _public(r)
+    def _tracked(self, group: str | None) -> list[dict[str, Any]]:
+        """What "Resources - List By Resource Group" answers: the group's tracked resources
+        (those with a location: a storage account, not its containers; a Batch account, not its
+        pools), never role assignments."""
+        prefix = _group_id(self, group) + "/"
+        return [
+            r
             for key, r in self.resources.items()
-            if key.startswith(prefix) and "/providers/microsoft.authorization/" not in key
+            if key.startswith(prefix)
+            and "location" in r
+            and "/providers/microsoft.authorization/" not in key
         ]
-        return Response(200, {"value": items})
+
+    def _list_group(self, group: str) -> Response:
+        return Response(200, {"value": [_public(r) for r in self._tracked(group)]})
 
     def _delete(self, path: str) -> Response:
         key = path.lower()
@@ -487,6 +680,11 @@ class FakeArm:
         for key in [k for k in self.resources if k == prefix or k.startswith(prefix + "/")]:
             del self.resources[key]
         return Response(200)
+
+
+class _Unavailable(TemplateError):
+    """An expression reads a resource whose creation failed: ARM does not start what reads it
+    (``reference()`` makes an implicit dependency)."""
 
 
 class _Failed(Exception):

@@ -62,7 +62,9 @@ class Scope:
     location: str
     reference: Callable[[str, str | None], Any]
     list_keys: Callable[[str], Any]
+    deployer: dict[str, str] = field(default_factory=dict)  # deployer(): who deploys
     _resolved: dict[str, Any] = field(default_factory=dict)
+    _in_variables: int = 0
 
 
 def is_expression(value: Any) -> bool:
@@ -179,8 +181,28 @@ def _variable(scope: Scope, name: str) -> Any:
     if name not in scope.variables:
         raise TemplateError(f"the template variable '{name}' is not found")
     if name not in scope._resolved:
-        scope._resolved[name] = evaluate(scope.variables[name], scope)
+        scope._in_variables += 1
+        try:
+            scope._resolved[name] = evaluate(scope.variables[name], scope)
+        finally:
+            scope._in_variables -= 1
     return scope._resolved[name]
+
+
+def _runtime_state(name: str, read: Callable[..., Any]) -> Callable[..., Any]:
+    """``reference()`` and the ``list*()`` functions: a resource's runtime state, which ARM
+    refuses in a variable ("Variables in ARM templates": variables are resolved before the
+    deployment starts)."""
+
+    def call(scope: Scope, *args: Any) -> Any:
+        if scope._in_variables:
+            raise TemplateError(
+                f"the template function '{name}' is not expected in a variable: it reads a "
+                "resource's runtime state, and variables are resolved before deployment"
+            )
+        return read(scope, *args)
+
+    return call
 
 
 def _resource_id(scope: Scope, *parts: str) -> str:
@@ -298,8 +320,9 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "resourceid": _resource_id,
     "subscriptionresourceid": _subscription_resource_id,
     "extensionresourceid": _extension_resource_id,
-    "reference": lambda s, rid, api=None, *_: s.reference(rid, api),
-    "listkeys": lambda s, rid, api=None: s.list_keys(rid),
+    "reference": _runtime_state("reference", lambda s, rid, api=None, *_: s.reference(rid, api)),
+    "listkeys": _runtime_state("listKeys", lambda s, rid, api=None: s.list_keys(rid)),
+    "deployer": lambda s: dict(s.deployer),
     "guid": _guid,
     "uniquestring": _unique_string,
     "format": _format,

@@ -84,3 +84,43 @@ def test_tar_shards_are_checked_by_their_samples(digits: Path, tmp_path: Path) -
     said = "\n".join(check_folder(local_files(shards), RULES).problems())
     for named in ("train/000999.tar: ", "test/000998.tar: ", "train/digit_0/"):
         assert named in said, (named, said)
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose header declares ``width`` x ``height`` (its pixel data a 1 x 1's)."""
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (1, 1)).save(buffer, "PNG")
+    data = bytearray(buffer.getvalue())
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4 : ihdr + 12] = struct.pack(">II", width, height)
+    data[ihdr + 17 : ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr : ihdr + 17])))
+    return bytes(data)
+
+
+def test_the_gates_size_limits_are_checked_from_the_header(digits: Path, tmp_path: Path) -> None:
+    """What the gate refuses without decoding a pixel is refused here too, named: a file over
+    its byte cap (by its size), a header over its pixel cap, a header over max_side, a file
+    that is no PNG or JPEG by content. The folder's own images get their header's sides."""
+    from imagedata.images import MAX_IMAGE_BYTES
+
+    folder = tmp_path / "mine"
+    shutil.copytree(digits, folder)
+    big = folder / "train" / "digit_0" / "big.png"
+    big.write_bytes(_png_declaring(8, 8))
+    with open(big, "r+b") as fh:
+        fh.truncate(MAX_IMAGE_BYTES + 1)
+    (folder / "train" / "digit_1" / "bomb.png").write_bytes(_png_declaring(13_000, 13_000))
+    (folder / "train" / "digit_2" / "strip.png").write_bytes(_png_declaring(5_000, 8))
+    (folder / "train" / "digit_3" / "page.jpg").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n" * 8)
+    check = check_folder(local_files(folder), RULES)
+    assert not check.success
+    said = "\n".join(check.problems())
+    for named in ("digit_0/big.png", "digit_1/bomb.png", "digit_2/strip.png", "digit_3/page.jpg"):
+        assert named in said, (named, said)
+    fine = next(r for r in check.rows if r["path"].startswith("test/digit_5/"))
+    assert (fine["width"], fine["height"], fine["channels"], fine["readable"]) == (8, 8, 1, None)

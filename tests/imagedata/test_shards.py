@@ -3,13 +3,17 @@ fallback to the loose files whenever the shards do not match the folder."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from azure.storage.blob import ContainerClient
+from filelock import FileLock
 
 from backends.blob import API_VERSION, upload_directory
 from imagedata.data import open_dataset
@@ -22,6 +26,7 @@ from imagedata.shards import (
     open_shards,
     pack_shards,
 )
+from imagedata.staged_folder import PackReport
 from imagedata.synthetic import encode_png
 from staging.sync import safe_relative_path, stage
 
@@ -130,6 +135,43 @@ def test_interrupted_pack_leftovers_removed(small_folders: Path) -> None:
     names = {p.name for p in directory.iterdir()}
     assert ".train-abc-00000.tmp" not in names and "train-old-00000.u8" not in names
     assert INDEX in names
+
+
+def test_a_pack_waits_while_another_holds_the_folders_lock(
+    small_folders: Path,
+) -> None:
+    """Two packs of one folder (two runs staging one NFS folder) take turns on the shard
+    folder's lock file, whoever holds it (here another process's lock, as on another node)."""
+    pack_shards(small_folders, SIZE)
+    (small_folders / SHARD_DIR / INDEX).unlink()  # the next pack has work to do
+    reports: list[PackReport] = []
+    with FileLock(small_folders / SHARD_DIR / LOCK):
+        waiting = threading.Thread(target=lambda: reports.append(pack_shards(small_folders, SIZE)))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive() and not (small_folders / SHARD_DIR / INDEX).exists()
+    waiting.join(timeout=60)
+    (second,) = reports
+    assert second.action == "packed"
+    _same_samples(small_folders)
+
+
+def test_a_filesystem_without_locks_packs_and_leaves_other_packs_temp_files(
+    small_folders: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NFS mount without its lock daemon answers flock with ENOLCK: the pack goes on
+    unlocked and leaves temp files alone, which may be another pack's shard being written."""
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    directory = small_folders / SHARD_DIR
+    directory.mkdir()
+    (directory / ".train-other-00000.tmp").write_bytes(b"another pack's shard")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert pack_shards(small_folders, SIZE).action == "packed"
+    assert (directory / ".train-other-00000.tmp").exists()
+    _same_samples(small_folders)
 
 
 def test_not_image_folders_left_alone(tmp_path: Path) -> None:

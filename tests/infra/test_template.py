@@ -75,3 +75,98 @@ def test_a_misspelt_property_is_caught() -> None:
     broken = json.loads(json.dumps(pool))
     broken["properties"]["poolAllocationMode"] = "UserSubscriptions"
     assert any("poolAllocationMode" in p for p in problems(broken))
+
+
+def test_no_variable_reads_a_resource_at_run_time() -> None:
+    """ARM resolves variables before it deploys anything, so ``reference()`` and the ``list*()``
+    functions are refused there ("Variables in ARM templates"); the fake refuses them too."""
+    import re
+
+    from tests.fakes.arm_template import Scope, TemplateError, evaluate
+
+    templates = [TEMPLATE, TEMPLATE["resources"][-1]["properties"]["template"]]
+    for template in templates:
+        text = json.dumps(template.get("variables", {}))
+        assert not re.search(r"\b(reference|list\w*)\(", text, re.IGNORECASE), text[:200]
+    scope = Scope(
+        parameters={},
+        variables={"keys": "[listKeys('/subscriptions/s/resourceGroups/g/providers/a/b/c', '1')]"},
+        subscription_id="s",
+        tenant_id="t",
+        resource_group="g",
+        location="westeurope",
+        reference=lambda rid, api: {},
+        list_keys=lambda rid: {},
+    )
+    with pytest.raises(TemplateError, match="'listKeys' is not expected in a variable"):
+        evaluate("[variables('keys')]", scope)
+
+
+def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> None:
+    """The fake ARM endpoint checks each resource body it deploys against its provider's REST
+    spec at the template's API version (tests/fakes/spec/arm/); a type without one is named
+    with its reason, and each vendored file records where it comes from."""
+    from tests.fakes.arm import PROVIDER_SPECS, UNCHECKED
+
+    for resource in RESOURCES:
+        kind = resource["type"].lower()
+        if kind in ("microsoft.resources/deployments", "microsoft.authorization/roleassignments"):
+            continue  # the Resources and Authorization specs (tests/fakes/spec/)
+        if kind in PROVIDER_SPECS:
+            api, schema, definition = PROVIDER_SPECS[kind]
+            assert resource["apiVersion"] == api, kind
+            assert definition in schema.definitions
+            assert {"repository", "path", "commit"} <= set(schema.source)
+        else:
+            assert len(UNCHECKED[kind]) > 20, kind
+    checked = {k.split("/")[0] for k in PROVIDER_SPECS}
+    assert {"microsoft.batch", "microsoft.keyvault", "microsoft.app"} <= checked
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "named"),
+    [
+        (  # a misspelt property of the scripts mount
+            "microsoft.batch/batchaccounts/pools",
+            {
+                "properties": {
+                    "vmSize": "x",
+                    "mountConfiguration": [
+                        {
+                            "azureBlobFileSystemConfiguration": {
+                                "accountName": "a",
+                                "containerName": "c",
+                                "relativeMountPath": "s",
+                                "identityRefrence": {},
+                            }
+                        }
+                    ],
+                }
+            },
+            "identityRefrence",
+        ),
+        (  # an enum value in the wrong case
+            "microsoft.batch/batchaccounts",
+            {"location": "westeurope", "properties": {"allowedAuthenticationModes": ["aad"]}},
+            "allowedAuthenticationModes",
+        ),
+        (  # a read-only property set by the template
+            "microsoft.app/containerapps",
+            {"location": "westeurope", "properties": {"configuration": {"ingress": {"fqdn": "x"}}}},
+            "fqdn",
+        ),
+        (  # a required property left out
+            "microsoft.keyvault/vaults/secrets",
+            {"tags": {}},
+            "properties",
+        ),
+    ],
+)
+def test_a_body_outside_the_provider_spec_is_refused(
+    kind: str, body: dict[str, Any], named: str
+) -> None:
+    from tests.fakes.arm import PROVIDER_SPECS
+
+    _, schema, definition = PROVIDER_SPECS[kind]
+    problems = schema.check(body, definition)
+    assert problems and named in str(problems[0]), problems

@@ -16,7 +16,7 @@ from core.config import PromotionConfig
 from core.data_versions import DataRoot
 from registry.champion import Champion, champion_for
 from registry.metrics import scores_of
-from registry.promotion import Challenger, challenge
+from registry.promotion import Challenger, below_minimum, challenge
 
 ROOT = DataRoot("c", "images")
 
@@ -81,6 +81,30 @@ def test_the_metrics_come_from_the_confusion_matrix() -> None:
     assert "not 3 x 3" in str(
         scores_of({"class_names": ["a", "b", "c"], "confusion_matrix": [[1]]})
     )
+
+
+# Class c never recognised: accuracy 0.6667, recall 1, 1, 0.
+C_NEVER = report(["a", "b", "c"], [[10, 0, 0], [0, 10, 0], [5, 5, 0]])
+
+
+def test_the_minimum_names_the_metric_or_every_class_below_it() -> None:
+    scores = scores_of(C_NEVER)
+    assert not isinstance(scores, str)
+    rules = PromotionConfig()
+    assert below_minimum(scores, rules) == (
+        "class 'c' has recall 0.0000, less than the 0.1 promotion.minimum.class_recall asks for"
+    )
+    assert below_minimum(scores, PromotionConfig(minimum={"class_recall": None})) == ""
+    assert below_minimum(scores, PromotionConfig(minimum={"metric": 0.7})) == (
+        "accuracy 0.6667 is less than the 0.7 promotion.minimum.metric asks for"
+    )
+    two = scores_of(report(["a", "b", "c"], [[10, 0, 0], [9, 1, 0], [10, 0, 0]]))
+    assert not isinstance(two, str)
+    assert below_minimum(two, PromotionConfig(minimum={"class_recall": 0.5})) == (
+        "classes 'c' (0.0000), 'b' (0.1000) have recall less than the 0.5 "
+        "promotion.minimum.class_recall asks for"
+    )
+    assert below_minimum(scores_of(GOOD), rules) == ""  # type: ignore[arg-type]
 
 
 def test_the_decision_and_the_champion_name_the_data_versions(outputs: ContainerClient) -> None:
@@ -156,7 +180,8 @@ def test_the_metric_decides(outputs: ContainerClient, metric: str, promoted: boo
     and macro F1 call it better."""
     champion = report(["a", "b", "c"], [[20, 0, 0], [2, 0, 0], [0, 0, 20]])
     challenger = report(["a", "b", "c"], [[18, 2, 0], [0, 2, 0], [0, 0, 20]])
-    _run(outputs, "r1", champion, metric=metric)
+    # Class b at recall 0: a champion only with the floor off.
+    _run(outputs, "r1", champion, metric=metric, minimum={"class_recall": None})
     decision = _run(outputs, "r2", challenger, metric=metric, max_class_drop=None)
     assert decision["promoted"] is promoted, decision["reason"]
     assert decision["reason"].startswith(f"{metric} ")

@@ -119,7 +119,9 @@ class FaultProxy:
         for k, v in answer.getheaders():
             if k.lower() not in ("connection", "transfer-encoding", "content-length"):
                 out.append(f"{k}: {v}")
-        out += [f"Content-Length: {len(data)}", "Connection: close", "", ""]
+        # A HEAD's answer has no body but the Content-Length of the GET it stands for.
+        length_out = answer.getheader("Content-Length", "0") if method == "HEAD" else len(data)
+        out += [f"Content-Length: {length_out}", "Connection: close", "", ""]
         h.wfile.write("\r\n".join(out).encode("latin-1"))
         if fault == "truncate" and len(data) > 1:
             h.wfile.write(data[: len(data) // 2])

@@ -23,6 +23,9 @@ from registry.champion import (
 )
 from registry.layout import CHAMPION, champion_blob, dataset_folder
 from tests.pipeline_helpers import make_config, new_container
+from tests.registry.test_promotion import C_NEVER
+from tests.registry.test_promotion import _run as promote_in
+from tests.registry.test_promotion import report as score_of
 from tests.reliability import report
 
 ROOT = DataRoot("c", "images")
@@ -247,4 +250,34 @@ def test_a_test_split_the_scorer_could_not_mostly_read_decides_nothing(
         f"promotion: the scorer read {scored} of {split} test images"
         + ("" if champion else " (no champion yet)"),
         "not promoted, a named decision: " + decision["reason"].split(": ", 1)[-1],
+    )
+
+
+def test_a_first_model_below_the_minimum_is_not_promoted_by_default(
+    outputs: ContainerClient,
+) -> None:
+    """Before: the first model of a data root was always promoted, a class at recall 0.0 or
+    not ("no champion yet: accuracy 0.6667 becomes the first")."""
+    refused = promote_in(outputs, "r0", C_NEVER)
+    assert not refused["promoted"]
+    assert refused["reason"] == (
+        "no champion of c/images yet, but class 'c' has recall 0.0000, less than the 0.1 "
+        "promotion.minimum.class_recall asks for: not promoted, there is still no champion"
+    )
+    assert refused["below_minimum"] and refused["rules"]["minimum"]["class_recall"] == 0.1
+    assert champion_for(outputs, "", ROOT).state == "absent"
+    # Nor over a champion it beats: the floor is any champion's.
+    weak = score_of(["a", "b", "c"], [[6, 4, 0], [4, 6, 0], [5, 4, 1]])  # accuracy 0.4333
+    promote_in(outputs, "r1", weak, minimum={"class_recall": None})
+    over = promote_in(outputs, "r2", C_NEVER)
+    assert not over["promoted"] and over["reason"].startswith("class 'c' has recall 0.0000")
+    assert over["reason"].endswith(": not promoted, the champion stays")
+    champion = champion_for(outputs, "", ROOT).champion
+    assert champion is not None and champion.run_id == "r1"
+    report.record(
+        "adversarial",
+        "promotion: a data root's first model, one class at recall 0.0 (default rules)",
+        "not promoted, the decision names promotion.minimum.class_recall and the class; no "
+        "champion written; nor does it replace a champion it beats",
+        before_fix="promoted: the first model always became the champion",
     )

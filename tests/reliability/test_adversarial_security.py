@@ -293,6 +293,10 @@ def test_release_from_another_process_stops_a_running_task(tmp_path: Path) -> No
     assert box["result"].exit_code == -signal.SIGKILL
 
 
+# The same scenario, the second run started once the first holds the pool, and what each ends
+# with: tests/reliability/test_adversarial_up_to_date.py::test_two_runs_of_one_new_version_
+# train_it_once, in `make test`. Started together, here: `make reliability`.
+@pytest.mark.slow
 @pytest.mark.usefixtures("storage", "prefect_api", "horovodrun")
 def test_two_cli_runs_of_one_config_at_once_both_succeed(tmp_path: Path) -> None:
     """Two ``python -m flows.retrain`` with the same config started together: the second waits

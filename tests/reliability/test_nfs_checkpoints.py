@@ -23,6 +23,9 @@ def _storage(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
 
 
+# tests/flows/test_retrain_local.py's end-to-end runs check the same in `make test` (its last
+# runs are a training and a forced one); here in two runs of its own, for docs/reliability.md.
+@pytest.mark.slow
 def test_a_run_and_a_forced_run_leave_one_checkpoint_folder(tmp_path: Path) -> None:
     """A run, then a forced run (a key of its own: it never resumes another's checkpoints):
     the first one's folder, whose training finished, goes when the second trains; what the

@@ -164,7 +164,9 @@ def test_killed_flow_process_rerun_skips_finished_steps_and_resumes(
 @pytest.mark.parametrize(
     ("where", "overrides"),
     [
-        ("data gate", ["validation.min_images_per_class=1000"]),
+        # A repeat in `make test` of tests/flows/test_retrain_local.py's gate refusal, which
+        # checks the pool too: run by `make reliability`.
+        pytest.param("data gate", ["validation.min_images_per_class=1000"], marks=pytest.mark.slow),
         ("training", ["training.extra_args=['--no-such-option']", "retries.training_attempts=1"]),
     ],
 )

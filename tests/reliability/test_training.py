@@ -114,6 +114,10 @@ def test_killed_rank_fails_the_job_and_the_retry_resumes(
     )
 
 
+# Under two ranks, a repeat of tests/training/test_checkpoint.py::test_damaged_newest_checkpoint_
+# falls_back (the fallback, in `make test`); two ranks resuming from a checkpoint:
+# tests/training/test_train.py::test_killed_job_resumes_at_next_epoch. `make reliability`.
+@pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(
     tmp_path: Path, horovodrun: Path
 ) -> None:

@@ -23,7 +23,8 @@ from azure.storage.blob import ContainerClient, ContentSettings
 from backends.blob import container_client
 from backends.local.ports import free_port
 from core.config import ConfigError, OutputLocation, load_config
-from servers.gateway import output_link, serve
+from core.links import output_link
+from servers.gateway import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -371,3 +372,81 @@ def test_outputs_go_out_with_the_type_of_what_they_are(outputs: ContainerClient)
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_second_request_that_never_ends_is_dropped(outputs: ContainerClient) -> None:
+    """The deadline holds for every request of a kept-alive connection, not only its first:
+    after an answer, half of a next request and a wait close it too."""
+    outputs.upload_blob("runs/r1/score.json", b'{"accuracy": 0.9}')
+    server = serve(outputs, "", "127.0.0.1", 0, request_timeout=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.settimeout(20)  # far past the server's: the test fails if it never closes
+            client.sendall(
+                f"GET /runs/r1/score.json HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+            )
+            answer = b""
+            while not answer.endswith(b'{"accuracy": 0.9}'):
+                answer += client.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 200")
+            client.sendall(b"GET /runs/r1/sco")
+            assert client.recv(1024) == b""
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_gateway_with_a_credential_answers_only_requests_that_carry_it(
+    outputs: ContainerClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """make service gives its gateway a credential: another local user without it gets 401
+    (a browser asks the person once); the Data Docs' static assets excepted, which a sandboxed
+    page loads without the browser's kept credentials, and no spelling of a path reaches
+    anything else through that exception."""
+    import base64
+
+    caplog.set_level(logging.INFO)
+    outputs.upload_blob("runs/r1/score.json", b'{"accuracy": 0.9}')
+    outputs.upload_blob("runs/r1/data_docs/static/vendor/jquery.min.js", b"/* jquery */")
+    server = serve(outputs, "", "127.0.0.1", 0, credential="retrain:pass-word_1")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = int(server.server_address[1])
+
+    def get(path: str, token: str | None) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", path, headers={"Authorization": token} if token else {})
+        response = conn.getresponse()
+        body = response.read()
+        conn.close()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+
+    right = "Basic " + base64.b64encode(b"retrain:pass-word_1").decode()
+    try:
+        status, headers, _ = get("/runs/r1/score.json", None)
+        assert status == 401 and headers["www-authenticate"].startswith('Basic realm="')
+        for wrong in (
+            "Basic " + base64.b64encode(b"retrain:pass-word_2").decode(),
+            "Basic not base64!",
+            "Bearer retrain:pass-word_1",
+            right.replace("Basic ", "Basic  x"),
+        ):
+            assert get("/runs/r1/score.json", wrong)[0] == 401, wrong
+        assert get("/runs/r1/score.json", right)[::2] == (200, b'{"accuracy": 0.9}')
+        assert get("/runs/r1/score.json", right.replace("Basic", "basic"))[0] == 200
+        # The assets a sandboxed Data Docs page loads: open; their folder and the rest: not.
+        asset = "/runs/r1/data_docs/static/vendor/jquery.min.js"
+        assert get(asset, None)[::2] == (200, b"/* jquery */")
+        assert get("/runs/r1/data_docs/static/vendor/", None)[0] == 401
+        for sneaky in (
+            "/runs/r1/data_docs/static/../../score.json",
+            "/runs/r1/data_docs/static/%2e%2e/%2e%2e/score.json",
+            "/runs/r1/data_docs/static//../../score.json",
+        ):
+            assert get(sneaky, None)[0] == 400, sneaky
+    finally:
+        server.shutdown()
+        server.server_close()
+    logged = "".join(record.getMessage() for record in caplog.records)
+    assert "pass-word_1" not in logged and "GET /runs/r1/score.json 401" in logged

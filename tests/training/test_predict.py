@@ -25,7 +25,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("predict")
     data = root / "data"
     write_synthetic(data, classes=3, per_class=16, size=32, test_fraction=0.3, seed=1)
-    result = run_trainer(1, data, root / "out", "--epochs", "1", "--batch-size", "8")
+    result = run_trainer(1, data, root / "out", "--epochs", "1", "--batch-size", "8", onnx=True)
     assert result.returncode == 0, result.output
     return root / "out" / "model.pt", data
 

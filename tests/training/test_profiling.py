@@ -11,7 +11,7 @@ from torch_tb_profiler import utils as plugin_utils
 from torch_tb_profiler.io.cache import Cache
 from torch_tb_profiler.profiler.loader import RunLoader
 
-from tests.conftest import ENGINES, run_trainer
+from tests.conftest import ENGINES_REPEATED, run_trainer
 
 
 def _plugin_runs(logdir: Path) -> list[Path]:
@@ -24,7 +24,7 @@ def _plugin_runs(logdir: Path) -> list[Path]:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_REPEATED)
 def test_profiled_steps_open_in_tensorboards_profiler_view(engine: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ("--epochs", "2", "--batch-size", "16", "--profile-steps", "3")

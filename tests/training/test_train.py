@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import (
     ENGINES,
+    ENGINES_REPEATED,
     LOSS_LOG_ARGS,
     ROOT,
     Result,
@@ -44,7 +45,7 @@ def two_rank_runs(
         if engine not in done:
             out = tmp_path_factory.mktemp(f"{engine}2") / "out"
             args = ("--epochs", "3", "--timeline", "--seed", "3", *LOSS_LOG_ARGS)
-            done[engine] = run_trainer(2, digits_dir, out, *args, engine=engine)
+            done[engine] = run_trainer(2, digits_dir, out, *args, engine=engine, onnx=True)
             assert done[engine].returncode == 0, done[engine].output
         return done[engine]
 
@@ -355,7 +356,11 @@ def test_torchrun_restarts_the_ranks_when_one_dies(digits_dir: Path, tmp_path: P
     assert m["weights_digest_per_rank"][0] == m["weights_digest_per_rank"][1]
 
 
-@pytest.mark.parametrize(("first", "then"), [("horovod", "ddp"), ("ddp", "horovod")])
+@pytest.mark.parametrize(
+    ("first", "then"),
+    # One direction proves the format is the engines' own; the other is a repeat (slow).
+    [("horovod", "ddp"), pytest.param("ddp", "horovod", marks=pytest.mark.slow)],
+)
 def test_either_engine_resumes_the_others_checkpoint(first: str, then: str, tmp_path: Path) -> None:
     args = ("--batch-size", "16", "--seed", "2")
     out = tmp_path / "out"
@@ -386,6 +391,10 @@ def test_a_rerun_after_the_last_epoch_says_where_it_resumed(tmp_path: Path) -> N
     ]
     assert progress == [{"epochs": 1, "resumed_from": 1}]
     assert again.metrics["resumed_from_epoch"] == 1
+    # --no-onnx (run_trainer's default): model.pt and no model.onnx, nothing recorded of one.
+    assert (tmp_path / "out" / "model.pt").is_file()
+    assert not (tmp_path / "out" / "model.onnx").exists()
+    assert again.metrics["onnx"] is None and again.metrics["onnx_md5"] is None
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -520,7 +529,7 @@ def digit_versions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     return root / "v1", root / "v2", root / "o1" / "model.pt"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_REPEATED)
 def test_init_from_carries_the_shared_classes_to_every_rank(
     engine: str, digit_versions: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
@@ -558,7 +567,7 @@ def test_init_from_carries_the_shared_classes_to_every_rank(
             ), (key, name)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_REPEATED)
 def test_a_refused_init_from_stops_every_rank_before_training(
     engine: str, digit_versions: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:

@@ -2,9 +2,10 @@
 
 torchvision cannot be imported here: its compiled ops are the CUDA build's, and the CPU torch
 refuses them (docs/platform notes). Its architecture code, ``torchvision/models/resnet.py``, is
-plain PyTorch, so it is taken from torchvision's published wheel (``pip download --no-deps``,
-from PyPI or the configured index; cached under ``~/.cache/retrain-torchvision``), checked
-against the SHA-256 recorded below, and executed in isolation: as the module
+plain PyTorch, so ``make setup`` takes it from torchvision's published wheel (``python -m
+tests.training.torchvision_resnet``: ``pip download --no-deps`` from PyPI or the configured
+index) into the virtual environment, checked against the SHA-256 recorded below. The tests only
+read that file: a test never downloads. It is executed in isolation: as the module
 ``tvsource.models.resnet`` of a package of stubs standing in for the imports it makes at module
 level that only concern weight downloads, presets and telemetry (``..transforms._presets``,
 ``..utils``, ``._api``, ``._meta``, ``._utils``). Every line of ``conv3x3``, ``BasicBlock``,
@@ -24,46 +25,67 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from common.atomic import atomic_write
+
 RELEASE = "0.28.0"  # the torchvision release that goes with torch 2.13
 SOURCE = "torchvision/models/resnet.py"
 SOURCE_SHA256 = "9faf2f321fdaf7edbd791aedc6e3610c7edf9c892112cbd75861beae1e9518d1"
-CACHE = Path.home() / ".cache" / "retrain-torchvision"
 PACKAGE = "tvsource"  # never "torchvision": nothing of a real install is shadowed or reused
 
 
-def resnet_source() -> str:
-    """The text of torchvision's resnet.py at :data:`RELEASE`, checked against its SHA-256."""
-    cached = CACHE / RELEASE / "resnet.py"
-    if not cached.is_file():
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "--no-deps",
-                    "--only-binary=:all:",
-                    "--quiet",
-                    f"torchvision=={RELEASE}",
-                    "-d",
-                    tmp,
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            (wheel,) = Path(tmp).glob("torchvision-*.whl")
-            with zipfile.ZipFile(wheel) as archive:
-                data = archive.read(SOURCE)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(".tmp")
-        partial.write_bytes(data)
-        partial.replace(cached)
-    data = cached.read_bytes()
-    got = hashlib.sha256(data).hexdigest()
+# In the virtual environment `make setup` made: gone with it, and fetched again with it.
+INSTALLED = Path(sys.prefix) / "share" / "retrain-torchvision" / RELEASE / "resnet.py"
+
+
+def fetch(target: Path = INSTALLED) -> Path:
+    """torchvision's resnet.py at :data:`RELEASE` from its wheel into ``target`` (``make
+    setup``); nothing is fetched when ``target`` holds it already."""
+    if target.is_file() and _sha256(target.read_bytes()) == SOURCE_SHA256:
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--quiet",
+                f"torchvision=={RELEASE}",
+                "-d",
+                tmp,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        (wheel,) = Path(tmp).glob("torchvision-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            data = archive.read(SOURCE)
+    got = _sha256(data)
     if got != SOURCE_SHA256:
-        raise AssertionError(f"{cached}: SHA-256 {got}, want {SOURCE_SHA256} ({SOURCE})")
+        raise SystemExit(f"torchvision {RELEASE} {SOURCE}: SHA-256 {got}, want {SOURCE_SHA256}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(target, lambda fh: fh.write(data))
+    return target
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def resnet_source(path: Path = INSTALLED) -> str:
+    """The text of torchvision's resnet.py at :data:`RELEASE`, checked against its SHA-256."""
+    if not path.is_file():
+        raise AssertionError(
+            f"{path} is missing: `make setup` fetches it (python -m tests.training."
+            "torchvision_resnet); a test never downloads"
+        )
+    data = path.read_bytes()
+    got = _sha256(data)
+    if got != SOURCE_SHA256:
+        raise AssertionError(f"{path}: SHA-256 {got}, want {SOURCE_SHA256} ({SOURCE})")
     return data.decode()
 
 
@@ -134,3 +156,7 @@ def load_resnet_module() -> types.ModuleType:
             else:
                 sys.modules[key] = value
     return module
+
+
+if __name__ == "__main__":
+    print(f"torchvision {RELEASE} {SOURCE}: {fetch()}")

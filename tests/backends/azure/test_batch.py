@@ -281,6 +281,61 @@ def test_a_hung_attempt_is_terminated_and_the_attempts_left_resume(
     )
 
 
+def test_a_rerun_after_a_hung_attempt_follows_the_newest_attempt(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The step run again after the orchestrator stopped (a crash after the hung attempt was
+    ended and its successor submitted): it follows the successor, train-r-2, with the
+    attempts it has left, and creates nothing. Before, it followed the ended task, reported its
+    TaskEnded failure as the step's end, and left train-r-2's job to run unfollowed."""
+    from backends.progress_deadline import ProgressDeadline
+
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=1")
+    epoch_1 = {"epoch": 1, "epochs": 3, "seconds": 0.1}
+    batch.scripts["train-r-2"] = [Attempt(0, "resumed\n", _training_outputs(), seconds=2.0)]
+    batch.scripts["train-r"] = [Attempt(0, f"PROGRESS {json.dumps(epoch_1)}\n", seconds=120)]
+    spec = training_task(config, "train-r", "k", "runs/r")
+    deadline = ProgressDeadline(first_epoch_seconds=60, factor=2, floor_seconds=1)
+    first: list[str] = []
+
+    def on_line(line: str) -> None:
+        first.append(line)
+        if line.startswith("PROGRESS "):
+            record = json.loads(line.removeprefix("PROGRESS "))
+            deadline.progress(record["epoch"], record["seconds"])
+
+    crashed = threading.Thread(target=cluster.run_task, args=(spec, on_line, deadline))
+    crashed.daemon = True  # the orchestrator that stops following
+    crashed.start()
+    wait_until(lambda: getattr(_task(batch, config, "train-r-2"), "state", "") == "running")
+    tasks_before = set(batch.tasks)
+
+    lines: list[str] = []
+    result = make_cluster(config).run_task(spec, lines.append)
+    assert result.exit_code == 0, lines
+    assert result.attempts == 2  # one ended as hung, one that resumed
+    followed = (
+        "task train-r was ended as hung; its attempts left run as task train-r-2: following it"
+    )
+    assert followed in lines
+    assert "task train-r-2 already submitted: following it" in lines
+    assert "resumed" in lines
+    assert set(batch.tasks) == tasks_before  # nothing submitted again
+    newest = f"{config.pool.id}-train-r-2"
+    wait_until(lambda: cluster.client.get_job(newest).state == "completed")
+    crashed.join(timeout=20)
+    report.record(
+        "training",
+        "the step run again (real SDK, fake Batch) after a hung attempt was ended and its "
+        "successor task submitted",
+        "the re-run followed the newest attempt (train-r-2) to its end with the attempts "
+        "left; nothing submitted again; its job completed",
+        before_fix="followed the ended task and reported its TaskEnded failure; the "
+        "successor's job was left running, followed by nobody",
+    )
+
+
 def test_task_that_keeps_failing_returns_its_exit_code(fake_azure_account, tmp_path: Path) -> None:
     batch = fake_azure_account.batch
     config, cluster = ready_cluster(
@@ -358,16 +413,26 @@ def test_a_pool_made_by_arm_is_used_without_reading_any_secret_block(
     fake_azure_account, tmp_path: Path
 ) -> None:
     """The pool `make azure-up` creates through ARM (backends/azure/batch_requests.arm_pool:
-    the nodes' identity attached, the share key read by ARM, no credentials digest) is reused
-    and resized without the Prefect Secret blocks: on that path none exists. Before, ensure-pool
-    read them first, and the nightly on a fresh setup failed on the missing block."""
+    the nodes' identity attached, the scripts container mounted with it, no key, no credentials
+    digest) is reused and resized without the Prefect Secret blocks: on that path none exists.
+    Before, ensure-pool read them first, and the nightly on a fresh setup failed on the missing
+    block."""
     from backends.azure.access import AccessIssuer
     from backends.azure.batch import BatchCluster
     from backends.azure.batch_requests import CREDENTIALS_KEY
     from backends.azure.clients import batch_client
 
     batch = fake_azure_account.batch
-    config = _identity_config(tmp_path)
+    config = azure_config(
+        tmp_path,
+        f"azure.identity_resource_id={IDENTITY}",
+        "azure.identity_client_id=11111111-2222-3333-4444-555555555555",
+        "image.registry_username=null",
+        "image.registry_password_secret=null",
+        "pool.dedicated_nodes=1",
+        "share.account_url=https://acct.blob.core.windows.net",
+        "share.account_key_secret=null",  # the ARM path's config has no key block at all
+    )
     body = wire(
         pool_body(config, make_cluster(config).image, make_cluster(config).access, "", None)
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from backends.azure.clients import share_service
-from backends.azure.files import HASH_KEY, AzureFilesShare
+from backends.azure.files import HASH_KEY, AzureFilesShare, BlobContainerShare, ShareError
 from backends.share import collect_files, file_sha256
 from core.config import PipelineConfig
 from tests.azure_helpers import ROOT, azure_config
@@ -127,3 +127,31 @@ def test_paths_are_case_insensitive_on_the_share(fake_azure_account, tmp_path: P
     with pytest.raises(ShareError, match=r"training/Train\.py and training/train\.py"):
         share.upload({**files, "training/Train.py": clash / "training" / "Train.py"})
     assert len(fake.requests.all()) == before
+
+
+def test_blob_scripts_upload_once_and_name_a_missing_container(
+    azurite: str, tmp_path: Path
+) -> None:
+    """The scripts container the nodes mount with blobfuse, on Azurite: each file goes up with
+    its hash, an unchanged tree costs no upload, a changed file alone is replaced; a container
+    that is not there is named (the orchestrator's role cannot create one)."""
+    from azure.storage.blob import ContainerClient
+
+    files = _tree(tmp_path / "src")
+    missing = BlobContainerShare(ContainerClient.from_connection_string(azurite, "no-scripts"))
+    with pytest.raises(ShareError, match="no-scripts does not exist"):
+        missing.upload(files)
+    container = ContainerClient.from_connection_string(azurite, "scripts-blob")
+    container.create_container()
+    share = BlobContainerShare(container)
+    first = share.upload(files)
+    assert sorted(first.uploaded) == sorted(files)
+    for rel, path in files.items():
+        blob = container.get_blob_client(rel)
+        assert blob.download_blob().readall() == path.read_bytes()
+        assert blob.get_blob_properties().metadata[HASH_KEY] == file_sha256(path)
+    again = share.upload(files)
+    assert again.uploaded == [] and again.unchanged == len(files) and again.digest == first.digest
+    files["staging/sync.py"].write_text("Y = 3\n")
+    changed = share.upload(files)
+    assert changed.uploaded == ["staging/sync.py"] and changed.digest != first.digest

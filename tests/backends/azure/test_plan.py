@@ -102,6 +102,8 @@ def test_plan_refuses_the_local_target() -> None:
         ("azure.resource_group=null", "azure.resource_group"),
         ("image.registry_password_secret=null", "image.registry_password_secret"),
         ("pool.infiniband=maybe", "pool.infiniband"),
+        # The scripts on Blob are mounted as the nodes' identity: none given, none to use.
+        ("share.account_url=https://acct.blob.core.windows.net", "azure.identity_resource_id"),
         ("azure.sas_hours=500", "azure.sas_hours"),
     ],
 )
@@ -153,8 +155,16 @@ IDENTITY = (
             "image.registry_password_secret=null",
         ],
         ["pool.dedicated_nodes=8", "pool.vm_size=Standard_NC24ads_A100_v4", "pool.subnet_id=null"],
+        [  # the scripts in a Blob container the nodes mount as their identity: no key at all
+            f"azure.identity_resource_id={IDENTITY}",
+            "azure.identity_client_id=11111111-2222-3333-4444-555555555555",
+            "image.registry_username=null",
+            "image.registry_password_secret=null",
+            "share.account_url=https://acct.blob.core.windows.net",
+            "share.account_key_secret=null",
+        ],
     ],
-    ids=["infiniband", "autoscale", "spot", "identity", "several-nodes"],
+    ids=["infiniband", "autoscale", "spot", "identity", "several-nodes", "blob-scripts"],
 )
 def test_plan_bodies_pass_the_batch_spec(overrides: list[str]) -> None:
     """Every body --plan prints is what the service accepts (the fake's own validator)."""
@@ -173,6 +183,15 @@ def test_plan_bodies_pass_the_batch_spec(overrides: list[str]) -> None:
         assert problems == [], f"{request['step']} {path}: {[str(p) for p in problems]}"
         checked += 1
     assert checked >= 11  # pool, resize, 3 x (job, task, job update), release
+    if "share.account_key_secret=null" in overrides:
+        pool = plan["requests"][0]["pool_settings"]
+        assert "accountKey" not in json.dumps(pool) and "secret" not in json.dumps(pool)
+        (mount,) = [
+            m for m in pool["mountConfiguration"] if "azureBlobFileSystemConfiguration" in m
+        ]
+        blob = mount["azureBlobFileSystemConfiguration"]
+        assert blob["identityReference"] == {"resourceId": IDENTITY}
+        assert (blob["accountName"], blob["containerName"]) == ("acct", "retrain-scripts")
 
 
 def test_a_task_that_could_outlive_the_token_cap_is_refused_before_submission() -> None:
