@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from backends.cost import PoolUsage
     from backends.progress_deadline import ProgressDeadline
+    from backends.spot_fallback import SpotRecord
 
 
 @dataclass
@@ -30,6 +31,10 @@ class TaskResult:
     attempts: int = 1
     # Why attempts were ended as hung (backends/progress_deadline.py), in order.
     stalls: list[str] = field(default_factory=list)
+    # Spot nodes of the run preempted so far, and why it moved to dedicated nodes, if it did
+    # (backends/spot_fallback.py).
+    preemptions: int = 0
+    spot_fallback: str | None = None
 
 
 class Cluster(Protocol):
@@ -61,3 +66,7 @@ class Cluster(Protocol):
     def clock(self) -> datetime: ...
 
     def usage(self, run_id: str, since: datetime, allocations: list[datetime]) -> PoolUsage: ...
+
+    # The node kinds the run used, its Spot preemptions and fallback; None for a cluster that
+    # has no Spot nodes (backends/spot_fallback.py).
+    def spot_record(self) -> SpotRecord | None: ...

@@ -17,6 +17,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backends.spot_fallback import SpotRecord
 
 TASK_PHASES = ("staging", "training", "scoring")
 # The pipeline's task ids start with their step (backends/taskspec.py, tasks/*.py).
@@ -73,6 +77,49 @@ def node_minutes(usage: PoolUsage) -> dict[str, float]:
                 alive * (b - a).total_seconds() / 60
             )
     return minutes
+
+
+def _minutes_between(usage: PoolUsage, start: datetime, end: datetime | None) -> float:
+    """Node-minutes of ``usage`` from ``start`` to ``end`` (None: to the end)."""
+    total = 0.0
+    for node in usage.nodes:
+        a, b = max(node.start, start), node.end if end is None else min(node.end, end)
+        total += max(0.0, (b - a).total_seconds() / 60)
+    return total
+
+
+def spot_comparison(
+    usage: PoolUsage, record: SpotRecord, dedicated_price: float, spot_price: float
+) -> dict[str, object]:
+    """A run with Spot nodes: its node-minutes on Spot and on dedicated nodes (each stretch of
+    its node kinds split by their counts), its preemptions, and, with both prices, what it paid
+    against the same node-minutes all on dedicated nodes."""
+    spot = dedicated = 0.0
+    for i, kinds in enumerate(record.kinds):
+        end = record.kinds[i + 1].since if i + 1 < len(record.kinds) else None
+        start = kinds.since if i else min((n.start for n in usage.nodes), default=kinds.since)
+        minutes = _minutes_between(usage, start, end)
+        share = kinds.spot / max(1, kinds.spot + kinds.dedicated)
+        spot += minutes * share
+        dedicated += minutes * (1 - share)
+    report: dict[str, object] = {
+        "spot_node_minutes": round(spot, 3),
+        "dedicated_node_minutes": round(dedicated, 3),
+        "preemptions": len(record.preemptions),
+        "fallback": record.fallback,
+    }
+    if dedicated_price and spot_price:
+        paid = (spot * spot_price + dedicated * dedicated_price) / 60
+        on_dedicated = (spot + dedicated) * dedicated_price / 60
+        report.update(
+            {
+                "spot_hourly_price": spot_price,
+                "paid": round(paid, 4),
+                "all_dedicated": round(on_dedicated, 4),
+                "saved": round(on_dedicated - paid, 4),
+            }
+        )
+    return report
 
 
 def cost_report(usage: PoolUsage, hourly_price: float, vm_size: str) -> dict[str, object]:

@@ -23,6 +23,7 @@ from core.config import PipelineConfig
 from core.init_from import parse_init_from
 from staging.listing import listing_blob
 from training.args import settings_argv
+from training.preemption import URL_VARIABLE
 
 NFS_MOUNT = "nfs"  # relative mount paths under $AZ_BATCH_NODE_MOUNTS_DIR
 SHARE_MOUNT = "scripts"
@@ -173,6 +174,7 @@ def training_task(
             # The launcher to start; the trainer's --engine (from the same setting) checks it.
             "RETRAIN_ENGINE": config.training.engine,
             "PYTHONUNBUFFERED": "1",
+            **_preemption_notices(config),
         },
         outputs=[
             OutputSpec(f"{OUTPUT_DIR}/**/*", output_prefix),
@@ -180,6 +182,14 @@ def training_task(
         ],
         max_retries=config.retries.training_attempts - 1,
     )
+
+
+def _preemption_notices(config: PipelineConfig) -> dict[str, str]:
+    """Where the trainer watches for a Preempt notice (training/preemption.py): on pools with
+    Spot nodes only, as a dedicated node is never preempted."""
+    if config.pool.low_priority_nodes == 0:
+        return {}
+    return {URL_VARIABLE: config.pool.scheduled_events_url}
 
 
 INIT_FROM_DIR = "init-from"  # below the task's working dir and the NFS folder
@@ -228,8 +238,9 @@ def starting_weights(config: PipelineConfig, output_prefix: str) -> StartSpec:
     return StartSpec(words, [ResourceSpec(blob, f"{INIT_FROM_DIR}/{name}")], place)
 
 
-# Settings that change no weight of the trained model: a Horovod timeline records the run.
-NOT_SHAPING_THE_MODEL = ("timeline",)
+# Settings that change no weight of the trained model, each with the value the digest takes
+# for it: a Horovod timeline records the run; checkpoints inside an epoch resume it exactly.
+NOT_SHAPING_THE_MODEL: dict[str, Any] = {"timeline": False, "checkpoint_minutes": None}
 
 
 def training_task_digest(config: PipelineConfig) -> str:
@@ -239,13 +250,15 @@ def training_task_digest(config: PipelineConfig) -> str:
     :data:`NOT_SHAPING_THE_MODEL` left out. A change here that changes what the nodes run (an
     argument given to the trainer, an environment setting) changes it, as a change of the
     trainer's own code changes the scripts' digest."""
-    settings: dict[str, Any] = {name: False for name in NOT_SHAPING_THE_MODEL}
-    shaped = config.model_copy(update={"training": replace(config.training, **settings)})
+    shaped = config.model_copy(
+        update={"training": replace(config.training, **NOT_SHAPING_THE_MODEL)}
+    )
     spec = training_task(shaped, "task", "key", "outputs")
     shape = {
         "command_line": spec.command_line,
         "coordination_command": spec.coordination_command,
-        "environment": spec.environment,
+        # Where a Spot node reads its notices changes no weight either.
+        "environment": {k: v for k, v in spec.environment.items() if k != URL_VARIABLE},
         "instances": spec.instances,
     }
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]

@@ -36,6 +36,7 @@ FULL: dict[str, list[str]] = {
     "tracking": [],
     "warm_start": [],
     "cost_estimate": [],
+    "preemption": [],
     # Six flow runs per seed (3 seeds): about an hour on 2 cores; not in the quick plan.
     "warm_start_flow": [],
 }
@@ -65,6 +66,7 @@ QUICK: dict[str, list[str]] = {
     "tracking": ["--pairs", "1", "--epochs", "1"],
     "warm_start": ["--epochs", "2", "--v1-epochs", "1", "--seeds", "0"],
     "cost_estimate": ["--runs", "3", "--small", "20"],
+    "preemption": ["--trials", "1", "--epochs", "2", "--repeats", "1"],
     "warm_start_flow": ["--datasets", "digits", "--seeds", "0"],
 }
 # The benchmarks run on a machine with a CUDA GPU, whose results docs/bench-gpu/ keeps.

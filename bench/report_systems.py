@@ -217,3 +217,61 @@ def gpu_fed(r: dict[str, Any]) -> list[str]:
     missing = [e for e in ("horovod", "ddp") if e not in (r.get("fed") or {})]
     lines += [f"- {engine}: not in this run." for engine in missing]
     return [*lines, ""]
+
+
+def preemption(r: dict[str, Any]) -> list[str]:
+    """Work lost per emulated preemption against the checkpoint interval, and the emergency
+    checkpoint of a ResNet-50 (bench/preemption.py)."""
+    lines = [
+        "## What a Spot preemption sets training back (`bench/preemption.py`)",
+        "",
+        f"Machine: {r['machine']}"
+        + (f", load average {r['load_average']}" if r.get("load_average") else "")
+        + ". The ranks agree whether to checkpoint about every "
+        f"{r['agree_seconds']:g} s of training; a node reads its Scheduled Events every "
+        f"{r['poll_seconds']:g} s.",
+        "",
+    ]
+    lost = r.get("work_lost")
+    if lost is not None and "skipped" in lost:
+        lines += [f"Work lost per preemption: not measured here ({lost['skipped']}).", ""]
+    elif lost:
+        lines += [
+            "Work lost per preemption: the training task (2 ranks) on an emulated Batch node, "
+            "the node killed at a random moment of its second epoch; lost is the training time "
+            "from the state of the checkpoint a retry resumes from to the kill.",
+            "",
+            "| checkpoints | preemptions | an epoch | median work lost | most work lost | bound |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for label, s in lost.items():
+            if s["checkpoint_minutes"] is not None:
+                bound = f"the interval, {60 * s['checkpoint_minutes']:g} s"
+            elif s["notice_seconds"] is not None:
+                bound = f"the notice, {s['notice_seconds']:g} s"
+            else:
+                bound = "an epoch"
+            lines.append(
+                f"| {label} | {len(s['trials'])} | {s['epoch_seconds']:.0f} s "
+                f"| {s['median_lost_seconds']:.1f} s "
+                f"| {s['max_lost_seconds']:.1f} s | {bound} |"
+            )
+        lines.append("")
+    e = r.get("emergency")
+    if e:
+        sizes = {x["checkpoint_mb"] for x in e["repeats"]}
+        lines += [
+            f"Emergency checkpoint of a {e['model']} trainer ({e['device']}, "
+            f"{', '.join(f'{s:g}' for s in sorted(sizes))} MB: weights and SGD momentum), "
+            f"median of {len(e['repeats'])}: {e['median_posted_to_on_disk_seconds']:.2f} s "
+            "from the Preempt event posted to the file on disk; "
+            f"{e['median_read_to_on_disk_seconds']:.2f} s from the node reading the notice, "
+            f"of which {e['median_decided_to_on_disk_seconds']:.2f} s from the ranks' decision "
+            "(the copy to host memory, the write, fsync and rename) and the rest waiting for "
+            "the batch in progress to end (the next agreement point): one batch's time, "
+            "seconds for a ResNet-50 on a loaded CPU, a fraction of one on a GPU. Azure gives "
+            "at least 30 s; a batch that takes longer than the notice leaves the last "
+            "checkpoint by time to resume from.",
+            "",
+        ]
+    return lines

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from core.data_versions import DataRoot, check_version_name
 from core.init_from import parse_init_from, url_location
 from training.args import TrainingSettings, about, extra_option_owner, field_metadata
+from training.preemption import AZURE_URL as SCHEDULED_EVENTS_URL
 
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
 _POOL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # Batch REST spec, Pool.id
@@ -323,6 +324,42 @@ class ImageConfig(_Section):
         return value
 
 
+class SpotFallbackConfig(_Section):
+    """When a run on Spot nodes moves to dedicated ones (backends/spot_fallback.py): the pool
+    is resized to as many dedicated nodes as it had nodes in all, and no Spot node."""
+
+    after_preemptions: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="move to dedicated nodes after this many preemptions of the run's Spot "
+        "nodes; off when unset",
+    )
+    after_minutes_without_capacity: float | None = Field(
+        None,
+        gt=0,
+        le=10080,
+        allow_inf_nan=False,
+        description="move to dedicated nodes once the run's task has waited this many minutes "
+        "for Spot nodes that Azure does not give back; off when unset",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.after_preemptions is not None or self.after_minutes_without_capacity is not None
+
+
+def _scheduled_events_url(value: str) -> str:
+    """The instance metadata endpoint's Scheduled Events URL: http(s), a host, no credential;
+    its one query is the API version."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
+        raise ValueError(f"{value!r} is not an http(s) URL with a host and no user")
+    if not re.fullmatch(r"api-version=[0-9]{4}-[0-9]{2}-[0-9]{2}", parts.query):
+        raise ValueError(f"{value!r} must end in ?api-version=YYYY-MM-DD (Azure's: 2020-07-01)")
+    return value
+
+
 class PoolConfig(_Section):
     id: str = Field(
         "retrain-pool", description="the Batch pool id: letters, digits, '-' and '_', at most 64"
@@ -336,6 +373,15 @@ class PoolConfig(_Section):
         description="what one node of vm_size costs per hour (the Azure price list for your "
         "region and offer; the largest GPU sizes are well under 1000); each run's summary "
         "multiplies its node-minutes by it; 0 reports node-minutes only",
+    )
+    spot_hourly_price: float = Field(
+        0.0,
+        ge=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="what one Spot node of vm_size costs per hour; with hourly_price (the "
+        "dedicated price), the summary compares what the run paid on Spot with the same "
+        "node-minutes on dedicated nodes; 0 reports node-minutes only",
     )
     dedicated_nodes: int = Field(1, ge=0)
     low_priority_nodes: int = Field(
@@ -392,9 +438,26 @@ class PoolConfig(_Section):
         "training image needs tens of GB (default: the VM image's own size)",
     )
 
+    spot_fallback: SpotFallbackConfig = Field(
+        default_factory=SpotFallbackConfig,
+        description="when a run on Spot nodes moves to dedicated ones (after N preemptions, or "
+        "M minutes without Spot capacity)",
+    )
+    scheduled_events_url: str = Field(
+        SCHEDULED_EVENTS_URL,
+        description="where a node with Spot capacity reads Azure's Scheduled Events (the "
+        "instance metadata service); a Preempt notice there makes the trainer checkpoint at "
+        "once. Set only to point emulated nodes at a local endpoint",
+    )
+
     @property
     def nodes(self) -> int:
         return self.dedicated_nodes + self.low_priority_nodes
+
+    @field_validator("scheduled_events_url")
+    @classmethod
+    def _events_url(cls, value: str) -> str:
+        return _scheduled_events_url(value)
 
     @field_validator("id")
     @classmethod
@@ -412,6 +475,15 @@ class PoolConfig(_Section):
     def _some_nodes(self) -> PoolConfig:
         if self.nodes < 1:
             raise ValueError("dedicated_nodes + low_priority_nodes must be at least 1")
+        if self.spot_fallback.enabled and self.low_priority_nodes == 0:
+            raise ValueError(
+                "spot_fallback is set but the pool has no Spot nodes (low_priority_nodes is 0)"
+            )
+        if self.spot_fallback.enabled and self.autoscale_formula:
+            raise ValueError(
+                "spot_fallback resizes the pool, which Batch refuses while autoscale_formula "
+                "sets its size: use one or the other"
+            )
         return self
 
 
@@ -485,12 +557,21 @@ class RetryConfig(_Section):
     )
     # A training attempt that stops making progress (a rank stuck in a collective) is ended
     # and retried from its last checkpoint (backends/progress_deadline.py).
+    stall_startup_seconds: float = Field(
+        3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a training attempt may take to start training (node "
+        "preparation, the data opened and checked, the model built, a checkpoint loaded) "
+        "before it is ended as hung",
+    )
     stall_first_epoch_seconds: float = Field(
         3600.0,
         gt=0,
         allow_inf_nan=False,
-        description="how long a training attempt may run before its first epoch ends "
-        "(start-up and data loading included) before it is ended as hung",
+        description="once training started, how long an attempt may go before its first "
+        "heartbeat (the trainer's batches done, every --heartbeat-seconds) or epoch end; each "
+        "heartbeat renews it, so a first epoch may be as long as its data needs",
     )
     stall_factor: float = Field(
         3.0,

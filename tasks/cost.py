@@ -26,7 +26,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from backends.blob import container_client
 from backends.cluster import Cluster
-from backends.cost import cost_report
+from backends.cost import cost_report, spot_comparison
 from backends.taskspec import stop_request
 from core.budget import CostPlan, plan_cost, seconds_until_cap
 from core.config import PipelineConfig
@@ -202,6 +202,15 @@ class PoolMeter:
             return pool.hourly_price
         return self.plan.rate_per_hour / self.plan.estimate.nodes.total
 
+    def _kind_prices(self) -> tuple[float, float]:
+        """A dedicated and a Spot node's price per hour: the pool's overrides where set, else
+        the price table's (0: not known)."""
+        pool = self.config.pool
+        prices = self.plan.estimate.prices if self.plan else None
+        dedicated = pool.hourly_price or (prices.dedicated if prices else 0.0)
+        spot = pool.spot_hourly_price or (prices.spot if prices and prices.spot else 0.0)
+        return dedicated, spot
+
     def report(self) -> dict[str, Any]:
         """The cost section's data; for a pool that rents nothing, that it does not."""
         pool = self.config.pool
@@ -212,11 +221,15 @@ class PoolMeter:
             if self.allocations is None or self.since is None:
                 raise RuntimeError(self.problem or "the pool was not read before its release")
             usage = self.cluster.usage(self.run_id, self.since, self.allocations)
-            return {
+            report = {
                 "rented": True,
                 **cost_report(usage, self._node_price(), pool.vm_size),
                 **estimate,
             }
+            spot = self.cluster.spot_record()
+            if spot is not None:
+                report["spot"] = spot_comparison(usage, spot, *self._kind_prices())
+            return report
         except Exception as exc:
             get_run_logger().warning("cost not measured: %s", exc)
             return {"vm_size": pool.vm_size, "rented": True, "error": str(exc), **estimate}
@@ -318,6 +331,7 @@ def cost_markdown(cost: dict[str, Any] | None) -> list[str]:
         "From the pool's own timestamps: nodes from allocation to release, each phase from its "
         "task's creation to its end.",
         "",
+        *spot_markdown(cost.get("spot")),
     ]
     return lines
 
@@ -337,3 +351,23 @@ def stopped_markdown(run_id: str, why: str, cost: dict[str, Any]) -> None:
         key="retrain-summary",
         description=f"retrain {run_id}: stopped",
     )
+
+
+def spot_markdown(spot: dict[str, Any] | None) -> list[str]:
+    """The cost section's lines on Spot nodes: minutes by kind, preemptions, the comparison."""
+    if not spot:
+        return []
+    lines = [
+        f"On Spot: {spot['spot_node_minutes']:.2f} node-minutes, on dedicated nodes "
+        f"{spot['dedicated_node_minutes']:.2f}; {spot['preemptions']} preemption(s)"
+        + (f"; moved to dedicated nodes: {spot['fallback']}." if spot["fallback"] else "."),
+    ]
+    if "paid" in spot:
+        lines.append(
+            f"Paid about {spot['paid']:.2f} (Spot at {spot['spot_hourly_price']:g} per "
+            f"node-hour); the same node-minutes on dedicated nodes: {spot['all_dedicated']:.2f} "
+            f"(saved {spot['saved']:.2f})."
+        )
+    else:
+        lines.append("Set pool.hourly_price and pool.spot_hourly_price to compare their cost.")
+    return [*lines, ""]

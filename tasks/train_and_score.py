@@ -20,7 +20,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from backends.cluster import Cluster
-from backends.progress_deadline import ProgressDeadline
+from backends.progress_deadline import ProgressDeadline, trainer_record
 from backends.taskspec import training_task, training_task_digest
 from core.config import PipelineConfig
 from core.run import Run
@@ -76,16 +76,9 @@ def progress_text(record: dict[str, Any], seen: list[dict[str, Any]]) -> str:
 
 
 def progress_record(line: str) -> dict[str, Any] | None:
-    """The record of a trainer's ``PROGRESS {json}`` line, or None where it cannot be read.
-
-    Text either side of the object is ignored: the line is a log line, and a line glued to it
-    by another writer on the same pipe (an older trainer wrote its newline apart) must not fail
-    a training that is going well."""
-    try:
-        record, _ = json.JSONDecoder().raw_decode(line.split("PROGRESS ", 1)[1])
-    except (IndexError, json.JSONDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
+    """The record of a trainer's ``PROGRESS {json}`` line, or None where it cannot be read
+    (text either side of the object ignored: an older trainer wrote its newline apart)."""
+    return trainer_record(line, "PROGRESS")
 
 
 @step("run-training")
@@ -116,6 +109,7 @@ def run_training(
     def on_line(line: str) -> None:
         tail.append(line)
         logger.info(line)
+        deadline.observe(line)  # heartbeats and epochs are progress
         if "PROGRESS " not in line:
             return
         record = progress_record(line)
@@ -130,13 +124,6 @@ def run_training(
         if "epoch" not in record:
             return  # an attempt that resumed after the last epoch: nothing trained
         epochs.append(record)
-        seconds = record.get("seconds")
-        deadline.progress(
-            int(record["epoch"]),
-            float(seconds) if isinstance(seconds, int | float) else None,
-            # The cap, or an early stop: the trainer scores and exports next.
-            last=record["epoch"] == record.get("epochs") or record.get("stop") is True,
-        )
         if on_epoch is not None:
             on_epoch(record)
         update_progress_artifact(
@@ -184,6 +171,12 @@ def run_training(
             "outputs": len(result.uploaded),
             "attempts": result.attempts,
             "stalls": result.stalls,
+            # Spot nodes preempted, and the move to dedicated ones (pool.spot_fallback).
+            **(
+                {"preemptions": result.preemptions, "spot_fallback": result.spot_fallback}
+                if result.preemptions or result.spot_fallback
+                else {}
+            ),
         },
     )
 

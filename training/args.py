@@ -137,6 +137,16 @@ class TrainingSettings:
             "DistributedDataParallel under torchrun; needs no Horovod build)"
         ),
     )
+    checkpoint_minutes: float | None = field(
+        default=None,
+        metadata=about(
+            "also checkpoint every this many minutes of training, inside an epoch too (a retry "
+            "resumes at the first batch not yet trained); off when unset: once per epoch",
+            gt=0,
+            le=10080,
+            allow_inf_nan=False,
+        ),
+    )
     profile_steps: int | None = field(
         default=None,
         metadata=about(
@@ -299,6 +309,15 @@ class TrainerArgs(TrainingSettings):
             "when this file exists at the start of an epoch, stop there: the last checkpoint "
             "is kept to resume from, a PROGRESS line says so, and the exit status is 0 (a "
             "requested stop is no failure to retry); the pipeline's budget stop"
+        ),
+    )
+    heartbeat_seconds: float = field(
+        default=30.0,
+        metadata=about(
+            "seconds between rank 0's HEARTBEAT lines (batches done), which an orchestrator's "
+            "stall deadline counts as progress",
+            gt=0,
+            allow_inf_nan=False,
         ),
     )
 

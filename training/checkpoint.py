@@ -56,8 +56,11 @@ from common.atomic import atomic_write, atomic_write_json
 log = logging.getLogger("training")
 
 FORMAT_VERSION = 1
-_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+# checkpoint-<E>.pt: after epoch E; checkpoint-<E>-<B>.pt: inside epoch E, B of its batches done.
+_NAME = re.compile(r"^checkpoint-(\d+)(?:-(\d+))?\.pt$")
 REQUIRED_KEYS = {"format_version", "epoch", "model", "optimizer", "args", "history"}
+# What each rank has summed of an epoch a checkpoint is inside of (``batch`` > 0).
+PARTIAL_KEYS = ("loss_sum", "correct", "seen", "seconds")
 # Written beside the checkpoints once the model was exported from them: the folder's training
 # is over, no later attempt of that run needs it.
 FINISHED = "finished.json"
@@ -67,8 +70,8 @@ MARKER = "checkpoint-folder.json"
 # What a checkpoint folder holds: checkpoints, the two markers, and atomic_write's temp files
 # (".<name>.<random>.tmp") left by a writer that died.
 _OWN_FILE = re.compile(
-    r"^(checkpoint-\d+\.pt|finished\.json|checkpoint-folder\.json"
-    r"|\.(checkpoint-\d+\.pt|finished\.json|checkpoint-folder\.json)\..+\.tmp)$"
+    r"^(checkpoint-\d+(-\d+)?\.pt|finished\.json|checkpoint-folder\.json"
+    r"|\.(checkpoint-\d+(-\d+)?\.pt|finished\.json|checkpoint-folder\.json)\..+\.tmp)$"
 )
 DAY_SECONDS = 86_400
 
@@ -77,16 +80,27 @@ def atomic_save(obj: object, path: Path) -> None:
     atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
-def checkpoint_path(directory: Path, epoch: int) -> Path:
-    return directory / f"checkpoint-{epoch}.pt"
+def checkpoint_path(directory: Path, epoch: int, batch: int = 0) -> Path:
+    """After ``epoch`` (``batch`` 0), or inside it with ``batch`` of its batches trained."""
+    return directory / (f"checkpoint-{epoch}-{batch}.pt" if batch else f"checkpoint-{epoch}.pt")
+
+
+def checkpoint_position(path: Path) -> tuple[int, int] | None:
+    """(whole epochs done, batches done in the next) of a checkpoint's file name."""
+    m = _NAME.match(path.name)
+    if m is None:
+        return None
+    epoch, batch = int(m.group(1)), int(m.group(2) or 0)
+    return (epoch - 1, batch) if batch else (epoch, 0)
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(epoch, path) for every checkpoint file, newest first."""
+    """(whole epochs done, path) for every checkpoint file, newest first (inside an epoch, the
+    one with more of its batches trained first)."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return sorted(found, reverse=True)
+    found = [(pos, p) for p in directory.iterdir() if (pos := checkpoint_position(p)) is not None]
+    return [(pos[0], p) for pos, p in sorted(found, reverse=True)]
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -106,6 +120,15 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} has epoch {state['epoch']!r}, not a positive integer")
     if not isinstance(state["history"], list):
         raise ValueError(f"{path} has a history that is not a list")
+    batch = state.get("batch", 0)
+    if type(batch) is not int or batch < 0:
+        raise ValueError(f"{path} has batch {batch!r}, not a count of batches")
+    partial = state.get("partial")
+    if batch and not (
+        isinstance(partial, list)
+        and all(isinstance(p, dict) and set(p) >= set(PARTIAL_KEYS) for p in partial)
+    ):
+        raise ValueError(f"{path} is inside an epoch but lacks the epoch's partial sums")
     return state
 
 
@@ -301,16 +324,17 @@ class CheckpointWriter:
         self.stalls: list[float] = []  # seconds each save held its caller
         self._claimed = False
 
-    def save(self, state: dict[str, Any], epoch: int) -> float:
-        """Snapshot ``state`` and start writing it as ``checkpoint-<epoch>.pt``; returns the
-        seconds the caller was held (the previous write's remainder, if any, and the copy)."""
+    def save(self, state: dict[str, Any], epoch: int, batch: int = 0) -> float:
+        """Snapshot ``state`` and start writing it as ``checkpoint-<epoch>.pt`` (or
+        ``checkpoint-<epoch>-<batch>.pt`` inside the epoch); returns the seconds the caller was
+        held (the previous write's remainder, if any, and the copy)."""
         started = time.perf_counter()
         self.wait()
         if not self._claimed:
             claim_folder(self.directory)  # marked as the trainer's when this creates it
             self._claimed = True
         snapshot = host_copy(state)
-        path = checkpoint_path(self.directory, epoch)
+        path = checkpoint_path(self.directory, epoch, batch)
         self._path = path
         self._thread = threading.Thread(
             target=self._write, args=(snapshot, path), name=f"write-{path.name}"

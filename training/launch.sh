@@ -82,12 +82,13 @@ torchrun_words() {  # $1: the node's address, $2: whether it hosts the rendezvou
     -m training.train "$@"
 }
 # What the remote torchrun inherits, as horovodrun forwards it: the import path, the tools'
-# PATH, and the collectives' and threads' tuning. Every value is quoted for the remote shell.
+# PATH, the collectives' and threads' tuning, and where a Spot node reads its preemption
+# notices. Every value is quoted for the remote shell.
 forward=()
 for name in $(compgen -e); do
   case $name in
     PATH|PYTHONPATH|PYTHONUNBUFFERED|LD_LIBRARY_PATH|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|\
-    MKL_NUM_THREADS|NCCL_*|GLOO_*|TORCH_*) forward+=("$name=${!name}") ;;
+    MKL_NUM_THREADS|NCCL_*|GLOO_*|TORCH_*|RETRAIN_SCHEDULED_EVENTS_URL) forward+=("$name=${!name}") ;;
   esac
 done
 quoted() { local out="" word; for word in "$@"; do out+="$(printf '%q' "$word") "; done; printf '%s' "$out"; }

@@ -17,8 +17,8 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Any, TextIO, cast
 
 import numpy as np
@@ -33,6 +33,7 @@ from imagedata.data import open_dataset
 from imagedata.dataset import DatasetError, DatasetInfo, SplitData
 from imagedata.shards import ShardSplit
 from training import checkpoint as ckpt
+from training import checkpoint_policy as moments
 from training import distributed as dist
 from training import profiling
 from training import speed as fast
@@ -45,6 +46,7 @@ from training.args import (
 from training.distributed import GradientOptions, UsageError, World
 from training.models import MODEL_FORMAT_VERSION, build_model, upgrade_state_dict
 from training.onnx_export import ExportError, check_images, write_onnx
+from training.preemption import Notice, PreemptionWatcher
 from training.stopping import StoppingRule, hold_out, metric_value
 from training.weights import InitFromError, carry, network_parameters, read_weights
 
@@ -84,6 +86,52 @@ class SliceSampler(DistributedSampler[Any]):
 
     def __iter__(self) -> Iterator[int]:
         return (self.indices[i] for i in super().__iter__())
+
+
+class ResumingSampler(Sampler[int]):
+    """This rank's share of an epoch in ``DistributedSampler``'s order (a function of the seed,
+    the epoch and the images trained on: the whole train split, or what a ``SliceSampler``
+    leaves of it), from a position: an attempt that resumes inside an epoch trains exactly the
+    batches its checkpoint had not, in the order the first attempt would have."""
+
+    def __init__(self, inner: DistributedSampler[Any]) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """The order of ``epoch``, its first ``skip`` indices left out."""
+        self.inner.set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.inner)[self.skip :])
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)
+
+
+@dataclass(frozen=True)
+class EpochSums:
+    """What one rank has summed of an epoch so far (``training.checkpoint.PARTIAL_KEYS``)."""
+
+    loss_sum: float
+    correct: float
+    seen: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EpochStart:
+    """Where an epoch resumes: ``batch`` of its batches trained, this rank's sums of them, and
+    its random streams as they were then (set once the epoch's loader has started: starting it
+    draws a seed, which the first attempt drew before its first batch, not at this one)."""
+
+    batch: int
+    sums: EpochSums
+    rng: dict[str, Any] | None = None
+
+
+AfterBatch = Callable[[int, int, Callable[[], EpochSums]], None]
 
 
 def _loader_workers(requested: int, world: World, split: SplitData) -> int:
@@ -257,21 +305,42 @@ class Trainer:
         return loss.detach(), logits.detach()
 
     def train_epoch(
-        self, epoch: int, loader: Batches, step: int, profiler: Any = None
+        self,
+        epoch: int,
+        loader: Batches,
+        step: int,
+        profiler: Any = None,
+        start: EpochStart | None = None,
+        after_batch: AfterBatch | None = None,
     ) -> tuple[dict[str, float], int]:
         """One pass over this rank's shard; returns the epoch's summed stats and the next step.
-        ``profiler`` (training.profiling), when given, is told of every batch's end."""
+        ``profiler`` (training.profiling), when given, is told of every batch's end. ``start``:
+        the loader begins after the batches a checkpoint inside this epoch had trained, whose
+        sums it carries. ``after_batch(done, step, sums)`` is called after every batch (``done``
+        of the epoch's batches trained; ``sums()`` gives this rank's sums so far, waiting for
+        the device, so it is called only when they are needed)."""
         self.model.train()
         k = self.args.backward_passes_per_step
+        skip = start.batch if start is not None else 0
+        total = skip + len(loader)
         # With gradient accumulation, a trailing group of fewer than k batches would leave
         # Horovod's per-parameter pass counters (DDP's unsynchronised gradients) out of step
         # with the other ranks: drop it.
-        usable = len(loader) - len(loader) % k
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.world.device)
-        correct = torch.zeros((), dtype=torch.float64, device=self.world.device)
-        seen = 0
-        started = time.perf_counter()
-        for i, (images, labels) in enumerate(loader):
+        usable = total - total % k
+        before = start.sums if start is not None else EpochSums(0.0, 0.0, 0, 0.0)
+        device = self.world.device
+        loss_sum = torch.full((), before.loss_sum, dtype=torch.float64, device=device)
+        correct = torch.full((), before.correct, dtype=torch.float64, device=device)
+        seen = before.seen
+        started = time.perf_counter() - before.seconds
+
+        def sums() -> EpochSums:
+            return EpochSums(float(loss_sum), float(correct), seen, time.perf_counter() - started)
+
+        batches = iter(loader)
+        if start is not None and start.rng is not None:
+            _set_rng_state(start.rng)
+        for i, (images, labels) in enumerate(batches, start=skip):
             if i >= usable:
                 break
             if i % k == 0:
@@ -290,6 +359,8 @@ class Trainer:
                 self._check_finite(epoch, i + 1, loss_sum, seen)
             if profiler is not None:
                 profiler.step()
+            if after_batch is not None:
+                after_batch(i + 1, step, sums)
         if profiler is not None:
             profiler.stop()  # writes the trace, also when the epoch ended before its last step
         if self.world.device.type == "cuda":
@@ -366,10 +437,33 @@ class Trainer:
 @dataclass
 class Best:
     """The best epoch so far and its weights, a host copy every rank keeps (None: the model
-    as it stands is that epoch's, as in a checkpoint written at the best epoch)."""
+    as it stands is that epoch's, as in a checkpoint written at the best epoch's end)."""
 
     epoch: int
     weights: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where this attempt starts: ``start_epoch`` (at ``start``'s batch when the checkpoint was
+    inside it), the epochs' history (from which the stopping rule is replayed), ``resumed_from``
+    (whole epochs the checkpoint had done; None on a fresh start), what the training started
+    from, why the checkpoint was written, and its best epoch."""
+
+    start_epoch: int
+    history: list[dict[str, Any]]
+    resumed_from: int | None
+    started_from: dict[str, Any] | None
+    start: EpochStart | None = None
+    reason: str | None = None
+    name: str = ""  # the checkpoint's file name
+    best: Best | None = None
+
+
+# What must be equal for a checkpoint inside an epoch to resume at its batch: each rank's share
+# of the epoch (and of the train images left after a held-out slice, which the seed draws), and
+# the batches it falls into, depend on them.
+_SAME_ORDER = ("batch_size", "backward_passes_per_step", "seed", "compile")
 
 
 def _resume(
@@ -378,9 +472,10 @@ def _resume(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
-) -> tuple[int, list[dict[str, Any]], int | None, dict[str, Any] | None, Best | None]:
-    """Rank 0 loads the newest valid checkpoint; its epoch, history, what the training
-    started from and its best epoch's weights go to every rank.
+) -> Resumed:
+    """Rank 0 loads the newest valid checkpoint; its position, history, what the training
+    started from and its best epoch go to every rank, and each rank its own sums of an epoch
+    it was inside of.
 
     Weights and optimizer state reach the other ranks through the broadcast that follows,
     so only one process reads the (possibly remote) checkpoint file. The best epoch's weights
@@ -401,18 +496,46 @@ def _resume(
         if scaler is not None and found.get("scaler"):
             scaler.load_state_dict(found["scaler"])
         rngs = found.get("rng")
-    meta = (
-        (found["epoch"], found["history"], rngs, found.get("init_from"), found.get("best"))
-        if found is not None
-        else (0, [], None, None, None)
+    meta: tuple[Any, ...] = (None, 0, [], None, None, None, None, "", None)
+    if found is not None:
+        batch = found.get("batch", 0)
+        name = ckpt.checkpoint_path(args.checkpoints, found["epoch"], batch).name
+        partial = found.get("partial")
+        record = found["args"] if isinstance(found["args"], dict) else {}
+        changed = [k for k in _SAME_ORDER if record.get(k) != getattr(args, k)]
+        if batch and (changed or not isinstance(partial, list) or len(partial) != world.size):
+            log.warning(
+                "checkpoint inside epoch %d was written with another %s: that epoch starts "
+                "again from its first batch",
+                found["epoch"],
+                ", ".join(changed) or "number of ranks",
+            )
+            batch, partial = 0, None
+            found["epoch"] -= 1
+        meta = (
+            found["epoch"],
+            batch,
+            found["history"],
+            rngs,
+            found.get("init_from"),
+            partial if batch else None,
+            found.get("reason"),
+            name,
+            found.get("best"),
+        )
+    epoch, batch, history, rngs, started_from, partial, reason, name, best = cast(
+        tuple[Any, ...], dist.broadcast_object(meta)
     )
-    done, history, rngs, started_from, best = cast(
-        tuple[int, list[dict[str, Any]], Any, Any, Any], dist.broadcast_object(meta)
-    )
-    if rngs is not None and len(rngs) == world.size:
-        _set_rng_state(rngs[world.rank])
+    if epoch is None:
+        return Resumed(1, [], None, None)
     kept = Best(best["epoch"], best.get("model")) if best is not None else None
-    return done + 1, history, (done or None), started_from, kept
+    rng = rngs[world.rank] if rngs is not None and len(rngs) == world.size else None
+    if not batch:
+        if rng is not None:
+            _set_rng_state(rng)
+        return Resumed(epoch + 1, history, epoch, started_from, reason=reason, name=name, best=kept)
+    start = EpochStart(batch, EpochSums(**partial[world.rank]), rng)
+    return Resumed(epoch, history, epoch - 1, started_from, start, reason, name, kept)
 
 
 def _init_from(
@@ -451,37 +574,68 @@ def _init_from(
     return cast(dict[str, Any], value)
 
 
-def _save_checkpoint(job: Job, epoch: int) -> None:
-    """Rank 0 writes the state after ``epoch``: weights, optimizer, every rank's random
-    streams, the arguments and the history so far."""
+def _save_checkpoint(
+    job: Job,
+    epoch: int,
+    batch: int = 0,
+    sums: EpochSums | None = None,
+    decision: moments.Decision | None = None,
+) -> None:
+    """Rank 0 writes the state after ``epoch`` (or inside it, after ``batch`` of its batches,
+    with every rank's ``sums`` of them): weights, optimizer, every rank's random streams, the
+    arguments and the history so far. One written on a preemption notice is on disk before
+    training goes on."""
     args, trainer = job.args, job.trainer
-    rngs = dist.gather_objects(_rng_state())  # every rank's, so each resumes its own stream
+    notice = decision.notice if decision is not None else None
+    mine = {
+        "rng": _rng_state(),  # every rank's, so each resumes its own stream
+        "partial": asdict(sums) if sums is not None else None,
+        "notice": asdict(notice) if notice is not None else None,
+    }
+    ranks = cast(list[dict[str, Any]], dist.gather_objects(mine))
     optimizer = dist.optimizer_state(trainer.optimizer)  # whole, even when ranks shard it
+    job.policy.saved()
     if not job.world.is_root:
         return
+    notices = [Notice(**r["notice"]) for r in ranks if r["notice"] is not None]
+    reason = decision.reason if decision is not None else "epoch"
     state = {
         "format_version": ckpt.FORMAT_VERSION,
         "epoch": epoch,
+        "batch": batch,
         "model": trainer.model.state_dict(),
         "optimizer": optimizer,
         "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-        "rng": rngs,
+        "rng": [r["rng"] for r in ranks],
+        "partial": [r["partial"] for r in ranks] if batch else None,
         "args": args.as_record(),
         "history": job.history,
         "init_from": job.init_from,
-        # The best epoch's weights, when they are not this checkpoint's own: a resumed training
-        # still ends with the best epoch's model.
+        "reason": reason if not notices else f"preemption: {notices[0].describe()}",
+        "saved_at": time.time(),
+        # The best epoch, with its weights when they are not this checkpoint's own (never
+        # inside an epoch): a resumed training still ends with the best epoch's model.
         "best": (
             None
             if job.best is None
             else {"epoch": job.best.epoch}
-            if job.best.epoch == epoch
+            if job.best.epoch == epoch and not batch
             else {"epoch": job.best.epoch, "model": job.best.weights}
         ),
     }
+    name = ckpt.checkpoint_path(args.checkpoints, epoch, batch).name
     # The step waits for the copy to host memory only; the file is written in the background.
-    stall = job.checkpoints.save(state, epoch)
-    log.info("checkpoint-%d.pt: training held %.3f s to copy its state", epoch, stall)
+    stall = job.checkpoints.save(state, epoch, batch)
+    if decision is None or decision.reason == "interval":
+        log.info("%s: training held %.3f s to copy its state", name, stall)
+        return
+    job.checkpoints.wait()  # on a notice, the file is on disk before another step
+    if notices:
+        seconds = time.time() - notices[0].seen_at
+        why = f"{notices[0].describe()}, {seconds:.2f} s after the node read it"
+    else:
+        why = "a notice another rank read"
+    log.warning("emergency %s on disk (%s); training goes on until the node is taken", name, why)
 
 
 # ---------------------------------------------------------------------------- main
@@ -496,16 +650,20 @@ class Job:
     data: DatasetInfo
     skipped: list[str]
     trainer: Trainer
-    sampler: DistributedSampler[Any]
+    sampler: ResumingSampler
     loader: Batches
     steps_per_epoch: int
     start_epoch: int
     history: list[dict[str, Any]]
-    resumed_from: int | None  # the checkpoint's epoch this run resumed from
+    resumed_from: int | None  # the whole epochs of the checkpoint this run resumed from
     checkpoints: ckpt.CheckpointWriter  # written by rank 0 only
+    policy: moments.CheckpointPolicy  # when to checkpoint inside an epoch (every rank alike)
+    batches: int  # in a whole epoch, on each rank
     watched: Watched
     rule: StoppingRule  # replayed from the history when resuming
     init_from: dict[str, Any] | None = None  # what it started from (metrics.json's init_from)
+    start: EpochStart | None = None  # inside the first epoch this attempt trains, if resumed so
+    heartbeat: moments.Heartbeat | None = None  # rank 0's
     best: Best | None = None  # the best epoch's weights (None: no split is watched)
 
 
@@ -604,11 +762,10 @@ def set_up(args: TrainerArgs, world: World) -> Job:
     # Wrapped before resuming, so the state loaded is the stepping optimizer's own.
     net, optimizer = dist.wrap(model, base, options)
     scaler = fast.grad_scaler(speed)
-    start_epoch, history, resumed_from, started_from, best = _resume(
-        args, world, model, optimizer, scaler
-    )
-    if resumed_from:
-        log.info("resuming from checkpoint-%d.pt: starting at epoch %d", resumed_from, start_epoch)
+    resumed = _resume(args, world, model, optimizer, scaler)
+    started_from, best = resumed.started_from, resumed.best
+    if resumed.resumed_from is not None:
+        _log_resume(resumed)
     elif args.init_from is not None:
         started_from = _init_from(args, world, model, data.class_names)
     dist.broadcast_state(model, optimizer)
@@ -653,15 +810,52 @@ def set_up(args: TrainerArgs, world: World) -> Job:
         sampler=sampler,
         loader=loader,
         steps_per_epoch=steps_per_epoch,
-        start_epoch=start_epoch,
-        history=history,
-        resumed_from=resumed_from,
+        start_epoch=resumed.start_epoch,
+        history=resumed.history,
+        resumed_from=resumed.resumed_from,
         init_from=started_from,
         checkpoints=ckpt.CheckpointWriter(args.checkpoints, args.keep_checkpoints),
+        policy=_checkpoint_policy(args, world),
+        batches=len(loader),
+        start=resumed.start,
+        heartbeat=moments.Heartbeat(sys.stdout, args.heartbeat_seconds) if world.is_root else None,
         watched=watched,
-        rule=StoppingRule.replay(args.patience, args.min_improvement, history),
+        rule=StoppingRule.replay(args.patience, args.min_improvement, resumed.history),
         best=best,
     )
+
+
+def _log_resume(resumed: Resumed) -> None:
+    reason = resumed.reason or "epoch"
+    why = (
+        " (written by time)"
+        if reason == "interval"
+        else f" (written on a notice: {reason.split(': ', 1)[-1]})"
+        if reason.startswith("preemption")
+        else ""
+    )
+    if resumed.start is None:
+        log.info("resuming from %s%s: starting at epoch %d", resumed.name, why, resumed.start_epoch)
+        return
+    epoch, batch = resumed.start_epoch, resumed.start.batch
+    log.info(
+        "resuming from %s%s: epoch %d goes on at batch %d", resumed.name, why, epoch, batch + 1
+    )
+
+
+def _checkpoint_policy(args: TrainerArgs, world: World) -> moments.CheckpointPolicy:
+    """Checkpoints by time (``--checkpoint-minutes``) and on a preemption notice, which the
+    first rank of each node watches for where the node has Scheduled Events. Whether any rank
+    watches is agreed: every rank must then take part in the agreement points."""
+    watcher = PreemptionWatcher.from_environment() if world.local_rank == 0 else None
+    watched = dist.allreduce_sum([float(watcher is not None)], name="ckpt.watch")[0] > 0
+    policy = moments.CheckpointPolicy(
+        args.checkpoint_minutes,
+        watcher.start() if watcher is not None else None,
+        accumulate=args.backward_passes_per_step,
+        watching=watched,
+    )
+    return policy
 
 
 def _speed(args: TrainerArgs, world: World) -> fast.Speed:
@@ -685,10 +879,10 @@ def _speed(args: TrainerArgs, world: World) -> fast.Speed:
 
 def _train_loader(
     args: TrainerArgs, world: World, split: SplitData, indices: list[int] | None = None
-) -> tuple[DistributedSampler[Any], Batches, int]:
+) -> tuple[ResumingSampler, Batches, int]:
     """This rank's shuffled share of the train split (of its ``indices``, when given), and the
     optimizer steps in an epoch."""
-    sampler: DistributedSampler[Any] = (
+    sampler = ResumingSampler(
         DistributedSampler(
             split.dataset, num_replicas=world.size, rank=world.rank, shuffle=True, seed=args.seed
         )
@@ -756,7 +950,10 @@ def _train(job: Job, writer: Any) -> int | None:
     last = job.start_epoch - 1 if job.rule.stopped else cap
     if args.timeline:
         dist.start_timeline(str(args.output_dir / "timeline.json"))
+    k = args.backward_passes_per_step
     step = (job.start_epoch - 1) * job.steps_per_epoch
+    if job.start is not None:
+        step += job.start.batch // k
     for epoch in range(job.start_epoch, last + 1):
         if _stop_requested(args, world):  # at a checkpoint: the last epoch's, or the resumed one
             job.checkpoints.wait()  # the checkpoint to resume from is on disk
@@ -773,14 +970,22 @@ def _train(job: Job, writer: Any) -> int | None:
                     }
                 )
             return epoch - 1
-        job.sampler.set_epoch(epoch)
+        start = job.start if epoch == job.start_epoch else None
+        done = start.batch if start is not None else 0
+        job.sampler.set_epoch(epoch, skip=done * args.batch_size)
+        job.policy.start_epoch(done)
+        if job.heartbeat is not None and epoch == job.start_epoch:
+            resumed: dict[str, object] = {"resumed_from": job.resumed_from}
+            job.heartbeat.start(epoch, done, job.batches, resumed)
         # The first epoch this attempt trains is profiled when asked (rank 0).
         profiler = (
             profiling.step_profiler(args.profile_steps, args.output_dir, world.rank, world.device)
             if epoch == job.start_epoch
             else None
         )
-        stats, step = trainer.train_epoch(epoch, job.loader, step, profiler)
+        stats, step = trainer.train_epoch(
+            epoch, job.loader, step, profiler, start, _after_batch(job, epoch)
+        )
         if profiler is not None:
             log.info(
                 "profiler trace of epoch %d in %s", epoch, profiling.trace_dir(args.output_dir)
@@ -797,7 +1002,8 @@ def _train(job: Job, writer: Any) -> int | None:
         job.history.append(record)
         _save_checkpoint(job, epoch)
         if world.is_root:
-            emit_progress({**record, "resumed_from": job.resumed_from})
+            at = {"resumed_batch": job.start.batch} if job.start is not None else {}
+            emit_progress({**record, "resumed_from": job.resumed_from, **at})
             _add_scalars(writer, record, epoch)
         if stop:
             log.info(
@@ -862,9 +1068,28 @@ def _keep_best(job: Job) -> None:
         log.info("the model kept is epoch %d's (the best), not epoch %s's", job.best.epoch, trained)
 
 
+def _after_batch(job: Job, epoch: int) -> AfterBatch:
+    """What follows each batch of ``epoch``: rank 0's heartbeat, and at the policy's agreement
+    points a checkpoint inside the epoch when the ranks agree one is due."""
+
+    def after(done: int, step: int, sums: Callable[[], EpochSums]) -> None:
+        if job.heartbeat is not None:
+            job.heartbeat.after_batch(epoch, done, job.batches)
+        if not job.policy.due(done):
+            return
+        decision = job.policy.decide(
+            done, lambda votes: dist.allreduce_sum(votes, name=f"ckpt.{epoch}.{done}")
+        )
+        if decision is not None:
+            _save_checkpoint(job, epoch, done, sums(), decision)
+
+    return after
+
+
 def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:
     """The best epoch's model: its test accuracy, a check that every rank holds the same
     weights, and the outputs."""
+    job.policy.close()
     _keep_best(job)
     test = job.trainer.evaluate(job.data.splits["test"], "test")
     job.checkpoints.wait()  # the last checkpoint is on disk before the outputs say "done"

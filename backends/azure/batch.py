@@ -35,6 +35,7 @@ from backends.azure.batch_requests import (
 from backends.blob import folder
 from backends.cluster import TaskResult
 from backends.lines import read_new_lines
+from backends.spot_fallback import SpotRecord, SpotWatch
 from backends.taskspec import TaskSpec
 from core.config import PipelineConfig
 
@@ -148,6 +149,12 @@ class BatchCluster:
         self._secrets = secrets  # (share key, registry password), fetched only for the pool
         self.polling = polling or Polling()
         self.pool_id = config.pool.id
+        # The run's Spot nodes followed while its tasks run (pools with Spot nodes only).
+        self.spot: SpotWatch | None = None
+
+    def spot_record(self) -> SpotRecord | None:
+        """The node kinds this run used, its preemptions, its move to dedicated nodes."""
+        return self.spot.record if self.spot is not None else None
 
     # -- usage (backends/azure/usage.py reads it, backends/cost.py prices it) -------------------
     def node_allocations(self) -> list[datetime] | None:
@@ -408,6 +415,8 @@ class BatchCluster:
         (``<id>-<attempt>``, in a job of its own), which resumes from the checkpoint. A re-run
         of the step (after the orchestrator crashed) follows the newest of those tasks."""
         started = time.perf_counter()
+        if self.spot is None and self.config.pool.low_priority_nodes > 0:
+            self.spot = SpotWatch(self.config.pool, self.clock())
         used, current = self._newest_attempt(spec, on_line)
         stalls: list[str] = []
         while True:
@@ -420,8 +429,14 @@ class BatchCluster:
                 or used > spec.max_retries
                 or self.job_id(dataclasses.replace(spec, id=next_id)) == self.job_id(current)
             ):
+                record = self.spot_record()
                 return dataclasses.replace(
-                    result, attempts=used, stalls=stalls, seconds=time.perf_counter() - started
+                    result,
+                    attempts=used,
+                    stalls=stalls,
+                    seconds=time.perf_counter() - started,
+                    preemptions=len(record.preemptions) if record else 0,
+                    spot_fallback=record.fallback if record else None,
                 )
             current = dataclasses.replace(spec, id=next_id, max_retries=spec.max_retries - used)
             on_line(
@@ -535,7 +550,8 @@ class BatchCluster:
         stalls: list[str] | None = None,
     ) -> Any:
         offset, retry = 0, 0
-        start: tuple[Any, Any] | None = None  # (start time, node) of the attempt being read
+        # (start time, node, retry count) of the attempt being read
+        start: tuple[Any, Any, int] | None = None
         states: dict[Any, tuple[Any, Any]] = {}
         delays = self.polling.delays()
         lifetime = task_lifetime(self.config, spec)
@@ -551,15 +567,22 @@ class BatchCluster:
                 )
             if info is not None and info.start_time is not None:
                 node = task.node_info.node_id if task.node_info else None
-                if start is not None and start[0] != info.start_time and offset:
+                if start is not None and start[0] != info.start_time and start[2] == retry:
                     offset = 0  # started again without a retry: requeued, new stdout.txt
                     on_line(
                         f"task {spec.id} was requeued (a node was preempted or recovered): "
                         f"it starts again on {node}, from its last checkpoint"
                     )
+                    if self.spot is not None:
+                        self.spot.requeued(now)
                 if deadline is not None and (start is None or start[0] != info.start_time):
                     deadline.restart()  # an attempt starts (first, retried or requeued)
-                start = (info.start_time, node)
+                start = (info.start_time, node, retry)
+            if self.spot is not None and self.spot.on_spot:
+                nodes = list(self.client.list_nodes(self.pool_id))
+                why = self.spot.observe(nodes, task.state == "running", now)
+                if why is not None:
+                    self._fall_back(why, on_line, now)
             if spec.coordination_command:
                 self._log_subtasks(job_id, spec, states, on_line)
             if task.state in ("running", "completed"):
@@ -575,6 +598,21 @@ class BatchCluster:
             if task.creation_time is not None and now > task.creation_time + lifetime:
                 self._give_up(job_id, spec, task, lifetime)
             time.sleep(next(delays))
+
+    def _fall_back(self, why: str, on_line: Callable[[str], None], now: datetime) -> None:
+        """``pool.spot_fallback``: as many dedicated nodes as the pool had nodes, no Spot node.
+        A queued task starts on them once they are ready, from its last checkpoint."""
+        assert self.spot is not None
+        dedicated = self.config.pool.nodes
+        on_line(
+            f"pool {self.pool_id}: {why}: moving to {dedicated} dedicated node(s) "
+            "(pool.spot_fallback)"
+        )
+        self._wait_steady_allocation(fresh=False)
+        self.client.begin_resize_pool(
+            self.pool_id, resize_body(dedicated, 0), polling_interval=self.polling.lro_seconds
+        ).result()
+        self.spot.moved(now, dedicated, why)
 
     def _end_hung(
         self, job_id: str, spec: TaskSpec, reason: str, on_line: Callable[[str], None]
@@ -651,7 +689,10 @@ class BatchCluster:
                 )
             )
 
-        return read_new_lines(size, offset, read, on_line)
+        try:
+            return read_new_lines(size, offset, read, on_line)
+        except ResourceNotFoundError:  # the node went since its size was read: a requeue
+            return offset
 
     def _uploaded(self, spec: TaskSpec) -> list[str]:
         """What the node actually uploaded, listed from the output container."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from backends.cost import PoolUsage
     from backends.progress_deadline import ProgressDeadline
+    from backends.spot_fallback import SpotRecord
 
 
 WATCH_SECONDS = 0.5  # how often a running task's progress deadline is checked
@@ -391,6 +392,9 @@ class LocalCluster:
             end = datetime.fromisoformat(ended) if isinstance(ended, str) else until
             tasks.setdefault(phase, []).append(Span(datetime.fromisoformat(times["created"]), end))
         return PoolUsage([Span(max(a, since), until) for a in allocations], tasks)
+
+    def spot_record(self) -> SpotRecord | None:
+        return None  # one dedicated node: this machine
 
     def release(self) -> dict[str, object]:
         """Stop the tasks this pool started and mark it released (scaled to zero).

@@ -36,6 +36,7 @@ from urllib.parse import parse_qs
 
 import requests
 
+from tests.fakes.scheduled_events import ScheduledEvents
 from tests.fakes.schema import Problem, Schema
 from tests.fakes.transport import Recorder, Request, Response
 
@@ -181,6 +182,9 @@ class FakeBatch:
         self.throttled = 0  # requests answered 429/503
         self.executor: Executor | None = None
         self.identity_upload: Callable[[str, bytes], None] | None = None  # blob URL, data
+        # The nodes' Scheduled Events endpoint, where a preemption with notice is announced.
+        self.scheduled_events: ScheduledEvents | None = None
+        self.preemptions: list[tuple[str, datetime]] = []  # (node id, service time)
         self.clock_offset = timedelta(0)
         self._tick = 0
         self._count = 0
@@ -632,22 +636,43 @@ class FakeBatch:
         return Response(202)
 
     def preempt(
-        self, pool_id: str, node_id: str | None = None, recover_after: int | None = 2
+        self,
+        pool_id: str,
+        node_id: str | None = None,
+        recover_after: int | None = 2,
+        notice_seconds: float | None = None,
     ) -> str:
         """Spot capacity is reclaimed from one low-priority node: its task goes back to the
-        queue (retryCount unchanged). ``recover_after`` requests later a new VM starts in its
-        place, or never (None: the capacity is gone)."""
+        queue (retryCount unchanged), and what the task ran on its nodes is gone (the node
+        runner's ``preempted``: the VM is taken, the task's other instances end with it).
+        ``recover_after`` requests later a new VM starts in its place, or never (None: the
+        capacity is gone). With ``notice_seconds`` and a ``scheduled_events`` endpoint, a
+        ``Preempt`` event for the node is posted there first and the node goes that many
+        seconds later (Azure gives at least 30), the caller waiting meanwhile."""
         with self._lock:
             spot = [
                 n for n in self.nodes[pool_id] if not n["isDedicated"] and n["state"] != "preempted"
             ]
             node = next(n for n in spot if node_id in (None, n["id"]))
+        event = None
+        if notice_seconds is not None and self.scheduled_events is not None:
+            event = self.scheduled_events.preempt([str(node["id"])], notice_seconds)
+            time.sleep(notice_seconds)
+            self.scheduled_events.start(event)
+        with self._lock:
             self._set_node(node, "preempted")
             node["_recover"] = float("inf") if recover_after is None else recover_after
+            self.preemptions.append((str(node["id"]), self.now()))
             for task in self.tasks.values():
                 if node["id"] in task.nodes and task.state == "running":
+                    ran_on = list(task.nodes)
                     self._abandon(task, "active")
-            return str(node["id"])
+                    hook = getattr(self.executor, "preempted", None)
+                    if hook is not None:  # held: nothing is scheduled until the VM is gone
+                        hook(str(node["id"]), ran_on)
+        if event is not None and self.scheduled_events is not None:
+            self.scheduled_events.finish(event)  # the VM is gone, and its events with it
+        return str(node["id"])
 
     # -- jobs ---------------------------------------------------------------------------------
     def _create_job(self, body: dict[str, Any]) -> Response:

@@ -438,6 +438,20 @@ class PoolNodes:
         primary = run.primary
         return Attempt(code, primary.stdout() + primary.stderr(), working_files(primary.wd))
 
+    def preempted(self, node_id: str, task_nodes: list[str]) -> None:
+        """Spot capacity taken back (the fake service's ``preempt``): the node's VM is gone,
+        every process on it killed at once, and the task it ran ends on its other nodes (the
+        service requeues it). A new VM in its place starts with an empty Batch root. Returns
+        once the attempt has ended everywhere."""
+        if self.hosts is None:
+            return
+        for other in [node_id, *(n for n in task_nodes if n != node_id)]:
+            self.node(other).kill_processes()
+        for run in self.runs:
+            if node_id in [sub.node_id for sub in run.subtasks]:
+                run.done.wait(timeout=120)
+        shutil.rmtree(self.node(node_id).root / "workitems", ignore_errors=True)
+
     def _pool_nodes(self, pool_id: str) -> list[dict[str, Any]]:
         assert self.batch is not None, "attach() the nodes to a fake Batch service first"
         return list(self.batch.nodes.get(pool_id, []))

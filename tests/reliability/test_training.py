@@ -4,16 +4,23 @@ corrupt newest checkpoint falls back to the one before."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import psutil
 import pytest
 
+from backends.local.cluster import LocalCluster
+from backends.progress_deadline import ProgressDeadline
+from backends.taskspec import TaskSpec
 from tests.conftest import ROOT, child_env, run_trainer, trainer_command
 from tests.reliability import report, trials
 
@@ -129,4 +136,49 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(
         "newest checkpoint truncated to a third",
         "fell back to checkpoint-2, trained on to epoch 4",
         epochs_redone=1,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.timeout(1800)
+def test_a_slow_first_epoch_is_not_ended_as_hung(tmp_path: Path, horovodrun: Path) -> None:
+    """Issue 50 item 5: a healthy first epoch longer than the first-epoch bound (scaled down to
+    5 s), through the local cluster and the deadline the training step gives it, fed every
+    line of the task's output. Its heartbeats are progress, so it trains to the end. Before,
+    only the once-per-epoch PROGRESS lines counted: the attempt was ended 5 s into its first
+    epoch, and so was every retry. (The floor between heartbeats, 30 s, is kept well above a
+    batch's time on a loaded machine: a bound of a few seconds would end a healthy attempt
+    whose batches stall now and then.)"""
+    cluster = LocalCluster(
+        tmp_path / "work", "p", 1, tmp_path / "nfs", tmp_path / "share", cast(Any, None)
+    )
+    cluster.ensure_pool()
+    deadline = ProgressDeadline(
+        first_epoch_seconds=5, factor=3, floor_seconds=30, startup_seconds=600
+    )
+    out = tmp_path / "out"
+    trainer = [
+        sys.executable, "-m", "training.train", "--data-dir", "synthetic:2000",
+        "--output-dir", str(out), "--epochs", "1", "--model", "cnn", "--image-size", "128",
+        "--batch-size", "8", "--heartbeat-seconds", "0.5", "--no-verify-images",
+    ]  # fmt: skip
+    spec = TaskSpec("slow-first", shlex.join(trainer), environment={"PYTHONPATH": str(ROOT)})
+    lines: list[str] = []
+
+    def on_line(line: str) -> None:  # as the training step feeds it (tasks/train_and_score.py)
+        lines.append(line)
+        deadline.observe(line)
+
+    result = cluster.run_task(spec, on_line, deadline)
+    assert result.exit_code == 0 and result.stalls == [], "\n".join(lines[-30:])
+    (epoch,) = [json.loads(x.split("PROGRESS ", 1)[1]) for x in lines if "PROGRESS " in x]
+    beats = [x for x in lines if "HEARTBEAT " in x]
+    assert epoch["seconds"] > deadline.first_epoch_seconds  # the case: a long first epoch
+    report.record(
+        "training",
+        f"a healthy first epoch of {epoch['seconds']:.0f} s with the first-epoch bound at "
+        f"{deadline.first_epoch_seconds:g} s (local cluster)",
+        f"trained to the end: {len(beats)} heartbeats counted as progress",
+        before_fix="ended as hung 5 s into the epoch (only PROGRESS counted), on every attempt",
     )

@@ -24,6 +24,7 @@ from training.checkpoint import (
     CheckpointWriter,
     atomic_save,
     list_checkpoints,
+    load_checkpoint,
     newest_valid_checkpoint,
     prune_checkpoint_folders,
 )
@@ -303,3 +304,40 @@ def test_killed_during_a_background_write_resumes_from_the_newest_intact(tmp_pat
     assert "resuming from checkpoint-1.pt: starting at epoch 2" in again.output
     assert [e["epoch"] for e in again.metrics["epochs"]] == [1, 2, 3, 4]
     assert [e for e, _ in list_checkpoints(ckpts)] == [4, 3, 2]
+
+
+def _state(epoch: int, batch: int = 0, partial: bool = True) -> dict[str, object]:
+    sums = {"loss_sum": 1.0, "correct": 1.0, "seen": 4, "seconds": 0.5}
+    return {
+        "format_version": 1,
+        "epoch": epoch,
+        "batch": batch,
+        "model": {},
+        "optimizer": {},
+        "args": {},
+        "history": [],
+        "partial": [sums, sums] if batch and partial else None,
+    }
+
+
+def test_checkpoints_inside_an_epoch_order_and_a_torn_one_falls_back(tmp_path: Path) -> None:
+    """A preemption while an emergency checkpoint is written: the file is written under a
+    temporary name and renamed, so the newest name is whole or absent; a torn newest file (a
+    copy gone wrong) falls back to the one before, inside the same epoch."""
+    atomic_save(_state(1), tmp_path / "checkpoint-1.pt")
+    atomic_save(_state(2, 5), tmp_path / "checkpoint-2-5.pt")
+    atomic_save(_state(2, 9), tmp_path / "checkpoint-2-9.pt")
+    torn = tmp_path / "checkpoint-2-9.pt"
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    (tmp_path / ".checkpoint-2-12.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
+    assert [p.name for _, p in list_checkpoints(tmp_path)] == [
+        "checkpoint-2-9.pt",
+        "checkpoint-2-5.pt",
+        "checkpoint-1.pt",
+    ]
+    assert [e for e, _ in list_checkpoints(tmp_path)] == [1, 1, 1]  # whole epochs done
+    found = newest_valid_checkpoint(tmp_path)
+    assert found is not None and (found["epoch"], found["batch"]) == (2, 5)
+    atomic_save(_state(2, 11, partial=False), tmp_path / "checkpoint-2-11.pt")
+    with pytest.raises(ValueError, match="lacks the epoch's partial sums"):
+        load_checkpoint(tmp_path / "checkpoint-2-11.pt")

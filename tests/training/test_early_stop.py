@@ -1,6 +1,7 @@
 """Early stopping in real 2-rank trainings under both engines' launchers: every rank stops
 after the same epoch, and the model exported is the best epoch's weights, also when the
-training resumes from a checkpoint written after that epoch (a retry)."""
+training resumes from a checkpoint written after that epoch (a retry), at an epoch's end or
+inside a later epoch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from imagedata.make_images import write_synthetic
 from tests.conftest import ENGINES, Result, run_trainer
+from training.checkpoint import checkpoint_position, list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("horovodrun")
 
@@ -68,7 +70,8 @@ def test_every_rank_stops_together_and_the_best_epoch_survives_a_resume(
     # The retry: the best epoch's own checkpoint is gone, only checkpoint-2 tells its weights.
     (checkpoints / "checkpoint-1.pt").unlink()
     (out / "model.pt").unlink()
-    again = run_trainer(2, worsening_val, out, "--epochs", "6", *args, engine=engine)
+    retry = ("--epochs", "6", "--checkpoint-minutes", "0.00001", *args)
+    again = run_trainer(2, worsening_val, out, *retry, engine=engine)
     assert again.returncode == 0, again.output
     assert "resuming from checkpoint-2.pt: starting at epoch 3" in again.output
     resumed = _progress(again)
@@ -80,6 +83,33 @@ def test_every_rank_stops_together_and_the_best_epoch_survives_a_resume(
     assert _same(_weights(out / "model.pt", "state_dict"), best_weights)
     digests = again.metrics["weights_digest_per_rank"]
     assert digests[0] == digests[1]
+
+    # The retry also checkpointed by time inside epoch 3 (the first agreement point of an
+    # attempt comes at its first batch; the interval is long over by then). A third attempt
+    # from that checkpoint alone, inside an epoch after the best one: it carries the best
+    # epoch's weights, and the attempt ends with the same records, decision and model.
+    positions = [(checkpoint_position(path), path) for _, path in list_checkpoints(checkpoints)]
+    inside = [(at, path) for at, path in positions if at is not None and at[1]]
+    assert inside, again.output
+    (whole, done), newest = inside[0]
+    assert whole + 1 == 3, newest  # inside epoch 3, after the best epoch 1
+    carried = torch.load(newest, map_location="cpu", weights_only=True)["best"]
+    assert carried["epoch"] == 1 and _same(carried["model"], best_weights)
+    for path in checkpoints.glob("checkpoint-*.pt"):
+        if path != newest:
+            path.unlink()
+    (out / "model.pt").unlink()
+    third = run_trainer(2, worsening_val, out, *retry, engine=engine)
+    assert third.returncode == 0, third.output
+    resuming = f"resuming from {newest.name} (written by time): epoch 3 goes on at batch"
+    assert f"{resuming} {done + 1}" in third.output
+    ended = _progress(third)
+    assert [r["epoch"] for r in ended] == [3] and ended[0]["resumed_batch"] == done
+    for key in ("images", "val_metric", "best_epoch", "stop"):
+        assert ended[0][key] == resumed[0][key], key
+    assert ended[0]["train_loss"] == pytest.approx(resumed[0]["train_loss"], rel=1e-9)
+    assert third.metrics["early_stopping"]["per_rank"] == stop["per_rank"]
+    assert _same(_weights(out / "model.pt", "state_dict"), best_weights)
 
 
 def test_no_val_and_too_few_images_to_hold_out_trains_to_the_cap_and_says_why(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -26,7 +27,7 @@ from tests.conftest import (
     run_trainer,
     trainer_command,
 )
-from training.checkpoint import list_checkpoints
+from training.checkpoint import checkpoint_position, list_checkpoints
 from training.distributed import state_digest
 from training.models import build_model
 
@@ -269,6 +270,83 @@ def test_a_stop_request_ends_training_at_a_checkpoint_the_next_run_resumes(
         {"stopped": "requested", "epochs": 5, "epochs_done": k, "resumed_from": k}
     ]
     assert not (out / "model.pt").exists()
+
+
+def _batch_losses(output: str, epoch: int) -> dict[int, str]:
+    """Rank 0's running mean loss after each batch of ``epoch`` (--log-every 1), as logged."""
+    found = re.findall(rf"epoch {epoch} batch (\d+): mean loss so far ([0-9.]+)", output)
+    return {int(batch): loss for batch, loss in found}
+
+
+def _newest_inside_an_epoch(checkpoints: Path) -> tuple[int, int] | None:
+    """(epoch, batches done) of the newest checkpoint when it is one inside an epoch."""
+    found = list_checkpoints(checkpoints)
+    position = checkpoint_position(found[0][1]) if found else None
+    if position is None or position[1] == 0:
+        return None
+    return position[0] + 1, position[1]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_kill_inside_an_epoch_resumes_at_the_batch_after_its_checkpoint(
+    engine: str, tmp_path: Path
+) -> None:
+    """Checkpoints by time (--checkpoint-minutes) land inside epochs; the job killed after one
+    goes on at the next batch: the same batch, on the same weights, optimizer state, random
+    streams and sums of the epoch so far, as the killed attempt trained there. So both log the
+    same running mean loss at that batch (2 ranks: each skips exactly its own share)."""
+    out = tmp_path / "out"
+    args = ("--epochs", "1", "--batch-size", "8", "--seed", "4", *LOSS_LOG_ARGS)
+    args += ("--checkpoint-minutes", "0.001")  # due at every agreement point (~2 s)
+    log_path = tmp_path / "first.txt"
+    cmd = trainer_command(2, "synthetic:320", out, *args, engine=engine)
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=child_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, "training ended before a checkpoint inside an epoch"
+            assert time.monotonic() < deadline, "no checkpoint inside an epoch within 300 s"
+            at = _newest_inside_an_epoch(out / "checkpoints")
+            if at and at[1] + 2 in _batch_losses(log_path.read_text(errors="replace"), at[0]):
+                break
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
+        proc.wait()
+    at = _newest_inside_an_epoch(out / "checkpoints")
+    assert at is not None
+    epoch, done = at
+    first = _batch_losses(log_path.read_text(errors="replace"), epoch)
+    assert done + 1 in first, "the killed attempt did not log the batch after its checkpoint"
+
+    second = run_trainer(2, "synthetic:320", out, *args, engine=engine)
+    assert second.returncode == 0, second.output
+    assert (
+        f"resuming from checkpoint-{epoch}-{done}.pt (written by time): epoch {epoch} goes on "
+        f"at batch {done + 1}"
+    ) in second.output
+    again = _batch_losses(second.output, epoch)
+    assert min(again) == done + 1  # no batch of the epoch trained twice
+    assert again[done + 1] == first[done + 1]
+    m = second.metrics
+    assert [e["epoch"] for e in m["epochs"]] == [1]
+    # No val split: the epoch trains the train images less the slice early stopping holds out
+    # (the resumed order is the held-out sampler's), every rank an equal share of them.
+    watched = m["early_stopping"]
+    assert watched["split"] == "train slice", watched
+    trained = m["dataset"]["num_train"] - watched["images"]
+    full = -(-trained // 2) * 2  # DistributedSampler pads to equal shares
+    assert m["epochs"][epoch - 1]["images"] == full  # the sums before the kill carried over
+    resumed = [p for p in _progress(second.output) if p["epoch"] == epoch]
+    assert resumed[0]["resumed_from"] == epoch - 1 and resumed[0]["resumed_batch"] == done
 
 
 def _rank_pids(launcher: int, rank: int) -> list[int]:

@@ -22,7 +22,7 @@ from backends.azure.batch import BatchCluster, Polling, PoolError, TaskFailedErr
 from backends.azure.batch_requests import pool_body, wire
 from backends.blob import container_client
 from backends.target import AzureTarget, image_reference
-from backends.taskspec import TaskSpec, scoring_task, training_task
+from backends.taskspec import TaskSpec, scoring_task, staging_task, training_task
 from core.config import ConfigError, PipelineConfig
 from tests.azure_helpers import azure_config
 from tests.fakes.batch import Attempt, wait_until
@@ -666,6 +666,116 @@ def test_preempted_spot_node_requeues_the_task_and_its_log_restarts(
     assert any("was requeued" in line for line in lines)
     assert "resuming from checkpoint-3.pt" in lines
     assert _task(batch, config, "train-spot").execution["retryCount"] == 0
+
+
+def test_a_preemption_between_reading_the_log_size_and_its_lines_is_a_requeue(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The node goes after the log's size was read and before its lines are: the file is gone
+    (404), which is the requeue the next poll sees, not a failed training."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=0", "pool.low_priority_nodes=1")
+    batch.scripts["train-"] = [
+        Attempt(0, "epoch 1 loss 0.5\n", seconds=30),  # preempted before it ends
+        Attempt(0, "resuming from checkpoint-1.pt\n", _training_outputs()),
+    ]
+    record, preempted = batch.requests.add, threading.Event()
+
+    def add(req: Any) -> None:
+        record(req)
+        reading = req.method == "GET" and req.path.endswith("/files/stdout.txt")
+        if reading and not preempted.is_set():
+            preempted.set()
+            batch.preempt(config.pool.id, recover_after=1)  # before the read is answered
+
+    batch.requests.add = add
+    lines: list[str] = []
+    runner, out = _start(cluster, training_task(config, "train-gone", "k", "runs/g"), lines)
+    runner.join(timeout=30)
+    assert preempted.is_set()
+    assert out and not isinstance(out[0], Exception), out
+    assert out[0].exit_code == 0 and out[0].attempts == 1  # a requeue is not a retry
+    assert "resuming from checkpoint-1.pt" in lines
+
+
+@pytest.mark.parametrize(
+    ("fallback", "why"),
+    [
+        ("after_preemptions=1", "1 preemptions of Spot nodes (limit 1)"),
+        ("after_minutes_without_capacity=10", "no Spot capacity for"),
+    ],
+)
+def test_a_run_without_spot_capacity_moves_to_dedicated_nodes(
+    fallback: str, why: str, fake_azure_account, tmp_path: Path
+) -> None:
+    """pool.spot_fallback: the Spot node is preempted and Azure gives no capacity back. After
+    one preemption, or 10 minutes of service time waiting, the pool is resized to a dedicated
+    node and no Spot node; the requeued task runs there and the run says so."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(
+        tmp_path,
+        "pool.dedicated_nodes=0",
+        "pool.low_priority_nodes=1",
+        f"pool.spot_fallback.{fallback}",
+    )
+    batch.scripts["train-"] = [
+        Attempt(0, "epoch 1\n", seconds=30),  # preempted before it ends
+        Attempt(0, "resuming from checkpoint-1-40.pt\n", _training_outputs()),
+    ]
+    lines: list[str] = []
+    runner, out = _start(cluster, training_task(config, "train-fb", "k", "runs/fb"), lines)
+    wait_until(lambda: getattr(_task(batch, config, "train-fb"), "state", "") == "running")
+    batch.preempt(config.pool.id, recover_after=None)  # the capacity is gone
+    if "minutes" in fallback:
+        wait_until(
+            lambda: any("moving to" in line for line in lines) or len(batch.requests.all()) > 200
+        )
+        assert not any("moving to" in line for line in lines)  # not before the 10 minutes
+        batch.clock_offset += timedelta(minutes=11)
+    runner.join(timeout=30)
+    assert out and not isinstance(out[0], Exception), out
+    result = out[0]
+    assert result.exit_code == 0 and result.attempts == 1  # requeued, never retried
+    assert result.preemptions == 1 and result.spot_fallback.startswith(why)
+    moved = [line for line in lines if "moving to 1 dedicated node(s)" in line]
+    assert len(moved) == 1 and why in moved[0] and "pool.spot_fallback" in moved[0]
+    resize = batch.bodies("POST", f"/pools/{config.pool.id}/resize")[-1]
+    assert (resize["targetDedicatedNodes"], resize["targetLowPriorityNodes"]) == (1, 0)
+    task = _task(batch, config, "train-fb")
+    assert task.execution["retryCount"] == 0
+    assert task.nodes == ["tvmps_0001d"]  # the requeued attempt ran on the dedicated node
+    assert "resuming from checkpoint-1-40.pt" in lines
+    record = cluster.spot_record()
+    assert record is not None
+    assert [(k.dedicated, k.spot) for k in record.kinds] == [(0, 1), (1, 0)]
+
+
+@pytest.mark.parametrize("step", ["staging", "scoring"])
+def test_a_preemption_during_staging_or_scoring_requeues_that_task(
+    step: str, fake_azure_account, tmp_path: Path
+) -> None:
+    """Staging (incremental, verified: a second attempt copies what the first did not) and
+    scoring (reads the model, writes one file) start again on the new VM; the requeue is no
+    retry, and the run counts the preemption."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(tmp_path, "pool.dedicated_nodes=0", "pool.low_priority_nodes=1")
+    if step == "staging":
+        spec = staging_task(config, "stage-p", "runs/p")
+        done = {"outputs/staging.json": b"{}"}
+    else:
+        spec = scoring_task("score-p", "runs/p/model.pt", "runs/p")
+        done = {"outputs/score.json": b"{}"}
+    batch.scripts[spec.id] = [Attempt(0, "working\n", seconds=30), Attempt(0, "done\n", done)]
+    lines: list[str] = []
+    runner, out = _start(cluster, spec, lines)
+    wait_until(lambda: getattr(_task(batch, config, spec.id), "state", "") == "running")
+    batch.preempt(config.pool.id, recover_after=1)
+    runner.join(timeout=30)
+    assert out and not isinstance(out[0], Exception), out
+    assert out[0].exit_code == 0 and out[0].attempts == 1 and out[0].preemptions == 1
+    assert _task(batch, config, spec.id).execution["retryCount"] == 0
+    assert any("was requeued (a node was preempted" in line for line in lines)
+    assert f"runs/p/{next(iter(done)).split('/')[1]}" in out[0].uploaded  # the new attempt's
 
 
 def test_task_that_never_gets_nodes_fails_at_its_deadline(

@@ -10,17 +10,24 @@ subtask's stdout.txt and stderr.txt in the task's directory.
 from __future__ import annotations
 
 import shlex
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from backends.azure.batch import BatchCluster
-from backends.taskspec import TaskSpec
+from backends.taskspec import TaskSpec, training_task
+from imagedata.make_images import write_digits
 from tests.backends.azure.test_batch import ready_cluster
 from tests.fakes.node import PoolNodes
+from tests.fakes.scheduled_events import ScheduledEvents
 from tests.nodes_helpers import copy_scripts, require_emulated_nodes
+from tests.reliability import report
+from training.checkpoint import list_checkpoints
 
 # Each command leaves a mark on NFS named for the node it ran on, and what it saw.
 MARK = (
@@ -106,3 +113,87 @@ def test_a_failing_subtask_fails_the_task_and_batch_retries_it(
     stderr = pool.node("tvmps_0001d").root / sub.node_info.task_root_directory / "stderr.txt"
     assert stderr.read_text().strip() == "no GPU here"
     assert [command for _, command in pool.commands].count(spec.command_line) == 0
+
+
+NOTICE_SECONDS = 8.0  # Azure gives at least 30 s; the trainer acts within a few
+
+
+def test_a_preempted_spot_node_resumes_from_its_emergency_checkpoint(
+    fake_azure_account: Any, tmp_path: Path, horovodrun: Path
+) -> None:
+    """A Spot node preempted mid-epoch, through the real SDK, the project's Batch backend and
+    launcher, on an emulated node: the service posts a Preempt event to the node's Scheduled
+    Events endpoint, the trainer (2 ranks) writes an emergency checkpoint inside the epoch, the
+    node is taken (every process on it killed), and the service requeues the task without
+    counting a retry. It starts again on the new VM, with a new stdout.txt, from the newest
+    checkpoint: that one, or an epoch's end that came before the node went (training goes on
+    during the notice): the work lost is under the notice's seconds, not an epoch's."""
+    require_emulated_nodes()
+    batch = fake_azure_account.batch
+    with ScheduledEvents() as events:
+        config, cluster = ready_cluster(
+            tmp_path,
+            "pool.dedicated_nodes=0",
+            "pool.low_priority_nodes=1",
+            "pool.processes_per_node=2",
+            f"pool.scheduled_events_url={events.url()}",
+            "training.model=cnn",
+            "training.epochs=4",
+            "training.batch_size=4",
+            "training.timeline=false",
+            "training.checkpoint_minutes=10",  # the interval never ends here: notices only
+        )
+        batch.scheduled_events = events
+        nodes = [(n["id"], n["ipAddress"]) for n in batch.nodes[config.pool.id]]
+        write_digits(tmp_path / "nfs" / "data", test_fraction=0.2, seed=0, per_class=250)
+        with PoolNodes(tmp_path / "pool", nodes, tmp_path / "nfs", copy_scripts) as pool:
+            pool.attach(batch)
+            spec = training_task(config, "train-spot", "spotkey", "runs/spot")
+            lines: list[str] = []
+            out: list[Any] = []
+            runner = threading.Thread(
+                target=lambda: out.append(cluster.run_task(spec, lines.append)), daemon=True
+            )
+            runner.start()
+            checkpoints = tmp_path / "nfs" / "checkpoints" / "spotkey"
+            deadline = time.monotonic() + 600
+            while not list(checkpoints.glob("checkpoint-*.pt")):  # training is under way
+                assert runner.is_alive() and time.monotonic() < deadline, lines[-20:]
+                time.sleep(0.05)
+            noticed = time.time()
+            batch.preempt(config.pool.id, recover_after=2, notice_seconds=NOTICE_SECONDS)
+            taken = time.time()
+            states = {
+                path: torch.load(path, map_location="cpu", weights_only=True)
+                for _, path in list_checkpoints(checkpoints)
+            }
+            runner.join(timeout=600)
+    assert out and out[0].exit_code == 0, lines[-40:]
+    newest = next(iter(states))  # when the node went
+    notified = [p for p, s in states.items() if s["reason"].startswith("preemption: Preempt")]
+    assert len(notified) == 1, {p.name: s["reason"] for p, s in states.items()}
+    emergency = notified[0]
+    state = states[emergency]
+    assert state["batch"] > 0, emergency.name  # inside an epoch
+    assert noticed < state["saved_at"] < taken
+    # Nothing newer than the emergency checkpoint but an epoch's end (training went on).
+    assert newest == emergency or states[newest]["batch"] == 0, newest.name
+    result = out[0]
+    assert result.attempts == 1 and result.preemptions == 1  # a requeue is not a retry
+    task = batch.tasks[(cluster.job_id(spec), spec.id)]
+    assert task.execution["retryCount"] == 0 and task.starts == 2
+    assert any("was requeued (a node was preempted" in line for line in lines)
+    why = " (written on a notice: Preempt event" if newest == emergency else ": starting at epoch"
+    resumed = f"resuming from {newest.name}{why}"
+    assert any(resumed in line for line in lines), lines[-40:]
+    lost = taken - states[newest]["saved_at"]
+    report.record(
+        "training",
+        f"a Spot node preempted mid-epoch, Preempt notice {NOTICE_SECONDS:g} s ahead "
+        "(2 ranks, emulated Batch node, fake Batch service)",
+        "emergency checkpoint inside the epoch; task requeued (retryCount 0); resumed from it "
+        "on the new VM; model produced",
+        checkpoint=newest.name,
+        seconds_of_work_lost=round(lost, 2),
+        seconds_from_notice_to_checkpoint=round(state["saved_at"] - noticed, 2),
+    )
