@@ -51,6 +51,34 @@ def read_record(container: Any, name: str, limit: int) -> RecordBlob | None:
     return RecordBlob(download.readall(), str(download.properties.etag), limit)
 
 
+MAX_NESTING = 64  # a record is a few levels deep; far below the parser's recursion limit
+_BRACKETS = bytes(range(256)).translate(None, b'[]{}"\\')
+
+
+def _nesting(data: bytes) -> int:
+    """How deep ``data``'s arrays and objects nest, brackets inside strings aside: counted
+    before parsing, since the parser recurses once a level and a recursion error deep in the
+    stack can break whatever runs there (a finaliser, a hook) with it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in data.translate(None, _BRACKETS):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in b"]}":
+            depth -= 1
+    return deepest
+
+
 def json_object(data: bytes, limit: int) -> dict[str, Any] | str:
     """``data`` as a JSON object, or why it is not one, in words a reader can act on: larger
     than ``limit``, empty, not JSON, nested too deep to read (a record nesting every earlier
@@ -59,6 +87,8 @@ def json_object(data: bytes, limit: int) -> dict[str, Any] | str:
         return f"larger than {limit} bytes"
     if not data.strip():
         return "empty"
+    if _nesting(data) > MAX_NESTING:
+        return "nested too deep to read"
     try:
         doc = json.loads(data)
     except RecursionError:

@@ -256,6 +256,11 @@ def test_an_upload_through_storage_faults_stores_every_byte_with_its_md5(
             name,
             api_version=API_VERSION,
             retry_total=6,
+            # Resets and lost answers count against the read and connect budgets (3 each by
+            # default): at a 15% fault rate four in a row on one of ~150 requests is a chance
+            # the test must not take.
+            retry_read=6,
+            retry_connect=6,
             # The storage SDK's ExponentialRetry reads these: waits of about 0.2 s.
             initial_backoff=0,
             increment_base=0.2,
