@@ -113,6 +113,16 @@ class Work:
     images_per_sec: float | None  # the training loop's, all ranks together
     test_images: int | None = None
     epoch_cap: int | None = None  # the most epochs it could train (None: an older record)
+    # The last epoch it reached, resumed-from epochs included (None: an older record).
+    epochs_reached: int | None = None
+
+    @property
+    def share_of_cap(self) -> float | None:
+        """The share of its cap the run's training reached (None: its cap is not known)."""
+        if not self.epoch_cap:
+            return None
+        reached = self.epochs_reached if self.epochs_reached is not None else self.epochs_trained
+        return reached / self.epoch_cap
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,8 @@ class PastRun:
                 parsed = None
             if parsed is not None and not (_count(parsed.epoch_cap) and parsed.epoch_cap):
                 parsed = replace(parsed, epoch_cap=None)
+            if parsed is not None and not _count(parsed.epochs_reached):
+                parsed = replace(parsed, epochs_reached=None)
         paid = cost.get("paid")
         images = cost.get("images")
         return cls(
@@ -350,12 +362,13 @@ def _nominal_rate(config: PipelineConfig) -> tuple[float, str]:
 
 def _epochs(cap: int, history: list[PastRun]) -> tuple[float, str]:
     """The epochs a run capped at ``cap`` is expected to train, and how that was reached: the
-    cap times the median share of their cap that the data root's finished runs trained (early
-    stopping ends most before it), or the cap itself, an upper bound, with no such run."""
+    cap times the median share of their cap that the data root's finished runs reached (early
+    stopping ends most before it; a resumed run counts the epochs of the checkpoint it resumed
+    from), or the cap itself, an upper bound, with no such run."""
     shares = [
-        r.work.epochs_trained / r.work.epoch_cap
+        share
         for r in history
-        if r.complete and r.work is not None and r.work.epoch_cap
+        if r.complete and r.work is not None and (share := r.work.share_of_cap) is not None
     ]
     if not shares:
         return float(cap), (

@@ -142,7 +142,8 @@ class BudgetWatch:
 
 
 def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | None) -> Work | None:
-    """What training did, from the epoch records its trainer printed this run."""
+    """What training did, from the epoch records its trainer printed this run: a resumed run
+    trained fewer epochs than it reached (``resumed_from``, the checkpoint's epochs)."""
     trained = [
         e
         for e in epochs
@@ -151,6 +152,13 @@ def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | No
     if not trained:
         return None
     seconds = sum(float(e["seconds"]) for e in trained)
+    numbered = [int(e["epoch"]) for e in trained if isinstance(e.get("epoch"), int)]
+    resumed = trained[0].get("resumed_from")
+    reached = (
+        max(numbered)  # the trainer numbers epochs from the run's start, resumed ones included
+        if numbered
+        else (resumed if isinstance(resumed, int) else 0) + len(trained)
+    )
     return Work(
         config.training.model,
         config.pool.processes_per_node,
@@ -160,6 +168,7 @@ def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | No
         sum(e["images"] for e in trained) / seconds if seconds > 0 else None,
         test,
         config.training.epoch_cap(),
+        reached,
     )
 
 

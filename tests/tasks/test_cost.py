@@ -60,6 +60,7 @@ def test_the_record_keeps_what_was_paid_and_what_training_did() -> None:
     assert work is not None
     assert (work.epochs_trained, work.train_images, work.images_per_sec) == (2, 800, 400.0)
     assert work.epoch_cap == 3  # what the share of the cap later estimates price comes from
+    assert work.epochs_reached == 3
     assert work_of(config, [], None) is None
     measured = {
         "rented": True,
@@ -111,3 +112,17 @@ def test_the_gates_counts_say_whether_a_slice_of_train_is_held_out() -> None:
     assert counts == DataCounts(485, 435, 50, None, (200, 150, 85))
     assert counts.trained_per_epoch() == 392  # 20 + 15 + 8 held out
     assert data_counts(None) == DataCounts()
+
+
+def test_a_resumed_run_reached_the_epochs_of_its_checkpoint_and_those_it_trained() -> None:
+    config = _config("training.epochs=20")
+    epochs = [
+        {"epoch": e, "epochs": 20, "images": 800.0, "seconds": 2.0, "resumed_from": 6}
+        for e in (7, 8)
+    ]
+    work = work_of(config, epochs, None)
+    assert work is not None and (work.epochs_trained, work.epochs_reached) == (2, 8)
+    assert work.share_of_cap == pytest.approx(8 / 20)
+    unnumbered = [{k: v for k, v in e.items() if k != "epoch"} for e in epochs]
+    again = work_of(config, unnumbered, None)
+    assert again is not None and again.epochs_reached == 8  # resumed_from + epochs trained
