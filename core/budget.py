@@ -27,10 +27,16 @@ def _money(value: float, currency: str) -> str:
 
 
 def check_budget(
-    budget: BudgetConfig, estimate: Estimate, month_spent: float, month: str
+    budget: BudgetConfig,
+    estimate: Estimate,
+    month_spent: float,
+    month: str,
+    spot_fallback: bool = False,
 ) -> Verdict:
     """Whether the run may start: its estimate against ``budget.max_run_cost``, and this
-    month's spend of the data root plus the estimate against ``budget.monthly_cap``."""
+    month's spend of the data root plus the estimate against ``budget.monthly_cap``. With
+    ``spot_fallback`` (Spot nodes that may move to dedicated ones), the estimate checked is the
+    worst the run can reach: the same time on dedicated nodes only."""
     limits = [v for v in (budget.max_run_cost, budget.monthly_cap) if v is not None]
     if not limits:
         return Verdict(True, "no budget set", None)
@@ -51,6 +57,13 @@ def check_budget(
         left.append(budget.monthly_cap - month_spent)
     allowance = max(min(left), 0.0)
     what = f"the estimate {_money(cost, currency)} ({estimate.node_time} of {estimate.vm_size})"
+    bound = estimate.cost_with(NodeMix(estimate.nodes.total, 0))
+    if spot_fallback and estimate.nodes.spot and bound is not None and bound > cost:
+        cost = bound
+        what += (
+            f", up to {_money(bound, currency)} should every node move to dedicated ones "
+            "(pool.spot_fallback),"
+        )
     if budget.max_run_cost is not None and cost > budget.max_run_cost:
         return Verdict(
             False,
@@ -88,6 +101,16 @@ class CostPlan:
     verdict: Verdict
     month_spent: float
     month: str
+    spot_fallback: bool = False  # Spot nodes the run may move to dedicated ones
+
+    @property
+    def watch_rate_per_hour(self) -> float:
+        """The rate the budget's timer runs at: the pool's, or, when its Spot nodes may move to
+        dedicated ones, the dedicated rate (the timer may stop a run early, never late)."""
+        nodes, prices = self.estimate.nodes, self.estimate.prices
+        if self.spot_fallback and nodes.spot and prices is not None:
+            return max(self.rate_per_hour, prices.for_nodes(nodes.total, 0))
+        return self.rate_per_hour
 
     @property
     def rate_per_hour(self) -> float:
@@ -111,6 +134,6 @@ def plan_cost(
     """The estimate of a run of the effective ``config`` and whether the budget lets it start."""
     estimate = estimate_run(config, history, counts, prices, nodes)
     month = f"{now:%Y-%m}"
-    return CostPlan(
-        estimate, check_budget(config.budget, estimate, month_spent, month), month_spent, month
-    )
+    fallback = config.pool.spot_fallback.enabled and estimate.nodes.spot > 0
+    verdict = check_budget(config.budget, estimate, month_spent, month, fallback)
+    return CostPlan(estimate, verdict, month_spent, month, fallback)

@@ -109,7 +109,7 @@ class BudgetWatch:
         self.fired = False
         self.problem: str | None = None
         self._timer: threading.Timer | None = None
-        wait = seconds_until_cap(plan.verdict.allowance, plan.rate_per_hour, spent_so_far)
+        wait = seconds_until_cap(plan.verdict.allowance, plan.watch_rate_per_hour, spent_so_far)
         self.seconds = wait
         if wait is not None:
             self._timer = threading.Timer(wait, self._fire)
@@ -252,6 +252,9 @@ def run_cost_record(
     if not cost.get("rented") or "error" in cost or not cost.get("nodes"):
         return None
     paid = cost["estimated_cost"] if cost.get("hourly_price") else None
+    spot = cost.get("spot")
+    if isinstance(spot, dict) and isinstance(spot.get("paid"), int | float):
+        paid = spot["paid"]  # Spot and dedicated node-minutes each at their own price
     return history_record(
         cost["vm_size"],
         cost["nodes"],

@@ -126,3 +126,28 @@ def test_a_resumed_run_reached_the_epochs_of_its_checkpoint_and_those_it_trained
     unnumbered = [{k: v for k, v in e.items() if k != "epoch"} for e in epochs]
     again = work_of(config, unnumbered, None)
     assert again is not None and again.epochs_reached == 8  # resumed_from + epochs trained
+
+
+def test_a_spot_run_records_its_paid_at_each_kinds_price_and_is_watched_at_dedicated() -> None:
+    measured = {
+        "rented": True,
+        "vm_size": "Standard_NC24ads_A100_v4",
+        "nodes": 2,
+        "node_minutes": {"training": 120.0},
+        "total_node_minutes": 120.0,
+        "hourly_price": 2.0,  # the pool's mean price per node at the start: Spot's, mostly
+        "estimated_cost": 4.0,
+        "spot": {"spot_node_minutes": 60.0, "dedicated_node_minutes": 60.0, "paid": 4.5},
+    }
+    record = run_cost_record(measured, None, 1000, None)
+    assert record is not None and record["paid"] == 4.5  # after the move to dedicated nodes
+    prices = NodePrices(4.0, 0.5, "USD", "test prices")
+    config = _config(
+        "pool.dedicated_nodes=0",
+        "pool.low_priority_nodes=2",
+        "pool.spot_fallback.after_preemptions=2",
+        "budget.max_run_cost=1000",
+    )
+    plan = plan_cost(config, [], DataCounts(1000, 800, 200), prices, 0.0, datetime.now(UTC))
+    watch = BudgetWatch(plan, None, "train-r1", spent_so_far=0.0)
+    assert watch.seconds == pytest.approx(1000 / (2 * 4.0) * 3600)  # not at 2 x 0.5 an hour
