@@ -280,7 +280,7 @@ def _retrain(
             )
             # Past what the run may spend, training is asked to stop at its next checkpoint.
             watch = BudgetWatch(
-                priced.value, target.share(), f"train-{run.id}", meter.spent_so_far()
+                priced.value, target.share(), f"train-{run.id}", meter.spent_so_far(), logger
             ).start()
             try:
                 trained = trainer(run_config, cluster, run, key, tracker.epoch)
@@ -309,6 +309,8 @@ def _retrain(
                 steps.append(release_pool(cluster).record)
                 if meter.plan is not None:  # what a run that provisioned paid, whatever its end
                     cost = meter.report()
+                    if watch is not None:  # a stop request it could not write
+                        cost = watch.note(cost)
                     record.paid(
                         run_cost_record(
                             cost,

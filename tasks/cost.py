@@ -15,6 +15,7 @@ measured is logged and left out of the summary: it never fails a run that traine
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -102,10 +103,23 @@ def estimate_cost(config: PipelineConfig, run: Run, counts: DataCounts) -> Done[
 
 class BudgetWatch:
     """While training: once the pool's price per hour has taken the run to what it may spend,
-    ask the trainer to stop at its next checkpoint (once)."""
+    ask the trainer to stop at its next checkpoint (once). A request that cannot be written is
+    tried again, then logged and kept for the run's summary and record: the run goes on."""
 
-    def __init__(self, plan: CostPlan, share: Any, task_id: str, spent_so_far: float) -> None:
+    TRIES = 4  # each after twice the wait of the one before
+    BACKOFF_SECONDS = 2.0
+
+    def __init__(
+        self,
+        plan: CostPlan,
+        share: Any,
+        task_id: str,
+        spent_so_far: float,
+        logger: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+    ) -> None:
         self.plan, self.share, self.task_id = plan, share, task_id
+        # The timer's thread has no run context: the flow's logger is taken along.
+        self.logger = logger or logging.getLogger(__name__)
         self.fired = False
         self.problem: str | None = None
         self._timer: threading.Timer | None = None
@@ -121,14 +135,26 @@ class BudgetWatch:
         return self
 
     def _fire(self) -> None:
-        try:
-            self.share.put_text(
-                stop_request(self.task_id),
-                f"budget: the run reached {self.plan.verdict.allowance:.2f}, what it may spend\n",
-            )
-            self.fired = True
-        except Exception as exc:  # the run goes on; the overrun shows in its cost
-            self.problem = f"{type(exc).__name__}: {exc}"
+        text = f"budget: the run reached {self.plan.verdict.allowance:.2f}, what it may spend\n"
+        for attempt in range(self.TRIES):
+            if attempt:
+                time.sleep(self.BACKOFF_SECONDS * 2 ** (attempt - 1))
+            try:
+                self.share.put_text(stop_request(self.task_id), text)
+            except Exception as exc:  # the run goes on; the overrun shows in its cost
+                self.problem = f"{type(exc).__name__}: {exc}"
+                continue
+            self.fired, self.problem = True, None
+            return
+        self.problem = (
+            f"the budget's stop request could not be written ({self.TRIES} tries; last: "
+            f"{self.problem}): training went on past what the run may spend"
+        )
+        self.logger.warning("%s", self.problem)
+
+    def note(self, cost: dict[str, Any]) -> dict[str, Any]:
+        """The run's cost section, with the stop request that could not be written, if any."""
+        return {**cost, "budget_stop_failed": self.problem} if self.problem else cost
 
     def stop(self) -> None:
         """Training ended: no request any more, and none left for a later attempt to find."""
@@ -255,7 +281,7 @@ def run_cost_record(
     spot = cost.get("spot")
     if isinstance(spot, dict) and isinstance(spot.get("paid"), int | float):
         paid = spot["paid"]  # Spot and dedicated node-minutes each at their own price
-    return history_record(
+    record = history_record(
         cost["vm_size"],
         cost["nodes"],
         cost["node_minutes"],
@@ -264,6 +290,9 @@ def run_cost_record(
         work,
         plan.estimate if plan else None,
     )
+    if cost.get("budget_stop_failed"):
+        record["budget_stop_failed"] = cost["budget_stop_failed"]
+    return record
 
 
 def _money(value: float | None, estimate: Estimate) -> str:
@@ -321,6 +350,8 @@ def cost_markdown(cost: dict[str, Any] | None) -> list[str]:
     if not cost:
         return []
     lines = ["## Cost", ""]
+    if cost.get("budget_stop_failed"):
+        lines += [f"Over budget: {markdown_text(str(cost['budget_stop_failed']))}.", ""]
     if not cost.get("rented"):
         return [*lines, "The pool rents no nodes: 0 node-minutes billed.", "", *_estimated(cost)]
     if "error" in cost:

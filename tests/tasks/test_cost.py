@@ -151,3 +151,50 @@ def test_a_spot_run_records_its_paid_at_each_kinds_price_and_is_watched_at_dedic
     plan = plan_cost(config, [], DataCounts(1000, 800, 200), prices, 0.0, datetime.now(UTC))
     watch = BudgetWatch(plan, None, "train-r1", spent_so_far=0.0)
     assert watch.seconds == pytest.approx(1000 / (2 * 4.0) * 3600)  # not at 2 x 0.5 an hour
+
+
+class _FlakyShare(LocalShare):
+    """A share whose first ``failures`` writes fail, as a storage outage would."""
+
+    def __init__(self, root: Path, failures: int) -> None:
+        super().__init__(root)
+        self.failures, self.tries = failures, 0
+
+    def put_text(self, rel: str, text: str) -> None:
+        self.tries += 1
+        if self.tries <= self.failures:
+            raise OSError("the share is not reachable")
+        super().put_text(rel, text)
+
+
+def test_a_stop_request_that_fails_is_retried_then_logged_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = _plan(_config("budget.monthly_cap=100000"), spent=100000 - 1.0)
+    flaky = _FlakyShare(tmp_path / "a", failures=BudgetWatch.TRIES - 1)
+    watch = BudgetWatch(plan, flaky, "train-r1", 0.0)  # type: ignore[arg-type]
+    watch.BACKOFF_SECONDS = 0.0
+    watch._fire()
+    assert watch.fired and watch.problem is None and flaky.tries == BudgetWatch.TRIES
+    assert (tmp_path / "a" / stop_request("train-r1")).exists()
+    assert watch.note({"rented": True}) == {"rented": True}
+    down = _FlakyShare(tmp_path / "b", failures=BudgetWatch.TRIES)
+    lost = BudgetWatch(plan, down, "train-r2", 0.0)  # type: ignore[arg-type]
+    lost.BACKOFF_SECONDS = 0.0
+    with caplog.at_level("WARNING"):
+        lost._fire()
+    assert not lost.fired and down.tries == BudgetWatch.TRIES
+    assert "stop request could not be written (4 tries; last: OSError" in caplog.text
+    measured = {
+        "rented": True,
+        "vm_size": "local",
+        "nodes": 1,
+        "node_minutes": {"training": 1.0},
+        "total_node_minutes": 1.0,
+        "hourly_price": 0.0,
+        "estimated_cost": 0.0,
+    }
+    cost = lost.note(measured)
+    assert "the share is not reachable" in "\n".join(cost_markdown(cost))
+    record = run_cost_record(cost, None, 10, None)
+    assert record is not None and "went on past" in record["budget_stop_failed"]
