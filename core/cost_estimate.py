@@ -190,17 +190,49 @@ def history_record(
     images: int | None,
     work: Work | None,
     estimate: Estimate | None,
+    provisional: float | None = None,
 ) -> dict[str, Any]:
-    """What a run's record keeps of its cost: :meth:`PastRun.from_record` reads it back."""
+    """What a run's record keeps of its cost: :meth:`PastRun.from_record` reads it back, and
+    :func:`record_spend` what it spent (``paid``, else the ``provisional`` spend the run was
+    counted for before it was measured), in ``currency`` (the prices' own)."""
     return {
         "vm_size": vm_size,
         "nodes": nodes,
         "node_minutes": node_minutes,
         "paid": paid,
+        "provisional": provisional,
+        "currency": estimate.prices.currency if estimate and estimate.prices else None,
         "images": images,
         "work": asdict(work) if work is not None else None,
         "estimate": estimate.as_record() if estimate is not None else None,
     }
+
+
+def provisional_record(estimate: Estimate, spend: float) -> dict[str, Any]:
+    """The cost a run's record keeps from its estimate until it has measured one: what the
+    monthly cap counts for a run that crashes or is never measured."""
+    return {
+        "provisional": spend,
+        "currency": estimate.prices.currency if estimate.prices else None,
+        "estimate": estimate.as_record(),
+    }
+
+
+def record_spend(cost: object) -> tuple[float, str] | None:
+    """What a run's ``cost`` record says it spent, and in what currency ("": not known, as
+    ``pool.hourly_price`` is): the measured ``paid``, else the ``provisional`` spend; None when
+    it spent nothing priced. An older record without a currency takes its estimate's."""
+    if not isinstance(cost, dict):
+        return None
+    measured = isinstance(cost.get("node_minutes"), dict) and _number(cost.get("paid"))
+    amount = cost.get("paid") if measured else cost.get("provisional")
+    if not _number(amount):
+        return None
+    estimate = cost.get("estimate")
+    currency = cost.get("currency")
+    if currency is None and isinstance(estimate, dict):
+        currency = estimate.get("currency")
+    return float(amount), currency if isinstance(currency, str) else ""
 
 
 def _number(value: object) -> TypeGuard[float]:

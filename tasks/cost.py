@@ -31,7 +31,7 @@ from backends.cost import cost_report, spot_comparison
 from backends.taskspec import stop_request
 from core.budget import CostPlan, plan_cost, seconds_until_cap
 from core.config import PipelineConfig
-from core.cost_estimate import DataCounts, Estimate, Work, history_record
+from core.cost_estimate import DataCounts, Estimate, Work, history_record, provisional_record
 from core.pricing import PriceError, node_prices
 from core.run import Run
 from core.text import markdown_text
@@ -95,7 +95,7 @@ def estimate_cost(config: PipelineConfig, run: Run, counts: DataCounts) -> Done[
             "node_hours": round(plan.estimate.total_node_minutes / 60, 3),
             "cost": plan.estimate.cost,
             "history_runs": plan.estimate.history_runs,
-            "month_spent": round(month_spent, 4),
+            "month_spent": round(plan.month_spent, 4),
             "budget": plan.verdict.reason,
         },
     )
@@ -165,6 +165,13 @@ class BudgetWatch:
                 self.share.delete(stop_request(self.task_id))
             except Exception as exc:  # a leftover request names this run's task only
                 get_run_logger().warning("stop request not removed: %s", exc)
+
+
+def provisional_cost(plan: CostPlan) -> dict[str, Any] | None:
+    """What the run's record keeps from the start of its spend until it is measured: its
+    estimate's bound, so the monthly cap counts a run that crashes (None: not priced)."""
+    bound = plan.bound
+    return None if bound is None else provisional_record(plan.estimate, round(bound, 4))
 
 
 def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | None) -> Work | None:
@@ -289,6 +296,7 @@ def run_cost_record(
         images,
         work,
         plan.estimate if plan else None,
+        plan.bound if plan else None,
     )
     if cost.get("budget_stop_failed"):
         record["budget_stop_failed"] = cost["budget_stop_failed"]

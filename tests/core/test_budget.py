@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from core.budget import check_budget, plan_cost, seconds_until_cap
+from core.budget import MonthSpend, check_budget, plan_cost, seconds_until_cap
 from core.config import ConfigError, PipelineConfig, load_config
 from core.cost_estimate import DataCounts, NodeMix, estimate_run
 from core.pricing import NodePrices
@@ -103,6 +103,23 @@ def test_spot_that_may_fall_back_is_checked_and_watched_at_the_dedicated_price()
         now=NOW,
     )
     assert alone.verdict.allowed and alone.watch_rate_per_hour == alone.rate_per_hour
+
+
+def test_a_monthly_cap_over_runs_in_other_currencies_is_refused_by_name() -> None:
+    config = _config("budget.monthly_cap=100")
+    mixed = MonthSpend({"USD": 10.0, "": 4.0})
+    plan = plan_cost(config, [], COUNTS, PRICES, month_spent=mixed, now=NOW)
+    assert not plan.verdict.allowed
+    assert "budget.monthly_cap cannot be checked" in plan.verdict.reason
+    assert "other currencies than this run's USD (4.00 pool.hourly_price's unit" in (
+        plan.verdict.reason
+    )
+    same = plan_cost(config, [], COUNTS, PRICES, MonthSpend({"USD": 10.0}), NOW)
+    assert same.verdict.allowed and same.month_spent == 10.0
+    assert same.verdict.allowance == pytest.approx(90.0)
+    # Without a monthly cap, the month's spend is not read: the run's own limit holds.
+    alone = plan_cost(_config("budget.max_run_cost=1000"), [], COUNTS, PRICES, mixed, NOW)
+    assert alone.verdict.allowed
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])

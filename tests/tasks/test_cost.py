@@ -4,6 +4,7 @@ record keeps for later estimates, and the summary's estimate beside what was pai
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -13,9 +14,16 @@ from backends.share import LocalShare
 from backends.taskspec import stop_request
 from core.budget import plan_cost
 from core.config import PipelineConfig, load_config
-from core.cost_estimate import DataCounts, PastRun
+from core.cost_estimate import DataCounts, PastRun, record_spend
 from core.pricing import NodePrices
-from tasks.cost import BudgetWatch, cost_markdown, data_counts, run_cost_record, work_of
+from tasks.cost import (
+    BudgetWatch,
+    cost_markdown,
+    data_counts,
+    provisional_cost,
+    run_cost_record,
+    work_of,
+)
 from tasks.fit_to_data import DataFacts
 from tests.conftest import ROOT
 
@@ -198,3 +206,31 @@ def test_a_stop_request_that_fails_is_retried_then_logged_and_reported(
     assert "the share is not reachable" in "\n".join(cost_markdown(cost))
     record = run_cost_record(cost, None, 10, None)
     assert record is not None and "went on past" in record["budget_stop_failed"]
+
+
+def test_a_run_is_counted_for_its_bound_until_it_has_measured_what_it_paid() -> None:
+    config = _config(
+        "pool.dedicated_nodes=0",
+        "pool.low_priority_nodes=2",
+        "pool.spot_fallback.after_preemptions=2",
+    )
+    prices = NodePrices(4.0, 0.5, "EUR", "test prices")
+    plan = plan_cost(config, [], DataCounts(1000, 800, 200), prices, 0.0, datetime.now(UTC))
+    early = provisional_cost(plan)
+    assert plan.bound is not None and plan.estimate.cost is not None
+    assert plan.bound > plan.estimate.cost  # the all-dedicated cost it can reach
+    assert early is not None and record_spend(early) == (round(plan.bound, 4), "EUR")
+    assert PastRun.from_record("r1", early, complete=False) is None  # no history: no phases
+    measured = {
+        "rented": True,
+        "vm_size": "x",
+        "nodes": 2,
+        "node_minutes": {"training": 60.0},
+        "total_node_minutes": 60.0,
+        "hourly_price": 1.0,
+        "estimated_cost": 1.0,
+    }
+    record = run_cost_record(measured, plan, 1000, None)
+    assert record is not None and record_spend(record) == (1.0, "EUR")
+    unpriced = replace(plan, estimate=replace(plan.estimate, prices=None))
+    assert provisional_cost(unpriced) is None  # nothing counts against the budget
