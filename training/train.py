@@ -466,6 +466,26 @@ class Resumed:
 _SAME_ORDER = ("batch_size", "backward_passes_per_step", "seed", "compile")
 
 
+def partial_mismatch(state: dict[str, Any], args: TrainerArgs, ranks: int) -> str | None:
+    """Why a checkpoint inside an epoch cannot resume this run (None: it can, or it is a
+    whole-epoch one). Its weights saw part of the epoch in the order of its ``_SAME_ORDER``
+    settings and number of ranks; under others the position means nothing, and the weights are
+    not those of any epoch's end, so the search goes on to an older checkpoint."""
+    if not state.get("batch"):
+        return None
+    record = state["args"] if isinstance(state.get("args"), dict) else {}
+    changed = [k for k in _SAME_ORDER if record.get(k) != getattr(args, k)]
+    partial = state.get("partial")
+    if not isinstance(partial, list) or len(partial) != ranks:
+        changed.append("number of ranks")
+    if not changed:
+        return None
+    return (
+        f"written inside epoch {state['epoch']} with another {', '.join(changed)}: that "
+        "position does not carry over, so an older whole-epoch checkpoint resumes instead"
+    )
+
+
 def _resume(
     args: TrainerArgs,
     world: World,
@@ -486,7 +506,7 @@ def _resume(
         # A checkpoint written before the ResNets took torchvision's names resumes under them.
         if isinstance(state["model"], dict):
             state["model"] = upgrade_state_dict(args.model, state["model"])
-        return ckpt.mismatch(state, model, optimizer)
+        return partial_mismatch(state, args, world.size) or ckpt.mismatch(state, model, optimizer)
 
     found = ckpt.newest_valid_checkpoint(args.checkpoints, fits) if world.is_root else None
     rngs: list[Any] | None = None
@@ -501,17 +521,6 @@ def _resume(
         batch = found.get("batch", 0)
         name = ckpt.checkpoint_path(args.checkpoints, found["epoch"], batch).name
         partial = found.get("partial")
-        record = found["args"] if isinstance(found["args"], dict) else {}
-        changed = [k for k in _SAME_ORDER if record.get(k) != getattr(args, k)]
-        if batch and (changed or not isinstance(partial, list) or len(partial) != world.size):
-            log.warning(
-                "checkpoint inside epoch %d was written with another %s: that epoch starts "
-                "again from its first batch",
-                found["epoch"],
-                ", ".join(changed) or "number of ranks",
-            )
-            batch, partial = 0, None
-            found["epoch"] -= 1
         meta = (
             found["epoch"],
             batch,
