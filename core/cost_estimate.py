@@ -113,6 +113,16 @@ class Work:
     images_per_sec: float | None  # the training loop's, all ranks together
     test_images: int | None = None
     epoch_cap: int | None = None  # the most epochs it could train (None: an older record)
+    # The last epoch it reached, resumed-from epochs included (None: an older record).
+    epochs_reached: int | None = None
+
+    @property
+    def share_of_cap(self) -> float | None:
+        """The share of its cap the run's training reached (None: its cap is not known)."""
+        if not self.epoch_cap:
+            return None
+        reached = self.epochs_reached if self.epochs_reached is not None else self.epochs_trained
+        return reached / self.epoch_cap
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,8 @@ class PastRun:
                 parsed = None
             if parsed is not None and not (_count(parsed.epoch_cap) and parsed.epoch_cap):
                 parsed = replace(parsed, epoch_cap=None)
+            if parsed is not None and not _count(parsed.epochs_reached):
+                parsed = replace(parsed, epochs_reached=None)
         paid = cost.get("paid")
         images = cost.get("images")
         return cls(
@@ -178,17 +190,49 @@ def history_record(
     images: int | None,
     work: Work | None,
     estimate: Estimate | None,
+    provisional: float | None = None,
 ) -> dict[str, Any]:
-    """What a run's record keeps of its cost: :meth:`PastRun.from_record` reads it back."""
+    """What a run's record keeps of its cost: :meth:`PastRun.from_record` reads it back, and
+    :func:`record_spend` what it spent (``paid``, else the ``provisional`` spend the run was
+    counted for before it was measured), in ``currency`` (the prices' own)."""
     return {
         "vm_size": vm_size,
         "nodes": nodes,
         "node_minutes": node_minutes,
         "paid": paid,
+        "provisional": provisional,
+        "currency": estimate.prices.currency if estimate and estimate.prices else None,
         "images": images,
         "work": asdict(work) if work is not None else None,
         "estimate": estimate.as_record() if estimate is not None else None,
     }
+
+
+def provisional_record(estimate: Estimate, spend: float) -> dict[str, Any]:
+    """The cost a run's record keeps from its estimate until it has measured one: what the
+    monthly cap counts for a run that crashes or is never measured."""
+    return {
+        "provisional": spend,
+        "currency": estimate.prices.currency if estimate.prices else None,
+        "estimate": estimate.as_record(),
+    }
+
+
+def record_spend(cost: object) -> tuple[float, str] | None:
+    """What a run's ``cost`` record says it spent, and in what currency ("": not known, as
+    ``pool.hourly_price`` is): the measured ``paid``, else the ``provisional`` spend; None when
+    it spent nothing priced. An older record without a currency takes its estimate's."""
+    if not isinstance(cost, dict):
+        return None
+    measured = isinstance(cost.get("node_minutes"), dict) and _number(cost.get("paid"))
+    amount = cost.get("paid") if measured else cost.get("provisional")
+    if not _number(amount):
+        return None
+    estimate = cost.get("estimate")
+    currency = cost.get("currency")
+    if currency is None and isinstance(estimate, dict):
+        currency = estimate.get("currency")
+    return float(amount), currency if isinstance(currency, str) else ""
 
 
 def _number(value: object) -> TypeGuard[float]:
@@ -350,12 +394,13 @@ def _nominal_rate(config: PipelineConfig) -> tuple[float, str]:
 
 def _epochs(cap: int, history: list[PastRun]) -> tuple[float, str]:
     """The epochs a run capped at ``cap`` is expected to train, and how that was reached: the
-    cap times the median share of their cap that the data root's finished runs trained (early
-    stopping ends most before it), or the cap itself, an upper bound, with no such run."""
+    cap times the median share of their cap that the data root's finished runs reached (early
+    stopping ends most before it; a resumed run counts the epochs of the checkpoint it resumed
+    from), or the cap itself, an upper bound, with no such run."""
     shares = [
-        r.work.epochs_trained / r.work.epoch_cap
+        share
         for r in history
-        if r.complete and r.work is not None and r.work.epoch_cap
+        if r.complete and r.work is not None and (share := r.work.share_of_cap) is not None
     ]
     if not shares:
         return float(cap), (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -138,13 +138,19 @@ def pool_region(config: PipelineConfig) -> str | None:
 
 
 def node_prices(config: PipelineConfig, table: Path = TABLE) -> NodePrices | None:
-    """What a node costs: ``pool.hourly_price`` when set (every node alike), else the table's
-    price of the pool's size in its region; None for a pool that rents nothing (the local
-    target with no price set). Raises :class:`PriceError` when Azure's price is not known."""
+    """What a node costs: ``pool.hourly_price`` when set, else the table's price of the pool's
+    size in its region, with ``pool.spot_hourly_price`` for Spot nodes when set; None for a
+    pool that rents nothing (the local target with no price set). Raises :class:`PriceError`
+    when Azure's price is not known."""
     pool = config.pool
     if pool.hourly_price > 0:
+        spot = pool.spot_hourly_price or pool.hourly_price
         return NodePrices(
-            pool.hourly_price, pool.hourly_price, "", f"pool.hourly_price ({pool.hourly_price:g})"
+            pool.hourly_price,
+            spot,
+            "",
+            f"pool.hourly_price ({pool.hourly_price:g})"
+            + (f", pool.spot_hourly_price ({spot:g})" if pool.spot_hourly_price else ""),
         )
     if config.target != "azure":
         return None
@@ -155,4 +161,11 @@ def node_prices(config: PipelineConfig, table: Path = TABLE) -> NodePrices | Non
             f"({config.azure.batch_account_url}) is not https://<account>.<region>.batch.azure.com;"
             " set pool.hourly_price"
         )
-    return lookup(load_table(table), pool.vm_size, region, table)
+    prices = lookup(load_table(table), pool.vm_size, region, table)
+    if pool.spot_hourly_price:  # the user's own Spot price over the table's
+        return replace(
+            prices,
+            spot=pool.spot_hourly_price,
+            source=f"{prices.source}; pool.spot_hourly_price ({pool.spot_hourly_price:g})",
+        )
+    return prices

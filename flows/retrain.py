@@ -175,7 +175,14 @@ def _retrain(
     from backends.target import target_for
     from core.links import output_link
     from core.run_events import model_promoted
-    from tasks.cost import BudgetWatch, PoolMeter, data_counts, estimate_cost, run_cost_record
+    from tasks.cost import (
+        BudgetWatch,
+        PoolMeter,
+        data_counts,
+        estimate_cost,
+        provisional_cost,
+        run_cost_record,
+    )
     from tasks.fit_to_data import fit_to_data
     from tasks.follow_champion import follow_champion
     from tasks.init_from import resolve_init_from
@@ -242,6 +249,8 @@ def _retrain(
             priced = estimate_cost(run_config, run, data_counts(gate.value.facts))
             steps.append(priced.record)
             meter.start(priced.value)
+            # Counted by the monthly cap from now on; the measured figure replaces it at the end.
+            record.paid(provisional_cost(priced.value))
             scripts_f = upload_scripts.submit(target)
             image_f = build_image.submit(target)
             pool_f = ensure_pool.submit(cluster)
@@ -280,7 +289,7 @@ def _retrain(
             )
             # Past what the run may spend, training is asked to stop at its next checkpoint.
             watch = BudgetWatch(
-                priced.value, target.share(), f"train-{run.id}", meter.spent_so_far()
+                priced.value, target.share(), f"train-{run.id}", meter.spent_so_far(), logger
             ).start()
             try:
                 trained = trainer(run_config, cluster, run, key, tracker.epoch)
@@ -309,6 +318,8 @@ def _retrain(
                 steps.append(release_pool(cluster).record)
                 if meter.plan is not None:  # what a run that provisioned paid, whatever its end
                     cost = meter.report()
+                    if watch is not None:  # a stop request it could not write
+                        cost = watch.note(cost)
                     record.paid(
                         run_cost_record(
                             cost,

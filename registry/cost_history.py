@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from core.cost_estimate import HISTORY_RUNS, PastRun
+from core.budget import MonthSpend
+from core.cost_estimate import HISTORY_RUNS, PastRun, record_spend
 from core.data_versions import DataRoot
 from registry.layout import run_folder, runs_root
 from registry.run_record import RunRecord, read_run_record
@@ -45,14 +46,17 @@ def history_of(
     return found
 
 
-def spent(records: Iterable[RunRecord], root: DataRoot) -> float:
-    """What the root's runs among ``records`` paid together (runs without a price: nothing)."""
-    total = 0.0
+def spent(records: Iterable[RunRecord], root: DataRoot) -> MonthSpend:
+    """What the root's runs among ``records`` spent together, by currency: each run's measured
+    ``paid``, else the provisional spend it recorded before it was measured (a run that crashed
+    counts for its estimate); runs without a price: nothing."""
+    totals: dict[str, float] = {}
     for record in records:
-        run = past_run(record) if record_root(record.data) == root else None
-        if run is not None and run.paid is not None:
-            total += run.paid
-    return total
+        found = record_spend(record.cost) if record_root(record.data) == root else None
+        if found is not None:
+            amount, currency = found
+            totals[currency] = totals.get(currency, 0.0) + amount
+    return MonthSpend(totals)
 
 
 def _run_ids(outputs: ContainerClient, base: str, starting: str = "") -> list[str]:
@@ -82,7 +86,7 @@ def read_history(
 
 def read_month_spend(
     outputs: ContainerClient, base: str, root: DataRoot, now: datetime, exclude: str = ""
-) -> float:
+) -> MonthSpend:
     """What the root's runs that started in ``now``'s month (UTC) paid."""
     ids = [r for r in _run_ids(outputs, base, f"{now:%Y%m}") if r != exclude]
     return spent(_records(outputs, base, ids), root)

@@ -15,6 +15,7 @@ measured is logged and left out of the summary: it never fails a run that traine
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from backends.cost import cost_report, spot_comparison
 from backends.taskspec import stop_request
 from core.budget import CostPlan, plan_cost, seconds_until_cap
 from core.config import PipelineConfig
-from core.cost_estimate import DataCounts, Estimate, Work, history_record
+from core.cost_estimate import DataCounts, Estimate, Work, history_record, provisional_record
 from core.pricing import PriceError, node_prices
 from core.run import Run
 from core.text import markdown_text
@@ -94,7 +95,7 @@ def estimate_cost(config: PipelineConfig, run: Run, counts: DataCounts) -> Done[
             "node_hours": round(plan.estimate.total_node_minutes / 60, 3),
             "cost": plan.estimate.cost,
             "history_runs": plan.estimate.history_runs,
-            "month_spent": round(month_spent, 4),
+            "month_spent": round(plan.month_spent, 4),
             "budget": plan.verdict.reason,
         },
     )
@@ -102,14 +103,27 @@ def estimate_cost(config: PipelineConfig, run: Run, counts: DataCounts) -> Done[
 
 class BudgetWatch:
     """While training: once the pool's price per hour has taken the run to what it may spend,
-    ask the trainer to stop at its next checkpoint (once)."""
+    ask the trainer to stop at its next checkpoint (once). A request that cannot be written is
+    tried again, then logged and kept for the run's summary and record: the run goes on."""
 
-    def __init__(self, plan: CostPlan, share: Any, task_id: str, spent_so_far: float) -> None:
+    TRIES = 4  # each after twice the wait of the one before
+    BACKOFF_SECONDS = 2.0
+
+    def __init__(
+        self,
+        plan: CostPlan,
+        share: Any,
+        task_id: str,
+        spent_so_far: float,
+        logger: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+    ) -> None:
         self.plan, self.share, self.task_id = plan, share, task_id
+        # The timer's thread has no run context: the flow's logger is taken along.
+        self.logger = logger or logging.getLogger(__name__)
         self.fired = False
         self.problem: str | None = None
         self._timer: threading.Timer | None = None
-        wait = seconds_until_cap(plan.verdict.allowance, plan.rate_per_hour, spent_so_far)
+        wait = seconds_until_cap(plan.verdict.allowance, plan.watch_rate_per_hour, spent_so_far)
         self.seconds = wait
         if wait is not None:
             self._timer = threading.Timer(wait, self._fire)
@@ -121,14 +135,26 @@ class BudgetWatch:
         return self
 
     def _fire(self) -> None:
-        try:
-            self.share.put_text(
-                stop_request(self.task_id),
-                f"budget: the run reached {self.plan.verdict.allowance:.2f}, what it may spend\n",
-            )
-            self.fired = True
-        except Exception as exc:  # the run goes on; the overrun shows in its cost
-            self.problem = f"{type(exc).__name__}: {exc}"
+        text = f"budget: the run reached {self.plan.verdict.allowance:.2f}, what it may spend\n"
+        for attempt in range(self.TRIES):
+            if attempt:
+                time.sleep(self.BACKOFF_SECONDS * 2 ** (attempt - 1))
+            try:
+                self.share.put_text(stop_request(self.task_id), text)
+            except Exception as exc:  # the run goes on; the overrun shows in its cost
+                self.problem = f"{type(exc).__name__}: {exc}"
+                continue
+            self.fired, self.problem = True, None
+            return
+        self.problem = (
+            f"the budget's stop request could not be written ({self.TRIES} tries; last: "
+            f"{self.problem}): training went on past what the run may spend"
+        )
+        self.logger.warning("%s", self.problem)
+
+    def note(self, cost: dict[str, Any]) -> dict[str, Any]:
+        """The run's cost section, with the stop request that could not be written, if any."""
+        return {**cost, "budget_stop_failed": self.problem} if self.problem else cost
 
     def stop(self) -> None:
         """Training ended: no request any more, and none left for a later attempt to find."""
@@ -141,8 +167,16 @@ class BudgetWatch:
                 get_run_logger().warning("stop request not removed: %s", exc)
 
 
+def provisional_cost(plan: CostPlan) -> dict[str, Any] | None:
+    """What the run's record keeps from the start of its spend until it is measured: its
+    estimate's bound, so the monthly cap counts a run that crashes (None: not priced)."""
+    bound = plan.bound
+    return None if bound is None else provisional_record(plan.estimate, round(bound, 4))
+
+
 def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | None) -> Work | None:
-    """What training did, from the epoch records its trainer printed this run."""
+    """What training did, from the epoch records its trainer printed this run: a resumed run
+    trained fewer epochs than it reached (``resumed_from``, the checkpoint's epochs)."""
     trained = [
         e
         for e in epochs
@@ -151,6 +185,13 @@ def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | No
     if not trained:
         return None
     seconds = sum(float(e["seconds"]) for e in trained)
+    numbered = [int(e["epoch"]) for e in trained if isinstance(e.get("epoch"), int)]
+    resumed = trained[0].get("resumed_from")
+    reached = (
+        max(numbered)  # the trainer numbers epochs from the run's start, resumed ones included
+        if numbered
+        else (resumed if isinstance(resumed, int) else 0) + len(trained)
+    )
     return Work(
         config.training.model,
         config.pool.processes_per_node,
@@ -160,6 +201,7 @@ def work_of(config: PipelineConfig, epochs: list[dict[str, Any]], test: int | No
         sum(e["images"] for e in trained) / seconds if seconds > 0 else None,
         test,
         config.training.epoch_cap(),
+        reached,
     )
 
 
@@ -243,7 +285,10 @@ def run_cost_record(
     if not cost.get("rented") or "error" in cost or not cost.get("nodes"):
         return None
     paid = cost["estimated_cost"] if cost.get("hourly_price") else None
-    return history_record(
+    spot = cost.get("spot")
+    if isinstance(spot, dict) and isinstance(spot.get("paid"), int | float):
+        paid = spot["paid"]  # Spot and dedicated node-minutes each at their own price
+    record = history_record(
         cost["vm_size"],
         cost["nodes"],
         cost["node_minutes"],
@@ -251,7 +296,11 @@ def run_cost_record(
         images,
         work,
         plan.estimate if plan else None,
+        plan.bound if plan else None,
     )
+    if cost.get("budget_stop_failed"):
+        record["budget_stop_failed"] = cost["budget_stop_failed"]
+    return record
 
 
 def _money(value: float | None, estimate: Estimate) -> str:
@@ -309,6 +358,8 @@ def cost_markdown(cost: dict[str, Any] | None) -> list[str]:
     if not cost:
         return []
     lines = ["## Cost", ""]
+    if cost.get("budget_stop_failed"):
+        lines += [f"Over budget: {markdown_text(str(cost['budget_stop_failed']))}.", ""]
     if not cost.get("rented"):
         return [*lines, "The pool rents no nodes: 0 node-minutes billed.", "", *_estimated(cost)]
     if "error" in cost:

@@ -30,6 +30,7 @@ from training.preemption import Notice
 
 AGREE_SECONDS = 2.0  # training time between two agreement points, about
 MAX_AGREE_BATCHES = 10_000
+STOP_SECONDS = 5.0  # rank 0 looks for a stop request at most this often
 
 
 class NoticeSource(Protocol):
@@ -42,8 +43,9 @@ class NoticeSource(Protocol):
 
 @dataclass(frozen=True)
 class Decision:
-    """A checkpoint every rank takes now: ``reason`` is "interval" or "preemption";
-    ``notice`` is set on the ranks whose node was notified."""
+    """A checkpoint every rank takes now: ``reason`` is "interval", "preemption" or "stop"
+    (a stop was requested: training ends at this checkpoint); ``notice`` is set on the ranks
+    whose node was notified."""
 
     reason: str
     notice: Notice | None = None
@@ -64,6 +66,8 @@ class CheckpointPolicy:
         watching: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
         agree_seconds: float = AGREE_SECONDS,
+        stop: Callable[[], bool] | None = None,
+        stop_seconds: float = STOP_SECONDS,
     ) -> None:
         self.interval = minutes * 60 if minutes else None
         self.watcher, self.accumulate, self.clock = watcher, accumulate, clock
@@ -76,6 +80,11 @@ class CheckpointPolicy:
         self._next = accumulate
         self._mark = (clock(), 0)  # (time, batches done) at the last point
         self._notice: Notice | None = None
+        # Whether a stop was requested (``--stop-file``): rank 0 looks, at most once per
+        # ``stop_seconds``; every rank votes, so all stop at the same checkpoint.
+        self.stop, self.stop_seconds = stop, stop_seconds
+        self._stop_looked: float | None = None
+        self._stopping = False
 
     @property
     def active(self) -> bool:
@@ -97,11 +106,18 @@ class CheckpointPolicy:
         if self._notice is None and self.watcher is not None:
             self._notice = self.watcher.take()
         late = self.interval is not None and now - self._saved >= self.interval
+        looked = self._stop_looked
+        if (
+            self.stop is not None
+            and not self._stopping
+            and (looked is None or now - looked >= self.stop_seconds)
+        ):
+            self._stop_looked, self._stopping = now, self.stop()
         mark_time, mark_done = self._mark
         per_batch = max(now - mark_time, 1e-6) / max(1, done - mark_done)
         proposal = min(float(MAX_AGREE_BATCHES), max(1.0, self.agree_seconds / per_batch))
-        late_votes, notices, proposals, ranks = agree(
-            [float(late), float(self._notice is not None), proposal, 1.0]
+        late_votes, notices, proposals, ranks, stops = agree(
+            [float(late), float(self._notice is not None), proposal, 1.0, float(self._stopping)]
         )
         steps = max(1, int(proposals / ranks) // self.accumulate)
         self._every = steps * self.accumulate
@@ -109,6 +125,8 @@ class CheckpointPolicy:
         if notices > 0:
             notice, self._notice = self._notice, None
             return Decision("preemption", notice)
+        if stops > 0:
+            return Decision("stop")
         if late_votes > 0:
             return Decision("interval")
         return None

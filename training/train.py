@@ -466,6 +466,26 @@ class Resumed:
 _SAME_ORDER = ("batch_size", "backward_passes_per_step", "seed", "compile")
 
 
+def partial_mismatch(state: dict[str, Any], args: TrainerArgs, ranks: int) -> str | None:
+    """Why a checkpoint inside an epoch cannot resume this run (None: it can, or it is a
+    whole-epoch one). Its weights saw part of the epoch in the order of its ``_SAME_ORDER``
+    settings and number of ranks; under others the position means nothing, and the weights are
+    not those of any epoch's end, so the search goes on to an older checkpoint."""
+    if not state.get("batch"):
+        return None
+    record = state["args"] if isinstance(state.get("args"), dict) else {}
+    changed = [k for k in _SAME_ORDER if record.get(k) != getattr(args, k)]
+    partial = state.get("partial")
+    if not isinstance(partial, list) or len(partial) != ranks:
+        changed.append("number of ranks")
+    if not changed:
+        return None
+    return (
+        f"written inside epoch {state['epoch']} with another {', '.join(changed)}: that "
+        "position does not carry over, so an older whole-epoch checkpoint resumes instead"
+    )
+
+
 def _resume(
     args: TrainerArgs,
     world: World,
@@ -486,7 +506,7 @@ def _resume(
         # A checkpoint written before the ResNets took torchvision's names resumes under them.
         if isinstance(state["model"], dict):
             state["model"] = upgrade_state_dict(args.model, state["model"])
-        return ckpt.mismatch(state, model, optimizer)
+        return partial_mismatch(state, args, world.size) or ckpt.mismatch(state, model, optimizer)
 
     found = ckpt.newest_valid_checkpoint(args.checkpoints, fits) if world.is_root else None
     rngs: list[Any] | None = None
@@ -501,17 +521,6 @@ def _resume(
         batch = found.get("batch", 0)
         name = ckpt.checkpoint_path(args.checkpoints, found["epoch"], batch).name
         partial = found.get("partial")
-        record = found["args"] if isinstance(found["args"], dict) else {}
-        changed = [k for k in _SAME_ORDER if record.get(k) != getattr(args, k)]
-        if batch and (changed or not isinstance(partial, list) or len(partial) != world.size):
-            log.warning(
-                "checkpoint inside epoch %d was written with another %s: that epoch starts "
-                "again from its first batch",
-                found["epoch"],
-                ", ".join(changed) or "number of ranks",
-            )
-            batch, partial = 0, None
-            found["epoch"] -= 1
         meta = (
             found["epoch"],
             batch,
@@ -626,7 +635,7 @@ def _save_checkpoint(
     name = ckpt.checkpoint_path(args.checkpoints, epoch, batch).name
     # The step waits for the copy to host memory only; the file is written in the background.
     stall = job.checkpoints.save(state, epoch, batch)
-    if decision is None or decision.reason == "interval":
+    if decision is None or decision.reason in ("interval", "stop"):
         log.info("%s: training held %.3f s to copy its state", name, stall)
         return
     job.checkpoints.wait()  # on a notice, the file is on disk before another step
@@ -849,11 +858,13 @@ def _checkpoint_policy(args: TrainerArgs, world: World) -> moments.CheckpointPol
     watches is agreed: every rank must then take part in the agreement points."""
     watcher = PreemptionWatcher.from_environment() if world.local_rank == 0 else None
     watched = dist.allreduce_sum([float(watcher is not None)], name="ckpt.watch")[0] > 0
+    stop_file = args.stop_file if world.is_root else None
     policy = moments.CheckpointPolicy(
         args.checkpoint_minutes,
         watcher.start() if watcher is not None else None,
         accumulate=args.backward_passes_per_step,
         watching=watched,
+        stop=stop_file.exists if stop_file is not None else None,
     )
     return policy
 
@@ -940,6 +951,26 @@ def _stop_requested(args: TrainerArgs, world: World) -> bool:
     return bool(dist.broadcast_object(world.is_root and args.stop_file.exists()))
 
 
+def _stop(job: Job, cap: int, done: int, where: str) -> int:
+    """A stop request ends the training at the checkpoint just taken (``where``): status 0,
+    resumable; returns the whole epochs done."""
+    job.checkpoints.wait()  # the checkpoint to resume from is on disk
+    job.policy.close()
+    if job.args.timeline:
+        dist.stop_timeline()
+    if job.world.is_root:
+        log.info("stop requested (%s): stopping %s", job.args.stop_file, where)
+        emit_progress(
+            {
+                "stopped": "requested",
+                "epochs": cap,
+                "epochs_done": done,
+                "resumed_from": job.resumed_from,
+            }
+        )
+    return done
+
+
 def _train(job: Job, writer: Any) -> int | None:
     """The epochs not yet done: train, evaluate, decide whether to stop, checkpoint and report
     each one. Returns the epoch whose checkpoint training stopped at when a stop was requested
@@ -956,20 +987,7 @@ def _train(job: Job, writer: Any) -> int | None:
         step += job.start.batch // k
     for epoch in range(job.start_epoch, last + 1):
         if _stop_requested(args, world):  # at a checkpoint: the last epoch's, or the resumed one
-            job.checkpoints.wait()  # the checkpoint to resume from is on disk
-            if args.timeline:
-                dist.stop_timeline()
-            if world.is_root:
-                log.info("stop requested (%s): stopping after epoch %d", args.stop_file, epoch - 1)
-                emit_progress(
-                    {
-                        "stopped": "requested",
-                        "epochs": cap,
-                        "epochs_done": epoch - 1,
-                        "resumed_from": job.resumed_from,
-                    }
-                )
-            return epoch - 1
+            return _stop(job, cap, epoch - 1, f"after epoch {epoch - 1}")
         start = job.start if epoch == job.start_epoch else None
         done = start.batch if start is not None else 0
         job.sampler.set_epoch(epoch, skip=done * args.batch_size)
@@ -983,9 +1001,12 @@ def _train(job: Job, writer: Any) -> int | None:
             if epoch == job.start_epoch
             else None
         )
-        stats, step = trainer.train_epoch(
-            epoch, job.loader, step, profiler, start, _after_batch(job, epoch)
-        )
+        try:
+            stats, step = trainer.train_epoch(
+                epoch, job.loader, step, profiler, start, _after_batch(job, epoch)
+            )
+        except _StopInside as inside:  # checkpointed inside the epoch (--checkpoint-minutes)
+            return _stop(job, cap, epoch - 1, f"inside epoch {epoch}, after batch {inside.done}")
         if profiler is not None:
             log.info(
                 "profiler trace of epoch %d in %s", epoch, profiling.trace_dir(args.output_dir)
@@ -1082,8 +1103,18 @@ def _after_batch(job: Job, epoch: int) -> AfterBatch:
         )
         if decision is not None:
             _save_checkpoint(job, epoch, done, sums(), decision)
+        if decision is not None and decision.reason == "stop":
+            raise _StopInside(done)
 
     return after
+
+
+class _StopInside(Exception):
+    """A stop request agreed inside an epoch, once its checkpoint is taken: ends the epoch."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(done)
+        self.done = done
 
 
 def _finish(job: Job, writer: Any, started: float) -> dict[str, Any]:

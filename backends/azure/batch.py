@@ -601,7 +601,8 @@ class BatchCluster:
 
     def _fall_back(self, why: str, on_line: Callable[[str], None], now: datetime) -> None:
         """``pool.spot_fallback``: as many dedicated nodes as the pool had nodes, no Spot node.
-        A queued task starts on them once they are ready, from its last checkpoint."""
+        A task running on Spot nodes is requeued (``requeue``); queued, it starts on the
+        dedicated nodes once they are ready, from its last checkpoint."""
         assert self.spot is not None
         dedicated = self.config.pool.nodes
         on_line(
@@ -610,7 +611,9 @@ class BatchCluster:
         )
         self._wait_steady_allocation(fresh=False)
         self.client.begin_resize_pool(
-            self.pool_id, resize_body(dedicated, 0), polling_interval=self.polling.lro_seconds
+            self.pool_id,
+            resize_body(dedicated, 0, requeue=True),
+            polling_interval=self.polling.lro_seconds,
         ).result()
         self.spot.moved(now, dedicated, why)
 

@@ -183,13 +183,21 @@ def pool_body(
     )
 
 
-def resize_body(dedicated: int, low_priority: int) -> batch_models.BatchPoolResizeOptions:
+def resize_body(
+    dedicated: int, low_priority: int, requeue: bool = False
+) -> batch_models.BatchPoolResizeOptions:
+    """A resize. Nodes it removes let their running task end (``taskcompletion``), except in a
+    resize to zero or with ``requeue``: then the task is stopped and queued again (it resumes
+    from its checkpoint), and the nodes go at once. The Spot fallback requeues: with
+    ``taskcompletion`` the Spot nodes would stay until the training ended, beside the new
+    dedicated nodes billed idle, and the resize would not complete meanwhile."""
     from azure.batch import models as m
 
+    keep_running = bool(dedicated + low_priority) and not requeue
     return m.BatchPoolResizeOptions(
         target_dedicated_nodes=dedicated,
         target_low_priority_nodes=low_priority,
-        node_deallocation_option="taskcompletion" if dedicated + low_priority else "requeue",
+        node_deallocation_option="taskcompletion" if keep_running else "requeue",
     )
 
 

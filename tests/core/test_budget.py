@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from core.budget import check_budget, plan_cost, seconds_until_cap
+from core.budget import MonthSpend, check_budget, plan_cost, seconds_until_cap
 from core.config import ConfigError, PipelineConfig, load_config
-from core.cost_estimate import DataCounts, estimate_run
+from core.cost_estimate import DataCounts, NodeMix, estimate_run
 from core.pricing import NodePrices
 from tests.conftest import ROOT
 
@@ -76,6 +76,50 @@ def test_the_plan_prices_the_pool_per_hour_and_knows_how_long_it_may_spend() -> 
     assert seconds_until_cap(40.0, 9.0, 4.0) == pytest.approx(4 * 3600)
     assert seconds_until_cap(40.0, 9.0, 41.0) == 0  # already past: stop at once
     assert seconds_until_cap(None, 9.0, 0) is None and seconds_until_cap(40.0, 0.0, 0) is None
+
+
+def test_spot_that_may_fall_back_is_checked_and_watched_at_the_dedicated_price() -> None:
+    """A pool of 2 dedicated and 2 Spot nodes that moves to 4 dedicated ones after preemptions
+    can reach the all-dedicated cost: that is what the budget checks and the timer runs at."""
+    spot = ("pool.low_priority_nodes=2", "pool.spot_fallback.after_preemptions=3")
+    estimate = estimate_run(_config(*spot), [], COUNTS, PRICES)
+    cost, bound = estimate.cost, estimate.cost_with(NodeMix(4, 0))
+    assert cost is not None and bound is not None and bound > cost
+    config = _config(*spot, f"budget.max_run_cost={(cost + bound) / 2}")
+    plan = plan_cost(config, [], COUNTS, PRICES, month_spent=0.0, now=NOW)
+    assert not plan.verdict.allowed
+    assert f"up to {bound:.2f} USD should every node move to dedicated ones" in (
+        plan.verdict.reason
+    )
+    assert plan.rate_per_hour == pytest.approx(2 * 4.0 + 2 * 0.5)
+    assert plan.watch_rate_per_hour == pytest.approx(4 * 4.0)
+    # Without the fallback, Spot's price is the run's: it fits, and the timer runs at it.
+    alone = plan_cost(
+        _config(spot[0], f"budget.max_run_cost={(cost + bound) / 2}"),
+        [],
+        COUNTS,
+        PRICES,
+        month_spent=0.0,
+        now=NOW,
+    )
+    assert alone.verdict.allowed and alone.watch_rate_per_hour == alone.rate_per_hour
+
+
+def test_a_monthly_cap_over_runs_in_other_currencies_is_refused_by_name() -> None:
+    config = _config("budget.monthly_cap=100")
+    mixed = MonthSpend({"USD": 10.0, "": 4.0})
+    plan = plan_cost(config, [], COUNTS, PRICES, month_spent=mixed, now=NOW)
+    assert not plan.verdict.allowed
+    assert "budget.monthly_cap cannot be checked" in plan.verdict.reason
+    assert "other currencies than this run's USD (4.00 pool.hourly_price's unit" in (
+        plan.verdict.reason
+    )
+    same = plan_cost(config, [], COUNTS, PRICES, MonthSpend({"USD": 10.0}), NOW)
+    assert same.verdict.allowed and same.month_spent == 10.0
+    assert same.verdict.allowance == pytest.approx(90.0)
+    # Without a monthly cap, the month's spend is not read: the run's own limit holds.
+    alone = plan_cost(_config("budget.max_run_cost=1000"), [], COUNTS, PRICES, mixed, NOW)
+    assert alone.verdict.allowed
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])

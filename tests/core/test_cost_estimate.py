@@ -41,6 +41,7 @@ def _past(
     nodes: int = 2,
     complete: bool = True,
     cap: int | None = None,
+    reached: int | None = None,
 ) -> PastRun:
     """A past run of the config's shape whose training took ``startup + per_image x work``."""
     training = startup + per_image * epochs * train / nodes
@@ -52,7 +53,7 @@ def _past(
         "idle between steps": 0.5,
         "idle before release": 0.25,
     }
-    work = Work("resnet50", 1, 128, epochs, train, nodes / (per_image * 60), 10_000, cap)
+    work = Work("resnet50", 1, 128, epochs, train, nodes / (per_image * 60), 10_000, cap, reached)
     record = history_record(
         "Standard_NC24ads_A100_v4",
         nodes,
@@ -205,6 +206,20 @@ def test_the_epochs_priced_are_the_share_of_the_cap_past_runs_trained() -> None:
     assert estimate.phases["training"].minutes == pytest.approx(2.0 + 1e-4 * epochs * 60_000 / 2)
     assert "12.0 of the 40 epoch(s) capped" in estimate.phases["training"].basis
     assert "3 past run(s) trained: 30%" in estimate.phases["training"].basis
+
+
+def test_a_resumed_run_counts_the_epochs_it_reached_in_the_share_of_the_cap() -> None:
+    """A run resumed from epoch 8 that trained 2 more reached 10 of its 40: a quarter, not the
+    2 of 40 its own attempt trained."""
+    config = _config("training.epochs=40", "training.batch_size=128")
+    history = [_past("r1", epochs=2, cap=40, reached=10), _past("r2", epochs=10, cap=40)]
+    estimate = estimate_run(config, history, COUNTS, PRICES)
+    assert "10.0 of the 40 epoch(s) capped" in estimate.phases["training"].basis
+    assert "2 past run(s) trained: 25%" in estimate.phases["training"].basis
+    record = history_record("x", 1, {"training": 1.0}, None, 10, history[0].work, None)
+    record["work"]["epochs_reached"] = "10"
+    past = PastRun.from_record("r", record, True)
+    assert past is not None and past.work is not None and past.work.epochs_reached is None
 
 
 def test_a_cap_kept_in_a_record_is_read_back_and_a_bad_one_ignored() -> None:

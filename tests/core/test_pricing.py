@@ -46,6 +46,15 @@ def test_a_config_is_priced_by_its_batch_accounts_region_or_its_override() -> No
     assert node_prices(local) is None  # the local target rents nothing
 
 
+def test_a_spot_price_set_in_the_pool_prices_its_spot_nodes() -> None:
+    both = node_prices(_azure("pool.hourly_price=2.5", "pool.spot_hourly_price=0.4"))
+    assert both is not None and (both.dedicated, both.spot) == (2.5, 0.4)
+    assert "pool.spot_hourly_price (0.4)" in both.source
+    table = node_prices(_azure("pool.spot_hourly_price=0.3"))
+    assert table is not None and table.dedicated == pytest.approx(3.673) and table.spot == 0.3
+    assert table.currency == "USD"
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [

@@ -406,7 +406,11 @@ class FakeBatch:
         for kind, dedicated in (("dedicated", True), ("lowPriority", False)):
             target = pool[f"target{kind[0].upper()}{kind[1:]}Nodes"]
             have = [
-                n for n in nodes if n["isDedicated"] == dedicated and n["state"] != "leavingpool"
+                n
+                for n in nodes
+                if n["isDedicated"] == dedicated
+                and n["state"] != "leavingpool"
+                and not n.get("_leaving")
             ]
             got = target
             for limit, code, message in (
@@ -436,9 +440,12 @@ class FakeBatch:
                         }
                     )
             for node in have[got:]:
-                self._set_node(node, "leavingpool")
+                node["_leaving"] = True
             for _ in range(got - len(have)):
                 nodes.append(self._new_node(pool, dedicated))
+        for node in nodes:
+            if node.get("_leaving") and node["state"] != "running":
+                self._leave(node)
         pool["resizeErrors"] = errors
         pool["currentDedicatedNodes"] = sum(
             1 for n in nodes if n["isDedicated"] and n["state"] != "leavingpool"
@@ -446,7 +453,12 @@ class FakeBatch:
         pool["currentLowPriorityNodes"] = sum(
             1 for n in nodes if not n["isDedicated"] and n["state"] != "leavingpool"
         )
-        self._set_allocation(pool, "steady")
+        if not any(n.get("_leaving") for n in nodes):  # else taskcompletion: still resizing
+            self._set_allocation(pool, "steady")
+
+    def _leave(self, node: dict[str, Any]) -> None:
+        node.pop("_leaving", None)
+        self._set_node(node, "leavingpool")
 
     def _new_node(self, pool: dict[str, Any], dedicated: bool) -> dict[str, Any]:
         n = pool["_nodes_made"]
@@ -593,20 +605,28 @@ class FakeBatch:
         return Response(202)
 
     def _shrink_running(self, pool: dict[str, Any], option: str) -> None:
-        """Nodes a shrink removes: requeue or end their tasks now (taskcompletion: let them end)."""
-        if option in ("taskcompletion", "retaineddata"):
-            return
+        """The nodes a shrink removes, as ``nodeDeallocationOption`` says (Batch REST
+        BatchNodeDeallocationOption): ``requeue`` ends their tasks' processes and queues the
+        tasks again, ``terminate`` ends the tasks for good, and both remove the nodes at once;
+        ``taskcompletion`` and ``retaineddata`` let the running tasks end first, schedule
+        nothing new on those nodes, and the pool stays ``resizing`` until they leave."""
         keep = {
             "dedicated": pool["targetDedicatedNodes"],
             "lowPriority": pool["targetLowPriorityNodes"],
         }
         for node in self.nodes[pool["id"]]:
+            if node["state"] == "leavingpool" or node.get("_leaving"):
+                continue
             kind = "dedicated" if node["isDedicated"] else "lowPriority"
             if keep[kind] > 0:
                 keep[kind] -= 1
                 continue
+            node["_leaving"] = True  # nothing new is scheduled on it
+            if option in ("taskcompletion", "retaineddata"):
+                continue  # leaves once its task ends (_release_nodes)
             for task in self.tasks.values():
                 if node["id"] in task.nodes and task.state == "running":
+                    ran_on = list(task.nodes)
                     if option == "requeue":
                         task.requeues += 1
                         task.execution["lastRequeueTime"] = _iso(self.now())
@@ -620,6 +640,9 @@ class FakeBatch:
                                 "The task was terminated: its node left the pool.",
                             ),
                         )
+                    hook = getattr(self.executor, "preempted", None)
+                    if hook is not None:  # the VM leaves: its processes end with it
+                        hook(str(node["id"]), ran_on)
 
     def _delete_pool(self, pool: dict[str, Any]) -> Response:
         if pool["state"] != "deleting":
@@ -787,7 +810,7 @@ class FakeBatch:
             not pool.get("enableInterNodeCommunication") or pool.get("taskSlotsPerNode", 1) != 1
         ):
             return  # never schedulable on this pool: it waits, as on Batch
-        free = [n for n in self.nodes[pool["id"]] if n["state"] == "idle"]
+        free = [n for n in self.nodes[pool["id"]] if n["state"] == "idle" and not n.get("_leaving")]
         if len(free) < wanted:
             return
         chosen = free[:wanted]
@@ -871,6 +894,8 @@ class FakeBatch:
                     node["_runs"] += 1
                     node["_succeeded"] += int(succeeded)
                     self._set_node(node, "idle")
+                    if node.get("_leaving"):  # a shrink waited for its task to end
+                        self._leave(node)
 
     def _abandon(self, task: _Task, state: str, failure: tuple[str, str] | None = None) -> None:
         """The current attempt stops without a result: requeued (active) or ended (completed)."""

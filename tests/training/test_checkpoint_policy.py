@@ -156,6 +156,43 @@ def test_the_interval_ends_for_all_when_it_ends_for_one(late_rank: int) -> None:
     assert decisions == {0: Decision("interval"), 1: Decision("interval")}
 
 
+def test_a_stop_request_ends_the_epoch_at_a_checkpoint_on_every_rank() -> None:
+    """The budget's stop (``--stop-file``), which only rank 0 looks for, and no more than once
+    per ``stop_seconds``: every rank checkpoints at the same point and stops there."""
+    clocks, looked = [Clock(), Clock()], []
+    requested = {"now": False}
+
+    def stop() -> bool:
+        looked.append(clocks[0].now)
+        return requested["now"]
+
+    policies = [
+        CheckpointPolicy(60.0, None, clock=clocks[0], stop=stop, stop_seconds=5.0),
+        CheckpointPolicy(60.0, None, clock=clocks[1]),
+    ]
+    allreduce = Allreduce(2)
+
+    def point(now: float, done: int) -> dict[int, Decision | None]:
+        decisions: dict[int, Decision | None] = {}
+
+        def rank(r: int) -> None:
+            clocks[r].now = now
+            decisions[r] = policies[r].decide(done, allreduce.of(r))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        return decisions
+
+    assert point(1.0, 1) == {0: None, 1: None}
+    requested["now"] = True
+    assert point(3.0, 20) == {0: None, 1: None}  # not looked again yet: 2 s since
+    assert point(6.5, 40) == {0: Decision("stop"), 1: Decision("stop")}
+    assert looked == [1.0, 6.5]
+
+
 def test_heartbeats_say_the_batches_done_every_few_seconds() -> None:
     clock, out = Clock(), io.StringIO()
     beat = Heartbeat(out, seconds=10, clock=clock)

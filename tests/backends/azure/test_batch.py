@@ -750,6 +750,41 @@ def test_a_run_without_spot_capacity_moves_to_dedicated_nodes(
     assert [(k.dedicated, k.spot) for k in record.kinds] == [(0, 1), (1, 0)]
 
 
+def test_the_spot_fallback_requeues_a_task_running_on_spot_nodes(
+    fake_azure_account, tmp_path: Path
+) -> None:
+    """The Spot node comes back at once and the task runs on it again when the fallback
+    comes: the resize requeues it (``requeue``), the Spot node goes, and the task resumes on
+    the dedicated node. With ``taskcompletion`` the Spot node would keep the training to its
+    end, the resize would not complete meanwhile, and the dedicated node would wait idle."""
+    batch = fake_azure_account.batch
+    config, cluster = ready_cluster(
+        tmp_path,
+        "pool.dedicated_nodes=0",
+        "pool.low_priority_nodes=1",
+        "pool.spot_fallback.after_preemptions=1",
+    )
+    batch.scripts["train-"] = [
+        Attempt(0, "epoch 1\n", seconds=20),  # preempted before it ends
+        Attempt(0, "epoch 2 on spot\n", seconds=20),  # requeued by the fallback's resize
+        Attempt(0, "resuming from checkpoint-2-10.pt\n", _training_outputs()),
+    ]
+    lines: list[str] = []
+    runner, out = _start(cluster, training_task(config, "train-rq", "k", "runs/rq"), lines)
+    wait_until(lambda: "epoch 1" in lines)
+    batch.preempt(config.pool.id, recover_after=0)  # back before any listing sees it gone
+    runner.join(timeout=15)
+    assert out and not isinstance(out[0], Exception), out
+    assert out[0].exit_code == 0 and out[0].attempts == 1 and out[0].preemptions == 1
+    resize = batch.bodies("POST", f"/pools/{config.pool.id}/resize")[-1]
+    assert resize["nodeDeallocationOption"] == "requeue"
+    assert any("starts again on tvmps_0000p" in line for line in lines)  # on Spot again
+    assert "resuming from checkpoint-2-10.pt" in lines
+    task = _task(batch, config, "train-rq")
+    assert task.nodes == ["tvmps_0001d"] and task.requeues == 1
+    assert [n["id"] for n in batch.nodes[config.pool.id]] == ["tvmps_0001d"]
+
+
 @pytest.mark.parametrize("step", ["staging", "scoring"])
 def test_a_preemption_during_staging_or_scoring_requeues_that_task(
     step: str, fake_azure_account, tmp_path: Path
