@@ -56,8 +56,6 @@ UNCHECKED = {
     "microsoft.insights/diagnosticsettings": "outside the providers this check covers",
     "microsoft.app/managedenvironments": _LATER,
     "microsoft.containerregistry/registries": _LATER,
-    "microsoft.network/networksecuritygroups": _LATER,
-    "microsoft.network/virtualnetworks": _LATER,
     "microsoft.network/privateendpoints": _LATER,
     "microsoft.network/privateendpoints/privatednszonegroups": _LATER,
     "microsoft.network/privatednszones": _LATER,

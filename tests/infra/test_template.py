@@ -120,7 +120,13 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
         else:
             assert len(UNCHECKED[kind]) > 20, kind
     checked = {k.split("/")[0] for k in PROVIDER_SPECS}
-    assert {"microsoft.batch", "microsoft.keyvault", "microsoft.app"} <= checked
+    assert {
+        "microsoft.batch",
+        "microsoft.keyvault",
+        "microsoft.app",
+        "microsoft.storage",
+        "microsoft.network",
+    } <= checked
 
 
 @pytest.mark.parametrize(
@@ -159,6 +165,44 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
             "microsoft.keyvault/vaults/secrets",
             {"tags": {}},
             "properties",
+        ),
+        (  # the NFS share's protocol in the wrong case
+            "microsoft.storage/storageaccounts/fileservices/shares",
+            {"properties": {"enabledProtocols": "nfs", "shareQuota": 100}},
+            "enabledProtocols",
+        ),
+        (  # a storage account without its kind
+            "microsoft.storage/storageaccounts",
+            {"location": "westeurope", "sku": {"name": "Standard_LRS"}},
+            "kind",
+        ),
+        (  # a soft-delete retention past the spec's maximum
+            "microsoft.storage/storageaccounts/blobservices",
+            {"properties": {"deleteRetentionPolicy": {"enabled": True, "days": 400}}},
+            "deleteRetentionPolicy.days",
+        ),
+        (  # an NSG rule without its direction
+            "microsoft.network/networksecuritygroups",
+            {
+                "location": "westeurope",
+                "properties": {
+                    "securityRules": [
+                        {
+                            "name": "r",
+                            "properties": {"priority": 100, "access": "Allow", "protocol": "*"},
+                        }
+                    ]
+                },
+            },
+            "direction",
+        ),
+        (  # a subnet property misspelt
+            "microsoft.network/virtualnetworks",
+            {
+                "location": "westeurope",
+                "properties": {"subnets": [{"name": "s", "properties": {"adressPrefix": "x"}}]},
+            },
+            "adressPrefix",
         ),
     ],
 )
