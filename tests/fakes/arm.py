@@ -60,8 +60,6 @@ UNCHECKED = {
     "microsoft.network/privateendpoints/privatednszonegroups": _LATER,
     "microsoft.network/privatednszones": _LATER,
     "microsoft.network/privatednszones/virtualnetworklinks": _LATER,
-    "microsoft.eventgrid/systemtopics": _LATER,
-    "microsoft.eventgrid/systemtopics/eventsubscriptions": _LATER,
     "microsoft.dbforpostgresql/flexibleservers": _LATER,
     "microsoft.dbforpostgresql/flexibleservers/databases": _LATER,
 }

@@ -126,6 +126,7 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
         "microsoft.app",
         "microsoft.storage",
         "microsoft.network",
+        "microsoft.eventgrid",
     } <= checked
 
 
@@ -203,6 +204,33 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
                 "properties": {"subnets": [{"name": "s", "properties": {"adressPrefix": "x"}}]},
             },
             "adressPrefix",
+        ),
+        (  # a system topic without its location
+            "microsoft.eventgrid/systemtopics",
+            {"properties": {"source": "/subscriptions/s", "topicType": "x"}},
+            "location",
+        ),
+        (  # a destination whose endpointType is not one the spec lists
+            "microsoft.eventgrid/systemtopics/eventsubscriptions",
+            {"properties": {"destination": {"endpointType": "Webhook"}}},
+            "endpointType",
+        ),
+        (  # a webhook property misspelt: checked as the WebHook subtype, not the base
+            "microsoft.eventgrid/systemtopics/eventsubscriptions",
+            {
+                "properties": {
+                    "destination": {
+                        "endpointType": "WebHook",
+                        "properties": {"endpointUrl": "https://x", "maxEventPerBatch": 1},
+                    }
+                }
+            },
+            "maxEventPerBatch",
+        ),
+        (  # a retry policy's attempts as a string
+            "microsoft.eventgrid/systemtopics/eventsubscriptions",
+            {"properties": {"retryPolicy": {"maxDeliveryAttempts": "30"}}},
+            "maxDeliveryAttempts",
         ),
     ],
 )
