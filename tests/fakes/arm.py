@@ -60,8 +60,6 @@ UNCHECKED = {
     "microsoft.network/privateendpoints/privatednszonegroups": _LATER,
     "microsoft.network/privatednszones": _LATER,
     "microsoft.network/privatednszones/virtualnetworklinks": _LATER,
-    "microsoft.dbforpostgresql/flexibleservers": _LATER,
-    "microsoft.dbforpostgresql/flexibleservers/databases": _LATER,
 }
 
 # Properties a resource provider takes but never returns (secrets): a GET, and so what-if,

@@ -1,8 +1,8 @@
 """Check a JSON body against vendored OpenAPI (Swagger 2.0) definitions, the way a strict service
 does: unknown or read-only properties, missing required ones, wrong types, enum values (exact
-spelling), formats (ISO 8601 durations, date-times, ARM ids) and the limits a spec states only in
-its descriptions (``x-documented-limits`` in the vendored file, each with the sentence it comes
-from).
+spelling), patterns, formats (ISO 8601 durations, date-times, ARM ids), the subtype a
+discriminator names, and the limits a spec states only in its descriptions
+(``x-documented-limits`` in the vendored file, each with the sentence it comes from).
 
 Generic on purpose: the fakes name a definition and this walks it, so a property the project
 misspells is refused whichever request carries it. Problems carry Batch's error vocabulary
@@ -255,8 +255,11 @@ class Schema:
                 bad("expected a string")
                 return
             enum = schema.get("enum")
+            pattern = schema.get("pattern")
             if enum is not None and value not in enum:
                 bad(f"{value!r} is not one of {enum}")
+            elif pattern is not None and re.search(pattern, value) is None:
+                bad(f"{value!r} does not match {pattern}")
             elif fmt == "duration" and parse_duration(value) is None:
                 bad(f"{value!r} is not an ISO 8601 duration")
             elif fmt == "date-time":

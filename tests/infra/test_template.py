@@ -127,6 +127,7 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
         "microsoft.storage",
         "microsoft.network",
         "microsoft.eventgrid",
+        "microsoft.dbforpostgresql",
     } <= checked
 
 
@@ -231,6 +232,26 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
             "microsoft.eventgrid/systemtopics/eventsubscriptions",
             {"properties": {"retryPolicy": {"maxDeliveryAttempts": "30"}}},
             "maxDeliveryAttempts",
+        ),
+        (  # a server SKU without its tier
+            "microsoft.dbforpostgresql/flexibleservers",
+            {"location": "westeurope", "sku": {"name": "Standard_B1ms"}},
+            "tier",
+        ),
+        (  # a PostgreSQL major version the API does not offer
+            "microsoft.dbforpostgresql/flexibleservers",
+            {"location": "westeurope", "properties": {"version": "17"}},
+            "version",
+        ),
+        (  # a read-only property sent
+            "microsoft.dbforpostgresql/flexibleservers",
+            {"location": "westeurope", "properties": {"fullyQualifiedDomainName": "x"}},
+            "read-only",
+        ),
+        (  # a database collation outside the spec's pattern
+            "microsoft.dbforpostgresql/flexibleservers/databases",
+            {"properties": {"charset": "UTF8", "collation": "en_US;drop"}},
+            "collation",
         ),
     ],
 )
