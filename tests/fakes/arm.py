@@ -55,7 +55,6 @@ UNCHECKED = {
     "microsoft.operationalinsights/workspaces": "outside the providers this check covers",
     "microsoft.insights/diagnosticsettings": "outside the providers this check covers",
     "microsoft.app/managedenvironments": _LATER,
-    "microsoft.containerregistry/registries": _LATER,
     "microsoft.network/privateendpoints": _LATER,
     "microsoft.network/privateendpoints/privatednszonegroups": _LATER,
     "microsoft.network/privatednszones": _LATER,

@@ -128,6 +128,7 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
         "microsoft.network",
         "microsoft.eventgrid",
         "microsoft.dbforpostgresql",
+        "microsoft.containerregistry",
     } <= checked
 
 
@@ -252,6 +253,25 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
             "microsoft.dbforpostgresql/flexibleservers/databases",
             {"properties": {"charset": "UTF8", "collation": "en_US;drop"}},
             "collation",
+        ),
+        (  # a registry without its SKU
+            "microsoft.containerregistry/registries",
+            {"location": "westeurope", "properties": {"adminUserEnabled": False}},
+            "sku",
+        ),
+        (  # a SKU name in the wrong case
+            "microsoft.containerregistry/registries",
+            {"location": "westeurope", "sku": {"name": "standard"}},
+            "sku.name",
+        ),
+        (  # the read-only login server sent
+            "microsoft.containerregistry/registries",
+            {
+                "location": "westeurope",
+                "sku": {"name": "Standard"},
+                "properties": {"loginServer": "x.azurecr.io"},
+            },
+            "read-only",
         ),
     ],
 )
