@@ -54,7 +54,6 @@ UNCHECKED = {
     "microsoft.resources/resourcegroups": "the Resources spec is vendored for deployments only",
     "microsoft.operationalinsights/workspaces": "outside the providers this check covers",
     "microsoft.insights/diagnosticsettings": "outside the providers this check covers",
-    "microsoft.app/managedenvironments": _LATER,
     "microsoft.network/privateendpoints": _LATER,
     "microsoft.network/privateendpoints/privatednszonegroups": _LATER,
     "microsoft.network/privatednszones": _LATER,

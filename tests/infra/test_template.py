@@ -273,6 +273,19 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
             },
             "read-only",
         ),
+        (  # a workload profile without its type
+            "microsoft.app/managedenvironments",
+            {"location": "westeurope", "properties": {"workloadProfiles": [{"name": "c"}]}},
+            "workloadProfileType",
+        ),
+        (  # the subnet id under a misspelt name
+            "microsoft.app/managedenvironments",
+            {
+                "location": "westeurope",
+                "properties": {"vnetConfiguration": {"infrastructureSubnetID": "x"}},
+            },
+            "infrastructureSubnetID",
+        ),
     ],
 )
 def test_a_body_outside_the_provider_spec_is_refused(
