@@ -286,6 +286,19 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
             },
             "infrastructureSubnetID",
         ),
+        (  # a DNS zone property the zone only reports
+            "microsoft.network/privatednszones",
+            {"location": "global", "properties": {"numberOfRecordSets": 1}},
+            "read-only",
+        ),
+        (  # auto-registration as a string
+            "microsoft.network/privatednszones/virtualnetworklinks",
+            {
+                "location": "global",
+                "properties": {"registrationEnabled": "false", "virtualNetwork": {"id": "x"}},
+            },
+            "registrationEnabled",
+        ),
     ],
 )
 def test_a_body_outside_the_provider_spec_is_refused(
