@@ -1,8 +1,8 @@
 """Check a JSON body against vendored OpenAPI (Swagger 2.0) definitions, the way a strict service
 does: unknown or read-only properties, missing required ones, wrong types, enum values (exact
-spelling), formats (ISO 8601 durations, date-times, ARM ids) and the limits a spec states only in
-its descriptions (``x-documented-limits`` in the vendored file, each with the sentence it comes
-from).
+spelling), patterns, formats (ISO 8601 durations, date-times, ARM ids), the subtype a
+discriminator names, and the limits a spec states only in its descriptions
+(``x-documented-limits`` in the vendored file, each with the sentence it comes from).
 
 Generic on purpose: the fakes name a definition and this walks it, so a property the project
 misspells is refused whichever request carries it. Problems carry Batch's error vocabulary
@@ -120,6 +120,7 @@ class Schema:
         if value is None:
             out.append(Problem("InvalidPropertyValue", path, value, "null is not a value"))
             return
+        name, resolved = self._subtype(name, resolved, value)
         kind = resolved.get("type", "object" if "properties" in resolved else None)
         if kind == "object":
             self._object(value, name, resolved, path, request, out)
@@ -131,6 +132,30 @@ class Schema:
                 self._walk(item, resolved["items"], f"{path}[{i}]", request, out)
         else:
             self._scalar(value, kind, resolved, path, out)
+
+    def _subtype(
+        self, name: str | None, schema: dict[str, Any], value: Any
+    ) -> tuple[str | None, dict[str, Any]]:
+        """A polymorphic definition (``discriminator``) is checked as the vendored subtype whose
+        ``x-ms-discriminator-value`` the body names, as the service reads it; with none vendored,
+        as the base, so a subtype's own properties are refused."""
+        prop = schema.get("discriminator")
+        if prop is None or not isinstance(value, dict):
+            return name, schema
+        for sub, subschema in self.definitions.items():
+            parents = {p.get("$ref", "").rsplit("/", 1)[-1] for p in subschema.get("allOf", [])}
+            if name in parents and subschema.get("x-ms-discriminator-value") == value.get(prop):
+                return sub, subschema
+        return name, schema
+
+    def _discriminator(self, schema: dict[str, Any]) -> str:
+        """The property a subtype's ``x-ms-discriminator-value`` is read from: its parent's
+        ``discriminator`` (``type`` where the parent is not vendored or names none)."""
+        for parent in schema.get("allOf", []):
+            _, pschema = self._resolve(parent)
+            if pschema is not None and "discriminator" in pschema:
+                return str(pschema["discriminator"])
+        return "type"
 
     def _object(
         self,
@@ -155,13 +180,14 @@ class Schema:
                     Problem("MissingRequiredProperty", prefix + key, None, f"{key} is required")
                 )
         discriminator = schema.get("x-ms-discriminator-value")
-        if discriminator is not None and value.get("type") != discriminator:
+        field = self._discriminator(schema)
+        if discriminator is not None and value.get(field) != discriminator:
             out.append(
                 Problem(
                     "InvalidPropertyValue",
-                    prefix + "type",
-                    value.get("type"),
-                    f"type must be {discriminator!r} for {name}",
+                    prefix + field,
+                    value.get(field),
+                    f"{field} must be {discriminator!r} for {name}",
                 )
             )
         for key, item in value.items():
@@ -229,8 +255,11 @@ class Schema:
                 bad("expected a string")
                 return
             enum = schema.get("enum")
+            pattern = schema.get("pattern")
             if enum is not None and value not in enum:
                 bad(f"{value!r} is not one of {enum}")
+            elif pattern is not None and re.search(pattern, value) is None:
+                bad(f"{value!r} does not match {pattern}")
             elif fmt == "duration" and parse_duration(value) is None:
                 bad(f"{value!r} is not an ISO 8601 duration")
             elif fmt == "date-time":

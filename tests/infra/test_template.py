@@ -120,7 +120,16 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
         else:
             assert len(UNCHECKED[kind]) > 20, kind
     checked = {k.split("/")[0] for k in PROVIDER_SPECS}
-    assert {"microsoft.batch", "microsoft.keyvault", "microsoft.app"} <= checked
+    assert {
+        "microsoft.batch",
+        "microsoft.keyvault",
+        "microsoft.app",
+        "microsoft.storage",
+        "microsoft.network",
+        "microsoft.eventgrid",
+        "microsoft.dbforpostgresql",
+        "microsoft.containerregistry",
+    } <= checked
 
 
 @pytest.mark.parametrize(
@@ -159,6 +168,136 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
             "microsoft.keyvault/vaults/secrets",
             {"tags": {}},
             "properties",
+        ),
+        (  # the NFS share's protocol in the wrong case
+            "microsoft.storage/storageaccounts/fileservices/shares",
+            {"properties": {"enabledProtocols": "nfs", "shareQuota": 100}},
+            "enabledProtocols",
+        ),
+        (  # a storage account without its kind
+            "microsoft.storage/storageaccounts",
+            {"location": "westeurope", "sku": {"name": "Standard_LRS"}},
+            "kind",
+        ),
+        (  # a soft-delete retention past the spec's maximum
+            "microsoft.storage/storageaccounts/blobservices",
+            {"properties": {"deleteRetentionPolicy": {"enabled": True, "days": 400}}},
+            "deleteRetentionPolicy.days",
+        ),
+        (  # an NSG rule without its direction
+            "microsoft.network/networksecuritygroups",
+            {
+                "location": "westeurope",
+                "properties": {
+                    "securityRules": [
+                        {
+                            "name": "r",
+                            "properties": {"priority": 100, "access": "Allow", "protocol": "*"},
+                        }
+                    ]
+                },
+            },
+            "direction",
+        ),
+        (  # a subnet property misspelt
+            "microsoft.network/virtualnetworks",
+            {
+                "location": "westeurope",
+                "properties": {"subnets": [{"name": "s", "properties": {"adressPrefix": "x"}}]},
+            },
+            "adressPrefix",
+        ),
+        (  # a system topic without its location
+            "microsoft.eventgrid/systemtopics",
+            {"properties": {"source": "/subscriptions/s", "topicType": "x"}},
+            "location",
+        ),
+        (  # a destination whose endpointType is not one the spec lists
+            "microsoft.eventgrid/systemtopics/eventsubscriptions",
+            {"properties": {"destination": {"endpointType": "Webhook"}}},
+            "endpointType",
+        ),
+        (  # a webhook property misspelt: checked as the WebHook subtype, not the base
+            "microsoft.eventgrid/systemtopics/eventsubscriptions",
+            {
+                "properties": {
+                    "destination": {
+                        "endpointType": "WebHook",
+                        "properties": {"endpointUrl": "https://x", "maxEventPerBatch": 1},
+                    }
+                }
+            },
+            "maxEventPerBatch",
+        ),
+        (  # a retry policy's attempts as a string
+            "microsoft.eventgrid/systemtopics/eventsubscriptions",
+            {"properties": {"retryPolicy": {"maxDeliveryAttempts": "30"}}},
+            "maxDeliveryAttempts",
+        ),
+        (  # a server SKU without its tier
+            "microsoft.dbforpostgresql/flexibleservers",
+            {"location": "westeurope", "sku": {"name": "Standard_B1ms"}},
+            "tier",
+        ),
+        (  # a PostgreSQL major version the API does not offer
+            "microsoft.dbforpostgresql/flexibleservers",
+            {"location": "westeurope", "properties": {"version": "17"}},
+            "version",
+        ),
+        (  # a read-only property sent
+            "microsoft.dbforpostgresql/flexibleservers",
+            {"location": "westeurope", "properties": {"fullyQualifiedDomainName": "x"}},
+            "read-only",
+        ),
+        (  # a database collation outside the spec's pattern
+            "microsoft.dbforpostgresql/flexibleservers/databases",
+            {"properties": {"charset": "UTF8", "collation": "en_US;drop"}},
+            "collation",
+        ),
+        (  # a registry without its SKU
+            "microsoft.containerregistry/registries",
+            {"location": "westeurope", "properties": {"adminUserEnabled": False}},
+            "sku",
+        ),
+        (  # a SKU name in the wrong case
+            "microsoft.containerregistry/registries",
+            {"location": "westeurope", "sku": {"name": "standard"}},
+            "sku.name",
+        ),
+        (  # the read-only login server sent
+            "microsoft.containerregistry/registries",
+            {
+                "location": "westeurope",
+                "sku": {"name": "Standard"},
+                "properties": {"loginServer": "x.azurecr.io"},
+            },
+            "read-only",
+        ),
+        (  # a workload profile without its type
+            "microsoft.app/managedenvironments",
+            {"location": "westeurope", "properties": {"workloadProfiles": [{"name": "c"}]}},
+            "workloadProfileType",
+        ),
+        (  # the subnet id under a misspelt name
+            "microsoft.app/managedenvironments",
+            {
+                "location": "westeurope",
+                "properties": {"vnetConfiguration": {"infrastructureSubnetID": "x"}},
+            },
+            "infrastructureSubnetID",
+        ),
+        (  # a DNS zone property the zone only reports
+            "microsoft.network/privatednszones",
+            {"location": "global", "properties": {"numberOfRecordSets": 1}},
+            "read-only",
+        ),
+        (  # auto-registration as a string
+            "microsoft.network/privatednszones/virtualnetworklinks",
+            {
+                "location": "global",
+                "properties": {"registrationEnabled": "false", "virtualNetwork": {"id": "x"}},
+            },
+            "registrationEnabled",
         ),
     ],
 )
