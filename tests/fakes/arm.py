@@ -49,16 +49,10 @@ def _provider_specs() -> dict[str, tuple[str, Schema, str]]:
 
 PROVIDER_SPECS = _provider_specs()
 # Resource types the template declares whose provider's REST spec is not vendored, and why.
-_NO_SPEC = (
-    "privateEndpoint.json at 2024-05-01 is not in the copy of the specs these files were"
-    " transcribed from (tests/fakes/spec/arm/README.md, 'Not vendored')"
-)
 UNCHECKED = {
     "microsoft.resources/resourcegroups": "the Resources spec is vendored for deployments only",
     "microsoft.operationalinsights/workspaces": "outside the providers this check covers",
     "microsoft.insights/diagnosticsettings": "outside the providers this check covers",
-    "microsoft.network/privateendpoints": _NO_SPEC,
-    "microsoft.network/privateendpoints/privatednszonegroups": _NO_SPEC,
 }
 
 # Properties a resource provider takes but never returns (secrets): a GET, and so what-if,

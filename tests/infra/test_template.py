@@ -299,6 +299,29 @@ def test_every_resource_type_is_checked_against_its_provider_spec_or_named() -> 
             },
             "registrationEnabled",
         ),
+        (  # a private link connection's target misspelt
+            "microsoft.network/privateendpoints",
+            {
+                "location": "westeurope",
+                "properties": {
+                    "subnet": {"id": "x"},
+                    "privateLinkServiceConnections": [
+                        {"name": "file", "properties": {"privateLinkServiceID": "x"}}
+                    ],
+                },
+            },
+            "privateLinkServiceID",
+        ),
+        (  # the network interfaces the endpoint only reports
+            "microsoft.network/privateendpoints",
+            {"location": "westeurope", "properties": {"networkInterfaces": []}},
+            "read-only",
+        ),
+        (  # a DNS zone config's zone id at the wrong level
+            "microsoft.network/privateendpoints/privatednszonegroups",
+            {"properties": {"privateDnsZoneConfigs": [{"name": "file", "privateDnsZoneId": "x"}]}},
+            "privateDnsZoneId",
+        ),
     ],
 )
 def test_a_body_outside_the_provider_spec_is_refused(
