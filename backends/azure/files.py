@@ -12,6 +12,7 @@ would land on one file of the share, so such a tree is refused before anything i
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -78,24 +79,17 @@ class AzureFilesShare:
                 + "; ".join(f"{a} and {b}" for a, b in clashes)
             )
         self._ensure_share()
-        report = UploadReport()
-        current: dict[str, str] = {}
         directories: set[str] = set()
-        for rel, source in files.items():
-            digest = file_sha256(source)
-            current[rel] = digest
-            if self._stored_hash(rel) == digest:
-                report.unchanged += 1
-                continue
+
+        def put(rel: str, source: Path, digest: str) -> None:
             self._ensure_directories(rel, directories)
             path = PurePosixPath(rel)
             temp = self.share.get_file_client(str(path.with_name(f".upload-{path.name}")))
             with open(source, "rb") as fh:
                 temp.upload_file(fh, metadata={HASH_KEY: digest})
             temp.rename_file(rel, overwrite=True)
-            report.uploaded.append(rel)
-        report.digest = tree_digest(current)
-        return report
+
+        return _upload_changed(files, self._stored_hash, put)
 
     def put_text(self, rel: str, text: str) -> None:
         """A small file the nodes read through their mount (a stop request)."""
@@ -133,19 +127,11 @@ class BlobContainerShare:
         return (props.metadata or {}).get(HASH_KEY)
 
     def upload(self, files: dict[str, Path]) -> UploadReport:
-        report = UploadReport()
-        current: dict[str, str] = {}
-        for rel, source in files.items():
-            digest = file_sha256(source)
-            current[rel] = digest
-            if self._stored_hash(rel) == digest:
-                report.unchanged += 1
-                continue
+        def put(rel: str, source: Path, digest: str) -> None:
             with open(source, "rb") as fh:
                 self.container.upload_blob(rel, fh, overwrite=True, metadata={HASH_KEY: digest})
-            report.uploaded.append(rel)
-        report.digest = tree_digest(current)
-        return report
+
+        return _upload_changed(files, self._stored_hash, put)
 
     def put_text(self, rel: str, text: str) -> None:
         """A small file the nodes read through their mount (a stop request)."""
@@ -156,3 +142,24 @@ class BlobContainerShare:
 
         with contextlib.suppress(ResourceNotFoundError):
             self.container.delete_blob(rel)
+
+
+def _upload_changed(
+    files: dict[str, Path],
+    stored_hash: Callable[[str], str | None],
+    put: Callable[[str, Path, str], None],
+) -> UploadReport:
+    """Each file whose content hash differs from the one stored beside its copy, put; the
+    others counted unchanged; the tree's digest over all of them."""
+    report = UploadReport()
+    current: dict[str, str] = {}
+    for rel, source in files.items():
+        digest = file_sha256(source)
+        current[rel] = digest
+        if stored_hash(rel) == digest:
+            report.unchanged += 1
+            continue
+        put(rel, source, digest)
+        report.uploaded.append(rel)
+    report.digest = tree_digest(current)
+    return report
